@@ -1,0 +1,242 @@
+"""Config dataclasses, validated in ``__post_init__``.
+
+Entry points map argparse flags onto these by field name (:mod:`megatron_rlhf.arguments`);
+the library never sees ``args``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ROLES = ("actor", "reference", "draft", "critic", "reward")
+"""actor/reference/draft carry the LM head; critic/reward a scalar value head per token."""
+
+VOCAB_PAD_MULTIPLE = 128
+"""The embedding is padded to a multiple of this, independent of TP so checkpoints move
+between TP sizes (Llama-2's 32000 and SmolLM2's 49152 need no padding)."""
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-family decoder: RoPE, RMSNorm, SwiGLU, grouped-query attention."""
+
+    num_layers: int
+    """Number of transformer layers."""
+    hidden_size: int
+    """Model width."""
+    ffn_hidden_size: int
+    """SwiGLU inner width (HF ``intermediate_size``)."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int
+    """Key/value heads (GQA groups); equal to ``num_attention_heads`` for MHA."""
+    vocab_size: int
+    """Tokenizer vocabulary size (the embedding is padded beyond it, see ``padded_vocab_size``)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the model is built for."""
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the LM head."""
+    kv_channels: int | None = None
+    """Head dimension; ``hidden_size // num_attention_heads`` when None."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token, if the tokenizer has one."""
+    eos_token_id: int | None = None
+    """End-of-sequence token: generation stops on it."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size", "max_position_embeddings"):
+            _positive(name, getattr(self, name))
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"{self.num_query_groups} KV heads must divide {self.num_attention_heads} "
+                "attention heads"
+            )
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"{self.num_attention_heads} attention heads must divide hidden size "
+                    f"{self.hidden_size} (or set kv_channels)"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.rotary_base <= 0 or self.norm_epsilon <= 0:
+            raise ValueError("rotary_base and norm_epsilon must be positive")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = VOCAB_PAD_MULTIPLE
+        return (self.vocab_size + m - 1) // m * m
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise a message naming the problem when ``tp`` cannot shard this model."""
+        _positive("tensor parallel size", tp)
+        for what, n in (
+            ("attention heads", self.num_attention_heads),
+            ("KV heads", self.num_query_groups),
+            ("ffn hidden size", self.ffn_hidden_size),
+            ("padded vocabulary", self.padded_vocab_size),
+        ):
+            if n % tp:
+                valid = [d for d in range(1, n + 1) if self._tp_ok(d)][:8]
+                raise ValueError(
+                    f"tensor parallel size {tp} must divide {n} {what}; "
+                    f"sizes that work for this model: {valid}"
+                )
+
+    def _tp_ok(self, tp: int) -> bool:
+        return all(
+            n % tp == 0
+            for n in (self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size,
+                      self.padded_vocab_size)
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown model config fields {sorted(unknown)}")
+        return cls(**d)
+
+    def replace(self, **overrides) -> "ModelConfig":
+        return dataclasses.replace(self, **overrides)
+
+
+@dataclass
+class ParallelConfig:
+    """How one model is split over ranks."""
+
+    tensor_model_parallel_size: int = 1
+    """TP size: must divide heads, KV heads, ffn size, vocabulary and the world size."""
+    pipeline_model_parallel_size: int = 1
+    """PP size: only 1 is supported so far."""
+
+    def __post_init__(self) -> None:
+        _positive("tensor parallel size", self.tensor_model_parallel_size)
+        if self.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                f"pipeline parallel size {self.pipeline_model_parallel_size} is not supported "
+                "yet: use --pipeline-model-parallel-size 1 and scale with "
+                "--tensor-model-parallel-size and data parallelism"
+            )
+
+    def check_world(self, world_size: int) -> int:
+        """Return the data-parallel size, or raise if TP x PP does not divide the world."""
+        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % mp:
+            raise ValueError(
+                f"tensor parallel size {self.tensor_model_parallel_size} x pipeline parallel "
+                f"size {self.pipeline_model_parallel_size} must divide the world size "
+                f"{world_size} (launch with a multiple of {mp} ranks)"
+            )
+        return world_size // mp
+
+
+@dataclass
+class PrecisionConfig:
+    """Parameter and compute dtype."""
+
+    bf16: bool | None = None
+    """True: bf16; False: fp32; None: bf16 on GPU, fp32 on CPU."""
+
+
+@dataclass
+class GenerateConfig:
+    """Smoke generation from the command line."""
+
+    max_new_tokens: int = 64
+    """Tokens to generate after the prompt."""
+    temperature: float = 0.0
+    """0 is greedy; the full-recompute smoke loop supports greedy only."""
+    chat: bool = False
+    """Wrap the prompt in the tokenizer's chat template."""
+
+    def __post_init__(self) -> None:
+        _positive("max_new_tokens", self.max_new_tokens)
+        if self.temperature != 0.0:
+            raise ValueError(
+                f"temperature {self.temperature}: the smoke generator is greedy only; "
+                "pass --temperature 0"
+            )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama2-7b": ModelConfig(
+        num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
+        num_query_groups=32, vocab_size=32000, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "llama2-13b": ModelConfig(
+        num_layers=40, hidden_size=5120, ffn_hidden_size=13824, num_attention_heads=40,
+        num_query_groups=40, vocab_size=32000, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "llama2-70b": ModelConfig(
+        num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+        num_query_groups=8, vocab_size=32000, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "smollm2-135m": ModelConfig(
+        num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9,
+        num_query_groups=3, vocab_size=49152, max_position_embeddings=8192,
+        rotary_base=100000.0, norm_epsilon=1e-5, tie_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    # Tiny random configs for tests: GQA with tied and untied embeddings, and MHA.
+    "tiny": ModelConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        num_query_groups=2, vocab_size=256, max_position_embeddings=256, tie_embeddings=True,
+        eos_token_id=1,
+    ),
+    "tiny-untied": ModelConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        num_query_groups=2, vocab_size=250, max_position_embeddings=256, rotary_base=500.0,
+        norm_epsilon=1e-6, eos_token_id=1,
+    ),
+    "tiny-mha": ModelConfig(
+        num_layers=3, hidden_size=48, ffn_hidden_size=96, num_attention_heads=4,
+        num_query_groups=4, vocab_size=256, max_position_embeddings=256, eos_token_id=1,
+    ),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides)
+
+
+def check_role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"unknown model role {role!r}; choose one of {list(ROLES)}")
+    return role
+
+
+def dataclass_from_namespace(cls, namespace, **extra):
+    """Build ``cls`` from the argparse attributes that share its field names."""
+    values = {
+        f.name: getattr(namespace, f.name)
+        for f in dataclasses.fields(cls)
+        if getattr(namespace, f.name, None) is not None
+    }
+    values.update(extra)
+    return cls(**values)
+
+
+__all__ = [
+    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerateConfig", "PRESETS", "ROLES",
+    "preset", "check_role", "dataclass_from_namespace",
+]

@@ -1,0 +1,1 @@
+"""Llama-family models on megatron-core: builders, value heads, checkpoints, HF/GGUF mapping."""

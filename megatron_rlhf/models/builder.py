@@ -1,0 +1,121 @@
+"""Build Llama-family megatron-core ``GPTModel``s for each RLHF role.
+
+One function, :func:`build_model`, maps a :class:`ModelConfig` onto megatron-core's
+``TransformerConfig`` and layer spec (local on CPU; Transformer-Engine when it imports on
+GPU) and returns the model for a role: actor/reference/draft carry the LM head,
+critic/reward a scalar value head per token (:mod:`megatron_rlhf.models.value_head`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rlhf import platform
+from megatron_rlhf.config import ModelConfig, check_role
+
+VALUE_ROLES = ("critic", "reward")
+
+
+@functools.cache
+def transformer_engine_available() -> bool:
+    """True when Transformer-Engine imports and a GPU is present."""
+    if not platform.has_cuda():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype):
+    """megatron-core ``TransformerConfig`` for a Llama-family model at TP size ``tp``."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = platform.has_cuda()
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # CPU init builds the full weight and slices it, so a seed gives the same model
+        # at every TP size; on GPU megatron initialises each shard on the device.
+        use_cpu_initialization=not on_gpu,
+        # Fused kernels exist only on GPU.
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def layer_spec(use_te: bool | None = None):
+    """Transformer-Engine spec when available (or requested), local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te is None:
+        use_te = transformer_engine_available()
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(
+    cfg: ModelConfig,
+    role: str,
+    pg_collection,
+    dtype: torch.dtype | None = None,
+    use_te: bool | None = None,
+    seed: int = 1234,
+):
+    """Build the model of ``role`` on this rank's device, sharded over ``pg_collection.tp``.
+
+    ``seed`` fixes the random initialisation (identical at every TP size on CPU).
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    check_role(role)
+    tp = pg_collection.tp.size()
+    cfg.check_tensor_parallel(tp)
+    dtype = dtype or platform.default_dtype()
+    platform.seed_model_parallel_rng(seed, pg_collection.tp.rank())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        value = role in VALUE_ROLES
+        model = GPTModel(
+            config=transformer_config(cfg, tp, dtype),
+            transformer_layer_spec=layer_spec(use_te),
+            vocab_size=cfg.padded_vocab_size,
+            max_sequence_length=cfg.max_position_embeddings,
+            parallel_output=False,
+            share_embeddings_and_output_weights=cfg.tie_embeddings and not value,
+            position_embedding_type="rope",
+            rotary_base=cfg.rotary_base,
+            pg_collection=pg_collection,
+        )
+        if value:
+            from megatron_rlhf.models.value_head import attach_value_head
+
+            attach_value_head(model)
+    model.mrlhf_config = cfg
+    model.mrlhf_role = role
+    return model.to(platform.device())

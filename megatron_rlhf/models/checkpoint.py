@@ -1,0 +1,235 @@
+"""Model checkpoints: megatron-core ``dist_checkpointing``, written atomically.
+
+Layout on disk (Megatron's convention)::
+
+    ROOT/latest_checkpointed_iteration.txt     step of the newest complete checkpoint
+    ROOT/iter_0000010/                          one complete checkpoint
+        megatron_rlhf.json                      model config, role, step, file manifest
+        tokenizer/                              tokenizer files (when known)
+        common.pt .metadata __*_*.distcp ...    dist_checkpointing, layout-free
+
+A save writes ``iter_X.tmp`` and renames it to ``iter_X`` only after every rank has
+finished and the manifest is on disk; the tracker file is replaced last. A crash at any
+point leaves the previous checkpoint loadable. The manifest lists every file with its
+size, so a missing or truncated file is reported before any collective starts.
+Checkpoints are layout-free: saved at one TP size, they load at another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_rlhf.config import ModelConfig, check_role
+
+METADATA_FILE = "megatron_rlhf.json"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked; the message says what to change."""
+
+
+@dataclass
+class CheckpointInfo:
+    """What :func:`read_checkpoint` learns from the files alone (no collectives)."""
+
+    path: Path
+    """The ``iter_*`` directory."""
+    config: ModelConfig
+    """The model's architecture."""
+    role: str
+    """actor / reference / draft / critic / reward."""
+    step: int
+    """Training step the checkpoint was written at."""
+    extra: dict
+    """Anything else the writer recorded."""
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        d = self.path / "tokenizer"
+        return d if d.is_dir() else None
+
+
+def iteration_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _manifest(directory: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != METADATA_FILE
+    }
+
+
+def sharded_state_dict(model, pg_collection) -> dict:
+    """The model's sharded state dict, as saved under the key ``model``."""
+    return {"model": model.sharded_state_dict(metadata={"dp_cp_group": pg_collection.dp_cp})}
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model,
+    pg_collection,
+    tokenizer=None,
+    extra: dict | None = None,
+) -> Path:
+    """Save ``model`` to ``ROOT/iter_<step>`` atomically; collective over the world.
+
+    Returns the checkpoint directory. ``tokenizer`` (a HF tokenizer) is stored beside the
+    weights so the checkpoint is self-contained.
+    """
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    final = iteration_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(sharded_state_dict(model, pg_collection), str(tmp))
+    dist.barrier()
+    if rank == 0:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "role": model.mrlhf_role,
+            "step": step,
+            "model_config": model.mrlhf_config.to_dict(),
+            "extra": extra or {},
+            "files": _manifest(tmp),
+        }
+        _atomic_write_text(tmp / METADATA_FILE, json.dumps(meta, indent=1))
+        if final.exists():  # an earlier save at the same step: replace it
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        _atomic_write_text(Path(root) / TRACKER_FILE, f"{step}\n")
+    dist.barrier()
+    return final
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """``ROOT`` (follows the tracker file) or an ``iter_*`` directory -> the iter directory."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {p} does not exist: check --load / --ckpt paths")
+    if (p / METADATA_FILE).is_file():
+        return p
+    tracker = p / TRACKER_FILE
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if not text.isdigit():
+            raise CheckpointError(f"{tracker} is corrupt (holds {text!r}, expected a step)")
+        d = iteration_dir(p, int(text))
+        if not (d / METADATA_FILE).is_file():
+            raise CheckpointError(
+                f"{tracker} points to step {text} but {d} is missing or incomplete"
+            )
+        return d
+    raise CheckpointError(
+        f"{p} is not a megatron_rlhf checkpoint: it has neither {METADATA_FILE} nor "
+        f"{TRACKER_FILE} (convert HF/GGUF weights with tools/convert_checkpoint.py hf-to-mcore)"
+    )
+
+
+def read_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
+    """Read and verify a checkpoint's metadata and files; no collectives, no weights."""
+    d = resolve_checkpoint(path)
+    try:
+        meta = json.loads((d / METADATA_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{d / METADATA_FILE} is corrupt: {e}") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{d} has checkpoint format {meta.get('format_version')}, this version reads "
+            f"{FORMAT_VERSION}"
+        )
+    for name, size in meta["files"].items():
+        f = d / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {d} is incomplete: file {name} is missing")
+        actual = f.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"checkpoint {d} is truncated or corrupt: {name} has {actual} bytes, the "
+                f"manifest says {size}; load an earlier iteration or re-save"
+            )
+    return CheckpointInfo(
+        path=d,
+        config=ModelConfig.from_dict(meta["model_config"]),
+        role=check_role(meta["role"]),
+        step=int(meta["step"]),
+        extra=meta.get("extra", {}),
+    )
+
+
+def check_shapes(model, pg_collection, info: CheckpointInfo) -> None:
+    """Compare every tensor's global shape with the checkpoint's; name the first mismatch."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
+    sd = sharded_state_dict(model, pg_collection)
+    apply_factories(sd)
+    for t in nested_values(sd):
+        if not isinstance(t, ShardedTensor):
+            continue
+        if t.key not in stored:
+            raise CheckpointError(
+                f"checkpoint {info.path} has no tensor {t.key} (a {info.role} checkpoint "
+                f"loaded into a {model.mrlhf_role} model?)"
+            )
+        have = tuple(stored[t.key].size)
+        if have != tuple(t.global_shape):
+            raise CheckpointError(
+                f"tensor {t.key} has shape {have} in {info.path} but the model config "
+                f"expects {tuple(t.global_shape)}: the checkpoint's config and the model differ"
+            )
+
+
+def load_checkpoint(model, pg_collection, path: str | os.PathLike) -> CheckpointInfo:
+    """Load weights into ``model`` (any TP size); collective over the model's ranks.
+
+    The files and shapes are verified first, on every rank, before any collective.
+    """
+    from megatron.core import dist_checkpointing
+
+    info = read_checkpoint(path)
+    check_shapes(model, pg_collection, info)
+    state = dist_checkpointing.load(sharded_state_dict(model, pg_collection), str(info.path))
+    model.load_state_dict(state["model"], strict=False)
+    return info

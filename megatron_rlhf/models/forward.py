@@ -1,0 +1,49 @@
+"""Whole-sequence forward passes with explicit masks (no KV cache).
+
+megatron tensors are sequence-first inside the model; these helpers take and return
+batch-first tensors. Prompts may be left-padded: ``attention_mask`` marks real tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` positions counting real tokens only (left padding gets position 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, T, T]`` bool, True where attention is *blocked* (megatron's convention).
+
+    Query t sees real keys at positions <= t. A padding query sees itself, so no row of
+    the softmax is empty.
+    """
+    b, t = attention_mask.shape
+    dev = attention_mask.device
+    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    allowed = causal[None] & attention_mask.bool()[:, None, :]
+    allowed |= torch.eye(t, dtype=torch.bool, device=dev)[None]
+    return ~allowed[:, None]
+
+
+def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    return model(
+        input_ids,
+        position_ids(attention_mask),
+        causal_padding_mask(attention_mask),
+    )
+
+
+def lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    """``[B, T, V]`` full-vocabulary logits (gathered over TP, vocab padding removed)."""
+    logits = _forward(model, input_ids, attention_mask)
+    return logits[..., : model.mrlhf_config.vocab_size]
+
+
+def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    """``[B, T]`` scalar values from a critic/reward model."""
+    return _forward(model, input_ids, attention_mask).squeeze(-1)

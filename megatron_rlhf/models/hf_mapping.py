@@ -1,0 +1,171 @@
+"""Hugging Face Llama <-> megatron-core tensor and config mapping (full, unsharded tensors).
+
+Conversion happens at TP=1 on one process; dist_checkpointing then makes the result
+loadable at any TP size. Names on the megatron side are those of the local layer spec
+(the TE spec's fused-norm names are mapped by megatron's own sharded state dict).
+
+megatron stores attention as one ``linear_qkv`` weight grouped by KV head: for each
+group g, its ``heads/groups`` query heads, then its key head, then its value head.
+SwiGLU's ``linear_fc1`` is ``[gate; up]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rlhf.config import ModelConfig
+
+
+class ShapeMismatch(ValueError):
+    """A tensor whose shape does not match the model config; the message names it."""
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """ModelConfig from a HF ``LlamaConfig`` dict (``config.json``)."""
+    if hf.get("model_type") not in ("llama", None):
+        raise ValueError(f"only Llama-family checkpoints convert, got model_type={hf['model_type']!r}")
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"RoPE scaling {rope_type!r} is not supported; only plain RoPE")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("Llama checkpoints with attention or MLP biases are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; Llama uses silu")
+    heads = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0]
+    return ModelConfig(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_epsilon=float(hf.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos,
+    )
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """A ``LlamaConfig`` dict that ``transformers`` loads."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.kv_channels,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rotary_base,
+        "rms_norm_eps": cfg.norm_epsilon,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    if tuple(t.shape) != tuple(shape):
+        raise ShapeMismatch(
+            f"tensor {name} has shape {tuple(t.shape)}, the model config expects {tuple(shape)}"
+        )
+    return t
+
+
+def _take(sd: dict, name: str, shape: tuple) -> torch.Tensor:
+    if name not in sd:
+        raise ShapeMismatch(f"tensor {name} is missing from the checkpoint")
+    return _expect(name, sd[name], shape)
+
+
+def _pad_vocab(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    pad = cfg.padded_vocab_size - t.shape[0]
+    return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+
+
+def hf_to_mcore(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF ``LlamaForCausalLM`` state dict -> megatron ``GPTModel`` (local spec, TP=1)."""
+    h, d, f = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
+    nh, ng, v = cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size
+    out = {"embedding.word_embeddings.weight": _pad_vocab(_take(sd, "model.embed_tokens.weight", (v, h)), cfg)}
+    for i in range(cfg.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        q = _take(sd, a + "q_proj.weight", (nh * d, h)).reshape(ng, nh // ng, d, h)
+        k = _take(sd, a + "k_proj.weight", (ng * d, h)).reshape(ng, 1, d, h)
+        vv = _take(sd, a + "v_proj.weight", (ng * d, h)).reshape(ng, 1, d, h)
+        p = f"decoder.layers.{i}."
+        out[p + "self_attention.linear_qkv.weight"] = torch.cat([q, k, vv], 1).reshape(-1, h)
+        out[p + "self_attention.linear_proj.weight"] = _take(sd, a + "o_proj.weight", (h, nh * d))
+        out[p + "input_layernorm.weight"] = _take(sd, f"model.layers.{i}.input_layernorm.weight", (h,))
+        out[p + "pre_mlp_layernorm.weight"] = _take(
+            sd, f"model.layers.{i}.post_attention_layernorm.weight", (h,)
+        )
+        out[p + "mlp.linear_fc1.weight"] = torch.cat(
+            [_take(sd, m + "gate_proj.weight", (f, h)), _take(sd, m + "up_proj.weight", (f, h))]
+        )
+        out[p + "mlp.linear_fc2.weight"] = _take(sd, m + "down_proj.weight", (h, f))
+    out["decoder.final_layernorm.weight"] = _take(sd, "model.norm.weight", (h,))
+    if not cfg.tie_embeddings:
+        out["output_layer.weight"] = _pad_vocab(_take(sd, "lm_head.weight", (v, h)), cfg)
+    return out
+
+
+def mcore_to_hf(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """megatron ``GPTModel`` (local spec, TP=1) state dict -> HF ``LlamaForCausalLM``."""
+    h, d, f = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
+    nh, ng, v = cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size
+    qpg = nh // ng
+    emb = _take(sd, "embedding.word_embeddings.weight", (cfg.padded_vocab_size, h))
+    out = {"model.embed_tokens.weight": emb[:v]}
+    for i in range(cfg.num_layers):
+        p, a, m = f"decoder.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv = _take(sd, p + "self_attention.linear_qkv.weight", ((nh + 2 * ng) * d, h))
+        qkv = qkv.reshape(ng, qpg + 2, d, h)
+        out[a + "q_proj.weight"] = qkv[:, :qpg].reshape(nh * d, h)
+        out[a + "k_proj.weight"] = qkv[:, qpg].reshape(ng * d, h)
+        out[a + "v_proj.weight"] = qkv[:, qpg + 1].reshape(ng * d, h)
+        out[a + "o_proj.weight"] = _take(sd, p + "self_attention.linear_proj.weight", (h, nh * d))
+        out[f"model.layers.{i}.input_layernorm.weight"] = _take(sd, p + "input_layernorm.weight", (h,))
+        out[f"model.layers.{i}.post_attention_layernorm.weight"] = _take(
+            sd, p + "pre_mlp_layernorm.weight", (h,)
+        )
+        fc1 = _take(sd, p + "mlp.linear_fc1.weight", (2 * f, h))
+        out[m + "gate_proj.weight"], out[m + "up_proj.weight"] = fc1[:f], fc1[f:]
+        out[m + "down_proj.weight"] = _take(sd, p + "mlp.linear_fc2.weight", (h, f))
+    out["model.norm.weight"] = _take(sd, "decoder.final_layernorm.weight", (h,))
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = _take(sd, "output_layer.weight", (cfg.padded_vocab_size, h))[:v]
+    return {k: t.contiguous() for k, t in out.items()}
+
+
+def load_into_model(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into a TP=1 model; every parameter must be provided."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(tensors))
+    unexpected = sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise ShapeMismatch(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            _expect(name, t, params[name].shape)
+            params[name].copy_(t)
+
+
+def model_tensors(model) -> dict[str, torch.Tensor]:
+    """The full tensors of a TP=1 model, by parameter name."""
+    return {n: p.detach() for n, p in model.named_parameters()}

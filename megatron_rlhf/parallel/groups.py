@@ -1,0 +1,55 @@
+"""Process groups for a :class:`~megatron_rlhf.parallel.layout.Layout`.
+
+``torch.distributed.new_group`` is collective over the whole world: every rank must
+create every group in the same order, members or not. :func:`build_process_groups` does
+that and returns this rank's :class:`ProcessGroupCollection`, or None for ranks outside
+the layout. Megatron-core modules take the collection (``pg_collection=``); nothing here
+touches megatron's global ``parallel_state``.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron_rlhf.parallel.layout import Layout
+
+
+def _new_groups(groups: list[list[int]], rank: int):
+    mine = None
+    for g in groups:
+        pg = dist.new_group(ranks=g)
+        if rank in g:
+            mine = pg
+    return mine
+
+
+def build_process_groups(layout: Layout):
+    """Create the layout's groups (collective over the world) and return this rank's.
+
+    The collection carries tp, pp, dp, mp, embd/pos_embd, cp (size 1: no context
+    parallelism), and the derived tp_cp, dp_cp, tp_dp_cp.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    world = dist.get_world_size()
+    if max(layout.ranks) >= world:
+        raise ValueError(f"{layout} uses ranks beyond the world size {world}")
+    rank = dist.get_rank()
+    tp = _new_groups(layout.tp_groups(), rank)
+    dp = _new_groups(layout.dp_groups(), rank)
+    pp = _new_groups(layout.pp_groups(), rank)
+    mp = _new_groups(layout.mp_groups(), rank)
+    embd = _new_groups(layout.embedding_groups(), rank)
+    pos_embd = _new_groups([[g[0]] for g in layout.pp_groups()], rank)
+    cp = _new_groups([[r] for r in layout.ranks], rank)
+    tp_dp = _new_groups(
+        [[layout.rank_at(t, d, p) for d in range(layout.dp) for t in range(layout.tp)]
+         for p in range(layout.pp)],
+        rank,
+    )
+    if rank not in layout:
+        return None
+    return ProcessGroupCollection(
+        tp=tp, dp=dp, pp=pp, mp=mp, embd=embd, pos_embd=pos_embd, cp=cp,
+        tp_cp=tp, dp_cp=dp, tp_dp_cp=tp_dp,
+    )

@@ -1,0 +1,123 @@
+"""A parallel layout of one model: TP x PP x DP over an explicit list of global ranks.
+
+Rank order follows Megatron (``tp-dp-pp``): tensor-parallel neighbours are adjacent in
+``ranks``, then data-parallel replicas, then pipeline stages. Everything here is pure
+arithmetic, testable without processes; :mod:`megatron_rlhf.parallel.groups` turns a
+layout into process groups. Several layouts of one model may coexist in one program:
+that is what parameter reallocation moves weights between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class RankCoords(NamedTuple):
+    """Where one global rank sits in a layout."""
+
+    tp: int
+    dp: int
+    pp: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A validated TP x PP x DP layout over ``ranks`` (global ranks, default 0..n-1)."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    dp: int = 1
+    """Data-parallel size."""
+    ranks: tuple[int, ...] | None = None
+    """The global ranks this layout occupies, in layout order; ``range(tp*pp*dp)`` if None."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"layout {name} size must be a positive integer, got {v!r}")
+        if self.ranks is None:
+            object.__setattr__(self, "ranks", tuple(range(self.size)))
+        else:
+            object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        if len(self.ranks) != self.size:
+            raise ValueError(
+                f"layout tp={self.tp} x pp={self.pp} x dp={self.dp} needs {self.size} ranks, "
+                f"got {len(self.ranks)}: {list(self.ranks)}"
+            )
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"layout ranks must be distinct, got {list(self.ranks)}")
+        if min(self.ranks) < 0:
+            raise ValueError(f"layout ranks must be non-negative, got {list(self.ranks)}")
+
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> "Layout":
+        """The layout that fills ``world_size`` ranks, with DP taking what TP x PP leaves."""
+        if world_size % (tp * pp):
+            raise ValueError(
+                f"tensor parallel size {tp} x pipeline parallel size {pp} must divide "
+                f"the world size {world_size}"
+            )
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self.ranks
+
+    def coords(self, rank: int) -> RankCoords:
+        """TP, DP and PP index of a global rank; ValueError if it is not in the layout."""
+        try:
+            i = self.ranks.index(rank)
+        except ValueError:
+            raise ValueError(f"rank {rank} is not in layout ranks {list(self.ranks)}") from None
+        return RankCoords(tp=i % self.tp, dp=(i // self.tp) % self.dp, pp=i // (self.tp * self.dp))
+
+    def rank_at(self, tp: int, dp: int, pp: int) -> int:
+        """The global rank at given coordinates (inverse of :meth:`coords`)."""
+        if not (0 <= tp < self.tp and 0 <= dp < self.dp and 0 <= pp < self.pp):
+            raise ValueError(f"coordinates tp={tp} dp={dp} pp={pp} outside {self}")
+        return self.ranks[tp + self.tp * (dp + self.dp * pp)]
+
+    def tp_groups(self) -> list[list[int]]:
+        """Ranks that shard one copy of a stage's weights (one list per DP x PP index)."""
+        return [[self.rank_at(t, d, p) for t in range(self.tp)]
+                for p in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        """Ranks holding the same shard (gradient reduction), one list per TP x PP index."""
+        return [[self.rank_at(t, d, p) for d in range(self.dp)]
+                for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        """Ranks forming one pipeline, one list per TP x DP index."""
+        return [[self.rank_at(t, d, p) for p in range(self.pp)]
+                for d in range(self.dp) for t in range(self.tp)]
+
+    def mp_groups(self) -> list[list[int]]:
+        """Ranks holding one full model copy (TP x PP), one list per DP index."""
+        return [[self.rank_at(t, d, p) for p in range(self.pp) for t in range(self.tp)]
+                for d in range(self.dp)]
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last pipeline stage of each pipeline (tied embedding gradients)."""
+        return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The group of ``kind`` ('tp', 'dp', 'pp', 'mp', 'embd') that contains ``rank``."""
+        groups = {
+            "tp": self.tp_groups, "dp": self.dp_groups, "pp": self.pp_groups,
+            "mp": self.mp_groups, "embd": self.embedding_groups,
+        }[kind]()
+        for g in groups:
+            if rank in g:
+                return g
+        raise ValueError(f"rank {rank} is not in layout ranks {list(self.ranks)}")
+
+    def __str__(self) -> str:
+        return f"Layout(tp={self.tp}, pp={self.pp}, dp={self.dp}, ranks={list(self.ranks)})"
