@@ -68,6 +68,24 @@ def apply_cpu_shim() -> None:
     _SHIM_ACTIVE = True
 
 
+def quiet_third_party_warnings() -> None:
+    """Silence known, harmless warnings of megatron-core and torch DCP (entry points call it)."""
+    import warnings
+
+    for pattern in (
+        "Apex is not installed",
+        "full scope is deprecated",
+        "Please use DTensor instead",
+        "TorchScript",
+        "`torch.cuda.amp",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+        "all_gather_into_tensor",
+    ):
+        warnings.filterwarnings("ignore", message=f".*{pattern}.*")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def cpu_shim_active() -> bool:
     return _SHIM_ACTIVE
 

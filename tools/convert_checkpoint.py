@@ -29,13 +29,20 @@ def main(argv=None) -> int:
     b.add_argument("--bf16", action="store_true", help="write bf16 tensors (default fp32)")
     args = p.parse_args(argv)
 
+    from megatron_rlhf import platform
     from megatron_rlhf.models import convert
 
+    platform.quiet_third_party_warnings()
+
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    if args.command == "hf-to-mcore":
-        out = convert.hf_to_mcore(args.input, args.output, dtype=dtype, role=args.role)
-    else:
-        out = convert.mcore_to_hf(args.input, args.output, dtype=dtype)
+    try:
+        if args.command == "hf-to-mcore":
+            out = convert.hf_to_mcore(args.input, args.output, dtype=dtype, role=args.role)
+        else:
+            out = convert.mcore_to_hf(args.input, args.output, dtype=dtype)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0
 

@@ -1,0 +1,97 @@
+"""Megatron-style command-line flags, mapped onto the config dataclasses by field name.
+
+Only entry points import this module; the library takes dataclasses, never ``args``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from megatron_rlhf.config import (
+    PRESETS,
+    ModelConfig,
+    ParallelConfig,
+    dataclass_from_namespace,
+    preset,
+)
+
+_MODEL_OVERRIDES = (
+    ("--num-layers", int, "transformer layers"),
+    ("--hidden-size", int, "model width"),
+    ("--ffn-hidden-size", int, "SwiGLU inner width"),
+    ("--num-attention-heads", int, "query heads"),
+    ("--num-query-groups", int, "KV heads (GQA groups)"),
+    ("--vocab-size", int, "tokenizer vocabulary size"),
+    ("--max-position-embeddings", int, "longest sequence the model is built for"),
+    ("--rotary-base", float, "RoPE theta"),
+    ("--norm-epsilon", float, "RMSNorm epsilon"),
+    ("--kv-channels", int, "head dimension"),
+)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (a preset, or the checkpoint's config, then overrides)")
+    g.add_argument("--model", choices=sorted(PRESETS), default=None,
+                   help="architecture preset for a model built from scratch")
+    for flag, typ, help_ in _MODEL_OVERRIDES:
+        g.add_argument(flag, type=typ, default=None, help=f"override: {help_}")
+    g.add_argument("--tie-embeddings", dest="tie_embeddings", action="store_true", default=None,
+                   help="override: share input embedding and LM head")
+    g.add_argument("--untie-embeddings", dest="tie_embeddings", action="store_false",
+                   help="override: separate LM head")
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP size; must divide heads, KV heads and the number of ranks")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="PP size (only 1 is supported yet)")
+
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("runtime")
+    g.add_argument("--load", default=None, help="checkpoint to load (root or iter_* directory)")
+    g.add_argument("--save", default=None, help="checkpoint root to save to")
+    g.add_argument("--seed", type=int, default=1234, help="random seed (same on all ranks)")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="samples per forward")
+    g.add_argument("--seq-length", type=int, default=None, help="maximum sequence length")
+    d = g.add_mutually_exclusive_group()
+    d.add_argument("--bf16", dest="bf16", action="store_true", default=None,
+                   help="bf16 parameters and compute (default on GPU)")
+    d.add_argument("--fp32", dest="bf16", action="store_false",
+                   help="fp32 parameters and compute (default on CPU)")
+
+
+def model_config_from_args(args: argparse.Namespace, base: ModelConfig | None = None) -> ModelConfig:
+    """``base`` (e.g. a checkpoint's config) or ``--model``, with explicit flags applied."""
+    if base is None:
+        if args.model is None:
+            raise ValueError("give --model PRESET or --load CHECKPOINT to define the model")
+        base = preset(args.model)
+    overrides = {
+        f.lstrip("-").replace("-", "_"): getattr(args, f.lstrip("-").replace("-", "_"))
+        for f, _, _ in _MODEL_OVERRIDES
+    }
+    overrides["tie_embeddings"] = args.tie_embeddings
+    if getattr(args, "seq_length", None) is not None:
+        overrides["max_position_embeddings"] = max(args.seq_length, base.max_position_embeddings)
+    return base.replace(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    return dataclass_from_namespace(ParallelConfig, args)
+
+
+def dtype_from_args(args: argparse.Namespace) -> torch.dtype:
+    from megatron_rlhf.platform import default_dtype
+
+    return default_dtype(args.bf16)
+
+
+def launch_world_size() -> int:
+    """The world size torchrun will give us, read before any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,1 @@
+"""Generation: the smoke greedy loop now; KV cache, speculative decoding and migration next."""

@@ -1,0 +1,76 @@
+import argparse
+
+import pytest
+
+from megatron_rlhf import arguments
+from megatron_rlhf.config import (
+    GenerateConfig,
+    ModelConfig,
+    ParallelConfig,
+    dataclass_from_namespace,
+    preset,
+)
+
+
+def test_smollm2_tensor_parallel_sizes():
+    cfg = preset("smollm2-135m")
+    cfg.check_tensor_parallel(1)
+    cfg.check_tensor_parallel(3)
+    with pytest.raises(ValueError, match=r"tensor parallel size 2 must divide 9 attention heads.*\[1, 3\]"):
+        cfg.check_tensor_parallel(2)
+
+
+def test_kv_heads_must_divide():
+    cfg = preset("llama2-70b")  # 64 heads, 8 KV heads
+    cfg.check_tensor_parallel(8)
+    with pytest.raises(ValueError, match="tensor parallel size 16 must divide 8 KV heads"):
+        cfg.check_tensor_parallel(16)
+
+
+def test_world_size_and_pipeline():
+    assert ParallelConfig(tensor_model_parallel_size=2).check_world(8) == 4
+    with pytest.raises(ValueError, match="must divide the world size 3"):
+        ParallelConfig(tensor_model_parallel_size=2).check_world(3)
+    with pytest.raises(ValueError, match="pipeline parallel size 2 is not supported yet"):
+        ParallelConfig(pipeline_model_parallel_size=2)
+
+
+def test_model_config_validation_and_padding():
+    with pytest.raises(ValueError, match="3 KV heads must divide 8 attention heads"):
+        ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=64, num_attention_heads=8,
+                    num_query_groups=3, vocab_size=10)
+    assert preset("tiny-untied").padded_vocab_size == 256
+    assert preset("llama2-7b").padded_vocab_size == 32000
+    assert preset("smollm2-135m").kv_channels == 64
+    with pytest.raises(ValueError, match="unknown model preset 'gpt5'"):
+        preset("gpt5")
+    cfg = preset("tiny")
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_flags_map_onto_dataclasses():
+    p = argparse.ArgumentParser()
+    arguments.add_model_args(p)
+    arguments.add_parallel_args(p)
+    arguments.add_runtime_args(p)
+    args = p.parse_args(["--model", "tiny", "--num-layers", "5", "--untie-embeddings",
+                         "--tensor-model-parallel-size", "2", "--bf16", "--seq-length", "1024"])
+    cfg = arguments.model_config_from_args(args)
+    assert cfg.num_layers == 5 and cfg.tie_embeddings is False and cfg.hidden_size == 64
+    assert cfg.max_position_embeddings == 1024
+    assert arguments.parallel_config_from_args(args).tensor_model_parallel_size == 2
+    assert str(arguments.dtype_from_args(args)) == "torch.bfloat16"
+    args = p.parse_args(["--pipeline-model-parallel-size", "4"])
+    with pytest.raises(ValueError, match="not supported yet"):
+        arguments.parallel_config_from_args(args)
+    with pytest.raises(ValueError, match="give --model PRESET or --load"):
+        arguments.model_config_from_args(p.parse_args([]))
+
+
+def test_generate_config():
+    ns = argparse.Namespace(max_new_tokens=8, temperature=0.0, chat=True)
+    assert dataclass_from_namespace(GenerateConfig, ns).chat
+    with pytest.raises(ValueError, match="greedy only"):
+        GenerateConfig(temperature=0.7)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+        GenerateConfig(max_new_tokens=0)

@@ -1,0 +1,64 @@
+import itertools
+
+import pytest
+
+from megatron_rlhf.parallel.layout import Layout
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), (2, 1, 2), (4, 2, 1), (2, 2, 3), (1, 3, 2)])
+def test_coords_roundtrip_and_partitions(tp, pp, dp):
+    ranks = list(range(100, 100 + tp * pp * dp))[::-1]  # arbitrary, non-contiguous order
+    lay = Layout(tp=tp, pp=pp, dp=dp, ranks=ranks)
+    seen = set()
+    for r in ranks:
+        c = lay.coords(r)
+        assert lay.rank_at(*c) == r
+        seen.add(c)
+    assert len(seen) == lay.size
+    for groups, size in ((lay.tp_groups(), tp), (lay.dp_groups(), dp), (lay.pp_groups(), pp),
+                         (lay.mp_groups(), tp * pp)):
+        assert all(len(g) == size for g in groups)
+        flat = list(itertools.chain(*groups))
+        assert sorted(flat) == sorted(ranks)  # a partition of the layout's ranks
+
+
+def test_megatron_rank_order():
+    # tp fastest, then dp, then pp, exactly as Megatron's default "tp-dp-pp" order
+    lay = Layout(tp=2, pp=2, dp=2)
+    assert lay.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.pp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.mp_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert lay.embedding_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.coords(5) == (1, 0, 1)
+    assert lay.group_of("dp", 6) == [4, 6]
+
+
+def test_two_layouts_over_a_subset():
+    gen = Layout(tp=1, dp=4)
+    train = Layout(tp=2, dp=1, ranks=[2, 3])
+    assert train.tp_groups() == [[2, 3]]
+    assert 0 not in train and 3 in train
+    assert gen.dp_groups() == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (dict(tp=0), "tp size must be a positive integer"),
+        (dict(tp=2, dp=2, ranks=[0, 1, 2]), "needs 4 ranks, got 3"),
+        (dict(tp=2, ranks=[1, 1]), "distinct"),
+        (dict(tp=2, ranks=[-1, 0]), "non-negative"),
+    ],
+)
+def test_bad_layouts(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        Layout(**kwargs)
+
+
+def test_for_world():
+    assert Layout.for_world(8, tp=2) == Layout(tp=2, dp=4)
+    with pytest.raises(ValueError, match="tensor parallel size 3 .* must divide the world size 4"):
+        Layout.for_world(4, tp=3)
+    with pytest.raises(ValueError, match="rank 9 is not in layout"):
+        Layout(tp=2).coords(9)
