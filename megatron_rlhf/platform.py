@@ -79,6 +79,7 @@ def quiet_third_party_warnings() -> None:
         "TorchScript",
         "`torch.cuda.amp",
         "CUDA_DEVICE_MAX_CONNECTIONS",
+        "Apex are not installed",
         "all_gather_into_tensor",
     ):
         warnings.filterwarnings("ignore", message=f".*{pattern}.*")

@@ -118,4 +118,6 @@ def build_model(
             attach_value_head(model)
     model.mrlhf_config = cfg
     model.mrlhf_role = role
-    return model.to(platform.device())
+    # Like Megatron-LM's Float16Module: every parameter in the model dtype (megatron's torch
+    # norms are created in fp32 whatever params_dtype says).
+    return model.to(device=platform.device(), dtype=dtype)

