@@ -45,7 +45,6 @@ def apply_cpu_shim() -> None:
     global _SHIM_ACTIVE
     if has_cuda() or _SHIM_ACTIVE:
         return
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer import utils as mutils
 
@@ -61,10 +60,6 @@ def apply_cpu_shim() -> None:
     mutils.get_default_causal_mask = lambda sq: torch.triu(
         torch.ones(sq, sq, dtype=torch.bool), diagonal=1
     )
-    # Local-spec attention takes scratch tensors from megatron's global memory buffer,
-    # which parallel_state only creates inside initialize_model_parallel (we pass groups).
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
-        parallel_state._set_global_memory_buffer()
     _SHIM_ACTIVE = True
 
 
@@ -98,23 +93,23 @@ def init_distributed(seed: int = 1234, timeout_minutes: int = 30) -> tuple[int, 
     (world size 1). Applies the CPU shim when CUDA is absent and seeds every generator.
     """
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
+        backend = "nccl" if has_cuda() else "gloo"
+        timeout = timedelta(minutes=timeout_minutes)
         if has_cuda():
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        dist.init_process_group(
-            backend="nccl" if has_cuda() else "gloo",
-            timeout=timedelta(minutes=timeout_minutes),
-        )
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local % torch.cuda.device_count())
+        if "RANK" in os.environ:  # launched by torchrun / srun: env:// rendezvous
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:  # a plain single process (tools, tests): no environment is modified
+            dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
+                                    init_method=f"tcp://127.0.0.1:{_free_port()}")
     apply_cpu_shim()
-    if has_cuda():
-        from megatron.core import parallel_state
+    from megatron.core import parallel_state
 
-        if parallel_state._GLOBAL_MEMORY_BUFFER is None:
-            parallel_state._set_global_memory_buffer()
+    # Local-spec attention takes scratch tensors from megatron's global memory buffer, which
+    # parallel_state creates only inside initialize_model_parallel (we pass groups instead).
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
     set_seed(seed)
     return dist.get_rank(), dist.get_world_size()
 

@@ -1,0 +1,85 @@
+"""``python -m megatron_rlhf.generate``: bad input is reported before any collective."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from launch import ROOT
+from megatron_rlhf.config import preset
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.checkpoint import save_checkpoint
+
+# Runs the CLI with torch.distributed.init_process_group replaced by a bomb: an error
+# that reaches the user instead of the bomb was raised before any collective could start.
+RUNNER = """
+import sys, torch.distributed as d
+def bomb(*a, **k):
+    raise SystemExit("BOMB: init_process_group reached")
+d.init_process_group = bomb
+from megatron_rlhf.generate import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_cli(args, world_size=1):
+    env = dict(os.environ, WORLD_SIZE=str(world_size), PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-c", RUNNER, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(world1, tmp_path_factory):
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {chr(ord("a") + i): i + 2 for i in range(26)} | {"<unk>": 0, "</s>": 1}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="</s>")
+    root = tmp_path_factory.mktemp("cli") / "ck"
+    cfg = preset("tiny", max_position_embeddings=16)
+    save_checkpoint(root, 0, build_model(cfg, "actor", world1, dtype=torch.float32), world1,
+                    tokenizer=tok)
+    return root
+
+
+def test_generates(tiny_ckpt):
+    r = subprocess.run([sys.executable, "-m", "megatron_rlhf.generate", "--load", str(tiny_ckpt),
+                        "--prompt", "abc", "--max-new-tokens", "4", "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert r.returncode == 0, r.stderr
+    assert '"prompt_ids": [2, 3, 4]' in r.stdout
+
+
+@pytest.mark.parametrize(
+    "extra,world,message",
+    [
+        (["--tensor-model-parallel-size", "3"], 3, "tensor parallel size 3 must divide 4 attention heads"),
+        (["--tensor-model-parallel-size", "2"], 3, "must divide the world size 3"),
+        (["--pipeline-model-parallel-size", "2"], 2, "pipeline parallel size 2 is not supported yet"),
+        (["--max-new-tokens", "14"], 1, "prompt of 3 tokens + --max-new-tokens 14 exceeds the model's 16 positions"),
+        (["--temperature", "0.8"], 1, "greedy only"),
+    ],
+)
+def test_bad_input_fails_before_collectives(tiny_ckpt, extra, world, message):
+    r = run_cli(["--load", str(tiny_ckpt), "--prompt", "abc", *extra], world_size=world)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+    assert "BOMB" not in r.stderr + r.stdout
+
+
+def test_missing_and_truncated_checkpoint(tiny_ckpt, tmp_path):
+    r = run_cli(["--load", str(tmp_path / "nothing"), "--prompt", "abc"])
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_ckpt, broken)
+    shard = sorted((broken / "iter_0000000").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    r = run_cli(["--load", str(broken), "--prompt", "abc"])
+    assert r.returncode == 2 and "is truncated or corrupt" in r.stderr and "BOMB" not in r.stderr
