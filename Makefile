@@ -6,6 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 NPROC   ?= 3
 OUT     ?= out/demo
+PROMPT  ?= Explain in two sentences why the sky is blue.
 
 .PHONY: install demo test test-fast clean
 
@@ -20,7 +21,7 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 demo: $(STAMP)
-	NPROC=$(NPROC) OUT=$(OUT) PATH=$(abspath $(BIN)):$$PATH bash examples/cpu_demo.sh
+	NPROC=$(NPROC) OUT=$(OUT) PROMPT="$(PROMPT)" PATH=$(abspath $(BIN)):$$PATH bash examples/cpu_demo.sh
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
