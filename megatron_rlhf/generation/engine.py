@@ -1,0 +1,245 @@
+"""The batched, tensor-parallel generator with optional lossless speculative decoding.
+
+State per live sample (a row of the caches): the actor cache holds every token of the
+sequence except ``pending`` (the newest token, sampled but not yet fed); the draft cache
+is kept one token further behind, so each speculative round starts by feeding the draft
+the same two tokens for every sample: ``[last_in_cache, pending]``.
+
+A plain step feeds ``pending`` and samples the next token. A speculative round lets the
+draft propose ``n`` tokens, feeds ``[pending, d1..dn]`` to the actor once, accepts a
+prefix per sample (:mod:`megatron_rlhf.generation.speculative`) and rolls both caches
+back to what was accepted. Finished rows stay in the batch (fed a pad token, results
+ignored) until a quarter of the batch is dead, then the caches are compacted.
+
+Under TP every rank of the group runs this loop on the same prompts with the same
+generator seed; logits are gathered over TP, so every rank draws the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_rlhf.config import GenerationConfig, SpecConfig
+from megatron_rlhf.generation import speculative
+from megatron_rlhf.generation.incremental import RopeTable, forward_cached, prefill
+from megatron_rlhf.generation.kv_cache import KVCache
+from megatron_rlhf.generation.rollout import GenerationStats, Rollout
+from megatron_rlhf.generation.sampling import probs_for_sampling, sample, token_logprobs
+
+
+class _Samples:
+    """Per-sample outputs, indexed by the sample's original position in the batch."""
+
+    def __init__(self, batch: int, cfg: GenerationConfig, eos: int | None):
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.logprobs: list[list[float]] = [[] for _ in range(batch)]
+        self.sampling_logprobs: list[list[float]] = [[] for _ in range(batch)]
+        self.reasons: list[str | None] = [None] * batch
+        self.cfg, self.eos = cfg, eos
+
+    def emit(self, i: int, tokens: list[int], lps: list[float], slps: list[float]) -> bool:
+        """Append tokens to sample ``i`` up to EOS or the budget; True if it finished."""
+        for t, lp, slp in zip(tokens, lps, slps):
+            self.tokens[i].append(t)
+            self.logprobs[i].append(lp)
+            self.sampling_logprobs[i].append(slp)
+            if self.cfg.stop_on_eos and t == self.eos:
+                self.reasons[i] = "eos"
+                return True
+            if len(self.tokens[i]) >= self.cfg.max_new_tokens:
+                self.reasons[i] = "length"
+                return True
+        return False
+
+
+def _logprob_pair(logits: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor):
+    """(log pi at T=1, log of the sampling distribution) of ``tokens [...]``."""
+    lp = token_logprobs(logits, tokens)
+    slp = probs.gather(-1, tokens[..., None])[..., 0].clamp(min=1e-30).log()
+    return lp, slp
+
+
+def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig,
+                  actor_cfg, draft_cfg=None) -> int:
+    """Validate a request against the model configs (no models, no collectives needed).
+
+    Returns the KV-cache length the request needs.
+    """
+    if not prompts:
+        raise ValueError("no prompts to generate from")
+    if spec.num_draft_tokens and draft_cfg is None:
+        raise ValueError("--num-draft-tokens > 0 needs a draft model (--draft-load)")
+    if draft_cfg is not None and draft_cfg.vocab_size != actor_cfg.vocab_size:
+        raise ValueError(
+            f"the draft's vocabulary ({draft_cfg.vocab_size} tokens) differs from the actor's "
+            f"({actor_cfg.vocab_size}): a draft must share the actor's tokenizer"
+        )
+    limit = actor_cfg.max_position_embeddings
+    if draft_cfg is not None:
+        limit = min(limit, draft_cfg.max_position_embeddings)
+    extra = spec.num_draft_tokens + 1
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) + cfg.max_new_tokens + extra > limit:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens: with max_new_tokens {cfg.max_new_tokens} "
+                f"(+{extra} for verification) it exceeds the cache of {limit} positions; "
+                "shorten the prompt or lower --max-new-tokens"
+            )
+    return max(len(p) for p in prompts) + cfg.max_new_tokens + extra
+
+
+class Generator:
+    """Generates with ``actor`` (and ``draft``, when given) over their shared TP group."""
+
+    def __init__(self, actor, draft=None, pad_id: int = 0):
+        self.actor, self.draft, self.pad_id = actor, draft, pad_id
+        if draft is not None:
+            check_request([[0]], GenerationConfig(max_new_tokens=1), SpecConfig(),
+                          actor.mrlhf_config, draft.mrlhf_config)
+            if draft.pg_collection.tp.size() != actor.pg_collection.tp.size():
+                raise ValueError("draft and actor must run under the same tensor-parallel group")
+        self.eos = actor.mrlhf_config.eos_token_id
+
+    def check(self, prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig) -> int:
+        """Raise before any collective if the request cannot run; returns the cache length."""
+        return check_request(prompts, cfg, spec, self.actor.mrlhf_config,
+                             None if self.draft is None else self.draft.mrlhf_config)
+
+    # ------------------------------------------------------------------ main loop
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], cfg: GenerationConfig,
+                 spec: SpecConfig | None = None, seed: int = 0,
+                 accept_rule=speculative.accept_sampling) -> Rollout:
+        spec = spec or SpecConfig()
+        max_len = self.check(prompts, cfg, spec)
+        t0 = time.perf_counter()
+        for m in (self.actor, self.draft):
+            if m is not None:
+                m.eval()
+        dev = self.actor.embedding.word_embeddings.weight.device
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        n = spec.num_draft_tokens
+        out = _Samples(len(prompts), cfg, self.eos)
+        stats = GenerationStats(num_draft_tokens=n, accepted_per_position=[0] * n)
+
+        rope = RopeTable(self.actor, max_len)
+        cache = KVCache.for_model(self.actor, len(prompts), max_len)
+        logits = prefill(self.actor, cache, prompts, rope, self.pad_id)  # [B, V]
+        first, probs = sample(logits, cfg, gen)
+        lp, slp = _logprob_pair(logits, probs, first)
+        rows = torch.arange(len(prompts), device=dev)  # original index of each cache row
+        alive = torch.ones(len(prompts), dtype=torch.bool, device=dev)
+        for r in range(len(prompts)):
+            if out.emit(r, [int(first[r])], [float(lp[r])], [float(slp[r])]):
+                alive[r] = False
+        pending = first
+        state = {"cache": cache, "pending": pending}
+        if n:
+            d_rope = RopeTable(self.draft, max_len)
+            d_cache = KVCache.for_model(self.draft, len(prompts), max_len)
+            prefill(self.draft, d_cache, prompts, d_rope, self.pad_id)
+            d_cache.truncate(d_cache.lengths - 1)
+            state.update(d_cache=d_cache, last=torch.tensor([p[-1] for p in prompts], device=dev))
+
+        while bool(alive.any()):
+            dead = int((~alive).sum())
+            if dead and dead * 4 >= len(rows):
+                keep = alive.nonzero()[:, 0]
+                rows, alive = rows[keep], alive[keep]
+                for key, val in state.items():
+                    if isinstance(val, KVCache):
+                        val.select(keep)
+                    else:
+                        state[key] = val[keep]
+            if n:
+                self._spec_round(state, rows, alive, out, cfg, n, gen, rope, d_rope, stats, accept_rule)
+            else:
+                self._plain_step(state, rows, alive, out, cfg, gen, rope, stats)
+        stats.elapsed_s = time.perf_counter() - t0
+        return self._rollout(prompts, out, stats, dev)
+
+    def _plain_step(self, st, rows, alive, out, cfg, gen, rope, stats):
+        cache = st["cache"]
+        cache.lengths[~alive] = 0  # dead rows compute garbage at position 0
+        feed = torch.where(alive, st["pending"], self.pad_id)[:, None]
+        logits = forward_cached(self.actor, cache, feed, rope)[:, 0]  # [R, V]
+        stats.actor_steps += 1
+        tok, probs = sample(logits, cfg, gen)
+        lp, slp = _logprob_pair(logits, probs, tok)
+        for r in alive.nonzero()[:, 0].tolist():
+            if out.emit(int(rows[r]), [int(tok[r])], [float(lp[r])], [float(slp[r])]):
+                alive[r] = False
+        st["pending"] = tok
+
+    def _spec_round(self, st, rows, alive, out, cfg, n, gen, rope, d_rope, stats, accept_rule):
+        cache, d_cache = st["cache"], st["d_cache"]
+        cache.lengths[~alive] = 0
+        d_cache.lengths[~alive] = 0
+        pending = torch.where(alive, st["pending"], self.pad_id)
+        last = torch.where(alive, st["last"], self.pad_id)
+        base = cache.lengths.clone()  # tokens in the actor cache before this round
+
+        # draft: n proposals; the first step catches up with [last_in_cache, pending]
+        feed = torch.stack([last, pending], 1)
+        drafts, q_probs = [], []
+        for _ in range(n):
+            d_logits = forward_cached(self.draft, d_cache, feed, d_rope)[:, -1]
+            tok, q = sample(d_logits, cfg, gen)
+            drafts.append(tok)
+            q_probs.append(q)
+            feed = tok[:, None]
+        stats.draft_steps += n
+        drafts_t = torch.stack(drafts, 1)  # [R, n]
+
+        # actor: verify all n+1 positions in one forward
+        a_logits = forward_cached(self.actor, cache, torch.cat([pending[:, None], drafts_t], 1), rope)
+        stats.actor_steps += 1
+        if cfg.greedy:
+            verdict = speculative.accept_greedy(drafts_t, a_logits)
+            p_probs = None
+        else:
+            p_probs = probs_for_sampling(a_logits, cfg)
+            verdict = accept_rule(drafts_t, torch.stack(q_probs, 1), p_probs, gen)
+        k = verdict.accepted  # [R]
+        emitted = torch.cat([drafts_t, drafts_t[:, :1]], 1)  # [R, n+1]; slot k <- next token
+        emitted.scatter_(1, k[:, None], verdict.next_token[:, None])
+        if p_probs is None:
+            p_probs = probs_for_sampling(a_logits, cfg)
+        lp, slp = _logprob_pair(a_logits, p_probs, emitted)  # [R, n+1]
+
+        live = alive.nonzero()[:, 0]
+        stats.verifications += len(live)
+        for i in range(n):
+            stats.accepted_per_position[i] += int((k[live] > i).sum())
+        for r in live.tolist():
+            kr = int(k[r])
+            if out.emit(int(rows[r]), emitted[r, : kr + 1].tolist(), lp[r, : kr + 1].tolist(),
+                        slp[r, : kr + 1].tolist()):
+                alive[r] = False
+
+        # roll back: actor keeps pending + accepted drafts; the draft stays one behind
+        cache.truncate(base + 1 + k)
+        d_cache.truncate(base + k)
+        st["last"] = torch.where(k > 0, drafts_t.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0], pending)
+        st["pending"] = verdict.next_token
+
+    def _rollout(self, prompts, out: _Samples, stats: GenerationStats, dev) -> Rollout:
+        b = len(prompts)
+        t = max(len(x) for x in out.tokens)
+        ids = torch.full((b, t), self.pad_id, dtype=torch.long)
+        lps = torch.zeros(b, t)
+        slps = torch.zeros(b, t)
+        for i in range(b):
+            m = len(out.tokens[i])
+            ids[i, :m] = torch.tensor(out.tokens[i])
+            lps[i, :m] = torch.tensor(out.logprobs[i])
+            slps[i, :m] = torch.tensor(out.sampling_logprobs[i])
+        lengths = torch.tensor([len(x) for x in out.tokens])
+        stats.new_tokens = int(lengths.sum())
+        return Rollout(prompt_ids=[list(p) for p in prompts], response_ids=ids,
+                       response_logprobs=lps, sampling_logprobs=slps, lengths=lengths,
+                       finish_reasons=list(out.reasons), stats=stats)

@@ -1,0 +1,106 @@
+"""Incremental forward over a megatron-core GPTModel's own modules, with our KV cache.
+
+No copy of the weights: each layer's ``input_layernorm``, ``self_attention``
+(``get_query_key_value_tensors`` gives this rank's q, k, v shards; ``linear_proj`` is the
+row-parallel output with its TP all-reduce), ``pre_mlp_layernorm`` and ``mlp`` are called
+directly. What is ours: RoPE at each sample's own positions, the cache, the masks and the
+attention (torch SDPA; it dispatches to flash kernels on GPU where it can).
+
+Every sample feeds the same number of tokens ``n`` per call, each at its own offset
+(``cache.lengths``): prefill of right-padded prompts, a 1-token decode step, or an
+``n``-token verification.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class RopeTable:
+    """RoPE angles for positions ``0..max_len-1`` from the model's own rotary module."""
+
+    def __init__(self, model, max_len: int):
+        freqs = model.rotary_pos_emb(max_len)  # [max_len, 1, 1, rot_dim]
+        self.freqs = freqs[:, 0, 0]  # [max_len, rot_dim]
+        self.cos = torch.cos(self.freqs)
+        self.sin = torch.sin(self.freqs)
+
+    def apply(self, t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """RoPE on ``t [n, B, heads, dim]`` at positions ``pos [B, n]`` (rotate-half form)."""
+        cos = self.cos[pos].transpose(0, 1)[:, :, None].to(t.dtype)  # [n, B, 1, d]
+        sin = self.sin[pos].transpose(0, 1)[:, :, None].to(t.dtype)
+        half = t.shape[-1] // 2
+        rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+        return t * cos + rotated * sin
+
+
+def attention_mask(lengths: torch.Tensor, n: int, k_len: int) -> torch.Tensor:
+    """``[B, 1, n, k_len]`` bool, True where query j of sample b may attend key t.
+
+    Query j sits at position ``lengths[b] + j`` and sees keys ``t <= lengths[b] + j``.
+    """
+    q_pos = lengths[:, None] + torch.arange(n, device=lengths.device)  # [B, n]
+    keys = torch.arange(k_len, device=lengths.device)
+    return (keys[None, None, :] <= q_pos[:, :, None])[:, None]
+
+
+def _layer_step(layer, idx: int, x, cache, rope: RopeTable, pos, mask, k_len: int):
+    """One transformer layer for ``x [n, B, h]``; writes this layer's k, v into the cache."""
+    attn = layer.self_attention
+    residual = x
+    h = layer.input_layernorm(x)
+    q, k, v = attn.get_query_key_value_tensors(h, None)  # [n, B, heads_local, d]
+    q, k = rope.apply(q, pos), rope.apply(k, pos)
+    cache.write(idx, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3))
+    ctx = F.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3),  # [B, heads, n, d]
+        cache.keys[idx][:, :, :k_len],
+        cache.values[idx][:, :, :k_len],
+        attn_mask=mask,
+        enable_gqa=True,
+    )  # [B, heads, n, d]
+    n, b = x.shape[0], x.shape[1]
+    ctx = ctx.permute(2, 0, 1, 3).reshape(n, b, -1)
+    out, bias = attn.linear_proj(ctx)
+    x = residual + (out if bias is None else out + bias)
+    residual = x
+    out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+    return residual + (out if bias is None else out + bias)
+
+
+def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
+                   last_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Feed ``tokens [B, n]`` after each sample's cached prefix; returns logits.
+
+    Logits are ``[B, n, V]`` (vocabulary padding removed, gathered over TP), or ``[B, 1, V]``
+    at ``last_index [B]`` (a position in ``0..n-1`` per sample) when given. The cache
+    advances by ``n`` for every sample.
+    """
+    b, n = tokens.shape
+    cache.check_room(n)
+    pos = cache.lengths[:, None] + torch.arange(n, device=tokens.device)  # [B, n]
+    k_len = int(cache.lengths.max()) + n
+    mask = attention_mask(cache.lengths, n, k_len)
+    x = model.embedding(input_ids=tokens, position_ids=pos)  # [n, B, h]
+    for i, layer in enumerate(model.decoder.layers):
+        x = _layer_step(layer, i, x, cache, rope, pos, mask, k_len)
+    cache.advance(n)
+    if last_index is not None:
+        x = x[last_index, torch.arange(b, device=x.device)][None]  # [1, B, h]
+    x = model.decoder.final_layernorm(x)
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    logits, _ = model.output_layer(x, weight=weight)
+    return logits.transpose(0, 1)[..., : model.mrlhf_config.vocab_size]
+
+
+def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int = 0) -> torch.Tensor:
+    """Fill an empty cache with right-padded prompts; returns next-token logits ``[B, V]``."""
+    dev = cache.lengths.device
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    tokens = torch.full((len(prompts), int(lens.max())), pad_id, dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, device=dev)
+    logits = forward_cached(model, cache, tokens, rope, last_index=lens - 1)
+    cache.truncate(lens)
+    return logits[:, 0]

@@ -1,0 +1,74 @@
+"""The typed result of generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GenerationStats:
+    """Work done and, under speculation, how much of the draft the actor accepted."""
+
+    num_draft_tokens: int = 0
+    """Draft length per verification (0: plain decoding)."""
+    actor_steps: int = 0
+    """Actor forwards after prefill (decode steps or verifications)."""
+    draft_steps: int = 0
+    """Draft forwards after prefill."""
+    verifications: int = 0
+    """Sample-verifications: one per live sample per actor step under speculation."""
+    accepted_per_position: list[int] = field(default_factory=list)
+    """``[n]``: how many verifications accepted at least ``i+1`` draft tokens."""
+    new_tokens: int = 0
+    """Tokens emitted over all samples."""
+    elapsed_s: float = 0.0
+    """Wall time of the whole call, prefill included."""
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.accepted_per_position)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per sample-verification: accepted draft tokens + 1."""
+        if not self.verifications:
+            return 1.0
+        return 1.0 + self.accepted_tokens / self.verifications
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "num_draft_tokens": self.num_draft_tokens, "actor_steps": self.actor_steps,
+            "draft_steps": self.draft_steps, "verifications": self.verifications,
+            "accepted_per_position": self.accepted_per_position, "new_tokens": self.new_tokens,
+            "elapsed_s": self.elapsed_s, "mean_accepted_length": self.mean_accepted_length,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+@dataclass
+class Rollout:
+    """Responses to a batch of prompts, with what PPO needs about them."""
+
+    prompt_ids: list[list[int]]
+    """``B`` prompts, unpadded."""
+    response_ids: torch.Tensor
+    """``[B, T]`` generated tokens, right-padded with ``pad_id``."""
+    response_logprobs: torch.Tensor
+    """``[B, T]`` log pi_actor(token) at temperature 1, unmodified distribution; 0 at padding."""
+    sampling_logprobs: torch.Tensor
+    """``[B, T]`` log-prob under the distribution actually sampled from; 0 at padding."""
+    lengths: torch.Tensor
+    """``[B]`` response lengths (EOS included)."""
+    finish_reasons: list[str]
+    """``B`` of "eos" or "length"."""
+    stats: GenerationStats
+    """Throughput and acceptance statistics."""
+
+    def responses(self) -> list[list[int]]:
+        return [self.response_ids[i, : int(n)].tolist() for i, n in enumerate(self.lengths)]

@@ -1,0 +1,75 @@
+"""Lossless speculative decoding as small pure functions, batch size > 1 from the start.
+
+Per step the draft proposes ``n`` tokens per sample (a chain); the actor scores all
+``n + 1`` positions in one forward; each sample keeps its accepted prefix plus one
+corrected (on rejection) or bonus (all accepted) token. With ``p`` the actor's and ``q``
+the draft's sampling distributions (same temperature/top-k/top-p), draft token ``x`` is
+accepted with probability ``min(1, p(x)/q(x))``; on rejection the replacement is drawn
+from ``normalise(max(p - q, 0))``. The emitted tokens are then distributed exactly as
+plain sampling from ``p`` (Leviathan et al. 2023; Chen et al. 2023). Greedy decoding is
+the special case of one-hot ``p`` and ``q``: accept while the draft equals the argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rlhf.generation.sampling import draw
+
+
+@dataclass
+class Verdict:
+    """What one verification decided, per sample."""
+
+    accepted: torch.Tensor
+    """``[B]`` number of draft tokens accepted (0..n)."""
+    next_token: torch.Tensor
+    """``[B]`` the corrected token (after a rejection) or the bonus token (all accepted)."""
+
+
+def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
+    """Greedy verification: ``draft_tokens [B, n]``, ``target_logits [B, n+1, V]``."""
+    target = target_logits.argmax(-1)  # [B, n+1]
+    return _verdict_from_matches(draft_tokens == target[:, :-1], target)
+
+
+def _verdict_from_matches(ok: torch.Tensor, replacement: torch.Tensor) -> Verdict:
+    """``ok [B, n]`` per-position acceptance; ``replacement [B, n+1]`` token after each prefix."""
+    accepted = ok.long().cumprod(-1).sum(-1)  # length of the all-accepted prefix
+    next_token = replacement.gather(-1, accepted[:, None])[:, 0]
+    return Verdict(accepted=accepted, next_token=next_token)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``normalise(max(p - q, 0))`` over the last dim; falls back to ``p`` where it is all zero."""
+    r = (p - q).clamp(min=0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp(min=1e-30), p)
+
+
+def accept_sampling(draft_tokens: torch.Tensor, q_probs: torch.Tensor, p_probs: torch.Tensor,
+                    generator: torch.Generator | None) -> Verdict:
+    """Rejection sampling: ``draft_tokens [B, n]``, ``q_probs [B, n, V]``, ``p_probs [B, n+1, V]``.
+
+    ``q_probs``/``p_probs`` are the draft's and actor's *sampling* distributions
+    (after temperature, top-k, top-p).
+    """
+    b, n = draft_tokens.shape
+    p_x = p_probs[:, :n].gather(-1, draft_tokens[..., None])[..., 0]  # [B, n]
+    q_x = q_probs.gather(-1, draft_tokens[..., None])[..., 0]
+    u = torch.rand((b, n), generator=generator, device=p_x.device)
+    ok = u * q_x < p_x  # u < p/q without dividing; q(x) > 0 for any drafted x
+    # replacement after prefix j < n: the residual at j; after all n: the bonus from p[n]
+    resid = residual_distribution(p_probs[:, :n], q_probs)
+    replacement = draw(torch.cat([resid, p_probs[:, n:]], dim=1), generator)  # [B, n+1]
+    return _verdict_from_matches(ok, replacement)
+
+
+def accept_always(draft_tokens: torch.Tensor, q_probs: torch.Tensor, p_probs: torch.Tensor,
+                  generator: torch.Generator | None) -> Verdict:
+    """A deliberately *broken* rule (accept every draft token) for tests to show they notice."""
+    b, n = draft_tokens.shape
+    bonus = draw(p_probs[:, n], generator)
+    return Verdict(accepted=torch.full((b,), n, device=draft_tokens.device), next_token=bonus)
