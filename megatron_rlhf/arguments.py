@@ -66,6 +66,17 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="fp32 parameters and compute (default on CPU)")
 
 
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: all)")
+    g.add_argument("--draft-load", default=None, help="draft model checkpoint for speculation")
+    g.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="draft tokens per verification (default 4 with --draft-load, else 0)")
+
+
 def model_config_from_args(args: argparse.Namespace, base: ModelConfig | None = None) -> ModelConfig:
     """``base`` (e.g. a checkpoint's config) or ``--model``, with explicit flags applied."""
     if base is None:

@@ -2,9 +2,12 @@
 
     torchrun --nproc_per_node 3 -m megatron_rlhf.generate --load CKPT \\
         --tensor-model-parallel-size 3 --prompt "What is RLHF?" --chat --max-new-tokens 64
+    python -m megatron_rlhf.generate --load CKPT --draft-load DRAFT --num-draft-tokens 4 \\
+        --prompts megatron_rlhf/data/prompts.jsonl --batch-size 16 --temperature 0.7 --json
 
-Everything that can be wrong with the flags, the checkpoint or the prompt is reported
-before any collective starts.
+Ranks beyond the TP size form data-parallel replicas that split the prompts. Everything
+that can be wrong with the flags, the checkpoints or the prompts is reported before any
+collective starts.
 """
 
 from __future__ import annotations
@@ -13,10 +16,9 @@ import argparse
 import json
 import os
 import sys
-import time
 
 from megatron_rlhf import arguments
-from megatron_rlhf.config import GenerateConfig, dataclass_from_namespace
+from megatron_rlhf.config import GenerationConfig, SpecConfig, dataclass_from_namespace
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -24,13 +26,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     arguments.add_parallel_args(p)
     arguments.add_runtime_args(p)
-    g = p.add_argument_group("generation")
-    g.add_argument("--prompt", required=True, help="prompt text")
+    arguments.add_generation_args(p)
+    g = p.add_argument_group("input and output")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt text")
+    src.add_argument("--prompts", help="a jsonl file of {\"prompt\": ...} lines")
+    g.add_argument("--split", default=None, choices=["train", "heldout"],
+                   help="with --prompts: only this split")
+    g.add_argument("--limit", type=int, default=None, help="with --prompts: the first N only")
+    g.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (only mode yet)")
     g.add_argument("--json", action="store_true",
-                   help="print one JSON line: prompt_ids, output_ids, text")
+                   help="one JSON line per prompt: prompt_ids, output_ids, text, logprobs")
     args = p.parse_args(argv)
     if args.load is None:
         p.error("--load CHECKPOINT is required")
@@ -38,25 +45,32 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def validate(args: argparse.Namespace):
-    """Check flags, checkpoint files, layout and prompt; no collectives. Returns the plan."""
+    """Check flags, checkpoint files, layout and prompts; no collectives. Returns the plan."""
+    from megatron_rlhf.data.prompts import load_prompts
     from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
+    from megatron_rlhf.generation.engine import check_request
     from megatron_rlhf.models.checkpoint import read_checkpoint
 
-    gen = dataclass_from_namespace(GenerateConfig, args)
+    if args.num_draft_tokens is None:
+        args.num_draft_tokens = 4 if args.draft_load else 0
+    gen = dataclass_from_namespace(GenerationConfig, args)
+    spec = dataclass_from_namespace(SpecConfig, args)
     par = arguments.parallel_config_from_args(args)
-    info = read_checkpoint(args.load)
-    cfg = info.config
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    infos = [read_checkpoint(args.load)]
+    if args.draft_load:
+        infos.append(read_checkpoint(args.draft_load))
     tp = par.tensor_model_parallel_size
-    cfg.check_tensor_parallel(tp)
+    for info in infos:
+        info.config.check_tensor_parallel(tp)
     par.check_world(arguments.launch_world_size())
-    tokenizer = load_tokenizer(info.tokenizer_dir)
-    prompt_ids = encode_prompt(tokenizer, args.prompt, chat=gen.chat)
-    if len(prompt_ids) + gen.max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(
-            f"prompt of {len(prompt_ids)} tokens + --max-new-tokens {gen.max_new_tokens} "
-            f"exceeds the model's {cfg.max_position_embeddings} positions"
-        )
-    return gen, info, tokenizer, prompt_ids
+    tokenizer = load_tokenizer(infos[0].tokenizer_dir)
+    texts = [args.prompt] if args.prompt is not None else [
+        x.prompt for x in load_prompts(args.prompts, split=args.split)][: args.limit]
+    prompts = [encode_prompt(tokenizer, t, chat=args.chat) for t in texts]
+    check_request(prompts, gen, spec, infos[0].config, infos[1].config if args.draft_load else None)
+    return gen, spec, infos, tokenizer, prompts
 
 
 def main(argv=None) -> int:
@@ -65,36 +79,86 @@ def main(argv=None) -> int:
 
     platform.quiet_third_party_warnings()
     try:
-        gen, info, tokenizer, prompt_ids = validate(args)
+        gen, spec, infos, tokenizer, prompts = validate(args)
     except (ValueError, FileNotFoundError) as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         return 2
-    cfg, tp = info.config, args.tensor_model_parallel_size
 
     # --- distributed from here on ---
-    from megatron_rlhf.generation.greedy import greedy_generate
+    from megatron_rlhf.generation.engine import Generator
+    from megatron_rlhf.generation.rollout import GenerationStats
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.checkpoint import load_checkpoint
     from megatron_rlhf.parallel.groups import build_process_groups
     from megatron_rlhf.parallel.layout import Layout
 
+    tp = args.tensor_model_parallel_size
     rank, world = platform.init_distributed(seed=args.seed)
-    pg = build_process_groups(Layout.for_world(world, tp=tp))
-    model = build_model(cfg, info.role, pg, dtype=arguments.dtype_from_args(args), seed=args.seed)
-    load_checkpoint(model, pg, info.path)
-    t0 = time.perf_counter()
-    out = greedy_generate(model, prompt_ids, gen.max_new_tokens, cfg.eos_token_id)
-    elapsed = time.perf_counter() - t0
-    text = tokenizer.decode(out, skip_special_tokens=True)
+    layout = Layout.for_world(world, tp=tp)
+    pg = build_process_groups(layout)
+    dtype = arguments.dtype_from_args(args)
+    models = []
+    for info in infos:
+        m = build_model(info.config, info.role, pg, dtype=dtype, seed=args.seed)
+        load_checkpoint(m, pg, info.path)
+        models.append(m)
+    engine = Generator(models[0], models[1] if len(models) > 1 else None,
+                       pad_id=tokenizer.pad_token_id or 0)
+    dp_rank = layout.coords(rank).dp
+    mine = list(range(dp_rank, len(prompts), layout.dp))
+    results, totals = [], GenerationStats(num_draft_tokens=spec.num_draft_tokens,
+                                          accepted_per_position=[0] * spec.num_draft_tokens)
+    for start in range(0, len(mine), args.batch_size):
+        idx = mine[start: start + args.batch_size]
+        r = engine.generate([prompts[i] for i in idx], gen, spec, seed=args.seed + idx[0])
+        _accumulate(totals, r.stats)
+        for j, i in enumerate(idx):
+            n = int(r.lengths[j])
+            results.append((i, prompts[i], r.response_ids[j, :n].tolist(),
+                            r.response_logprobs[j, :n].tolist(), r.finish_reasons[j]))
+    gathered = _gather(pg, results, totals)
     if rank == 0:
-        if args.json:
-            print(json.dumps({"prompt_ids": prompt_ids, "output_ids": out, "text": text}))
-        else:
-            print(text)
-            print(f"[{len(out)} tokens in {elapsed:.2f}s, TP={tp}, world={world}]",
-                  file=sys.stderr)
+        _report(args, tokenizer, gathered)
+    platform.shutdown()
     return 0
+
+
+def _accumulate(total, s) -> None:
+    total.actor_steps += s.actor_steps
+    total.draft_steps += s.draft_steps
+    total.verifications += s.verifications
+    total.new_tokens += s.new_tokens
+    total.elapsed_s += s.elapsed_s
+    total.accepted_per_position = [a + b for a, b in zip(total.accepted_per_position,
+                                                         s.accepted_per_position)]
+
+
+def _gather(pg, results, totals):
+    import torch.distributed as dist
+
+    everything = [None] * pg.dp.size()
+    dist.all_gather_object(everything, (results, totals), group=pg.dp)
+    return everything
+
+
+def _report(args, tokenizer, gathered) -> None:
+    rows = sorted(r for results, _ in gathered for r in results)
+    for i, prompt_ids, out, lps, reason in rows:
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        if args.json:
+            print(json.dumps({"index": i, "prompt_ids": prompt_ids, "output_ids": out,
+                              "text": text, "logprobs": lps, "finish_reason": reason}))
+        else:
+            print(text if args.prompt is not None else f"[{i}] {text}")
+    tokens = sum(t.new_tokens for _, t in gathered)
+    slowest = max(t.elapsed_s for _, t in gathered)
+    ver = sum(t.verifications for _, t in gathered)
+    acc = sum(sum(t.accepted_per_position) for _, t in gathered)
+    line = f"[{len(rows)} prompts, {tokens} tokens in {slowest:.2f}s: {tokens / max(slowest, 1e-9):.1f} tok/s"
+    if ver:
+        line += f", mean accepted length {1 + acc / ver:.2f} with {args.num_draft_tokens} draft tokens"
+    print(line + "]", file=sys.stderr)
 
 
 if __name__ == "__main__":

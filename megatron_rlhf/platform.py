@@ -154,6 +154,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def shutdown() -> None:
+    """Tear the process group down cleanly (entry points call it before exiting)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

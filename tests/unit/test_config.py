@@ -4,9 +4,10 @@ import pytest
 
 from megatron_rlhf import arguments
 from megatron_rlhf.config import (
-    GenerateConfig,
+    GenerationConfig,
     ModelConfig,
     ParallelConfig,
+    SpecConfig,
     dataclass_from_namespace,
     preset,
 )
@@ -67,10 +68,15 @@ def test_flags_map_onto_dataclasses():
         arguments.model_config_from_args(p.parse_args([]))
 
 
-def test_generate_config():
-    ns = argparse.Namespace(max_new_tokens=8, temperature=0.0, chat=True)
-    assert dataclass_from_namespace(GenerateConfig, ns).chat
-    with pytest.raises(ValueError, match="greedy only"):
-        GenerateConfig(temperature=0.7)
+def test_generation_configs():
+    ns = argparse.Namespace(max_new_tokens=8, temperature=0.0, top_k=None, top_p=0.9)
+    cfg = dataclass_from_namespace(GenerationConfig, ns)
+    assert cfg.greedy and cfg.top_p == 0.9 and cfg.top_k == 0
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        GenerationConfig(temperature=-1)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        GenerationConfig(top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
-        GenerateConfig(max_new_tokens=0)
+        GenerationConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="--num-draft-tokens must be an integer >= 0, got -1"):
+        SpecConfig(num_draft_tokens=-1)

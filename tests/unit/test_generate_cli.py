@@ -48,7 +48,7 @@ def tiny_ckpt(world1, tmp_path_factory):
 
 def test_generates(tiny_ckpt):
     r = subprocess.run([sys.executable, "-m", "megatron_rlhf.generate", "--load", str(tiny_ckpt),
-                        "--prompt", "abc", "--max-new-tokens", "4", "--json"],
+                        "--prompt", "abc", "--max-new-tokens", "4", "--temperature", "0", "--json"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert r.returncode == 0, r.stderr
@@ -61,8 +61,10 @@ def test_generates(tiny_ckpt):
         (["--tensor-model-parallel-size", "3"], 3, "tensor parallel size 3 must divide 4 attention heads"),
         (["--tensor-model-parallel-size", "2"], 3, "must divide the world size 3"),
         (["--pipeline-model-parallel-size", "2"], 2, "pipeline parallel size 2 is not supported yet"),
-        (["--max-new-tokens", "14"], 1, "prompt of 3 tokens + --max-new-tokens 14 exceeds the model's 16 positions"),
-        (["--temperature", "0.8"], 1, "greedy only"),
+        (["--max-new-tokens", "13"], 1, "prompt 0 has 3 tokens: with max_new_tokens 13 (+1 for verification) it exceeds the cache of 16 positions"),
+        (["--num-draft-tokens", "-1"], 1, "--num-draft-tokens must be an integer >= 0, got -1"),
+        (["--num-draft-tokens", "2"], 1, "needs a draft model (--draft-load)"),
+        (["--top-p", "1.5"], 1, "top_p must be in (0, 1]"),
     ],
 )
 def test_bad_input_fails_before_collectives(tiny_ckpt, extra, world, message):
@@ -70,6 +72,14 @@ def test_bad_input_fails_before_collectives(tiny_ckpt, extra, world, message):
     assert r.returncode == 2, r.stderr
     assert message in r.stderr
     assert "BOMB" not in r.stderr + r.stdout
+
+
+def test_draft_with_other_vocabulary(world1, tiny_ckpt, tmp_path):
+    other = preset("tiny", vocab_size=300, max_position_embeddings=16)
+    save_checkpoint(tmp_path / "draft", 0, build_model(other, "draft", world1, dtype=torch.float32), world1)
+    r = run_cli(["--load", str(tiny_ckpt), "--draft-load", str(tmp_path / "draft"), "--prompt", "abc"])
+    assert r.returncode == 2 and "the draft's vocabulary (300 tokens) differs from the actor's (256)" in r.stderr
+    assert "BOMB" not in r.stderr
 
 
 def test_missing_and_truncated_checkpoint(tiny_ckpt, tmp_path):

@@ -1,0 +1,137 @@
+"""The generation engine: cache, incremental forward, sampling, speculative decoding."""
+
+import pytest
+import torch
+
+from gen_fixtures import PROMPTS, actor_and_draft
+from megatron_rlhf.config import GenerationConfig, SpecConfig, preset
+from megatron_rlhf.generation import speculative
+from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation.greedy import greedy_generate
+from megatron_rlhf.generation.incremental import RopeTable, forward_cached, prefill
+from megatron_rlhf.generation.kv_cache import KVCache
+from megatron_rlhf.generation.sampling import probs_for_sampling
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.forward import lm_logits
+
+GREEDY = GenerationConfig(max_new_tokens=24, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def pair(world1):
+    return actor_and_draft(world1)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-untied", "tiny-mha"])
+def test_incremental_forward_equals_full_recompute(world1, name):
+    model = build_model(preset(name), "actor", world1, dtype=torch.float32, seed=2).eval()
+    cache, rope = KVCache.for_model(model, len(PROMPTS), 64), RopeTable(model, 64)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        last = prefill(model, cache, PROMPTS, rope)
+        ref = torch.stack([lm_logits(model, torch.tensor([p]))[0, -1] for p in PROMPTS])
+        assert (last - ref).abs().max() < 1e-4 * ref.abs().max()
+        seqs = [list(p) for p in PROMPTS]
+        for n in (1, 3, 1, 5, 2):  # decode steps and verifications of several widths
+            toks = torch.randint(2, 200, (len(PROMPTS), n), generator=g)
+            out = forward_cached(model, cache, toks, rope)
+            for b, s in enumerate(seqs):
+                s += toks[b].tolist()
+                ref = lm_logits(model, torch.tensor([s]))[0, -n:]
+                assert (out[b] - ref).abs().max() < 1e-4 * ref.abs().max()
+        assert cache.lengths.tolist() == [len(s) for s in seqs]
+
+
+def test_cache_rows_and_bounds():
+    c = KVCache(num_layers=2, batch=3, max_len=8, kv_heads=2, head_dim=4, dtype=torch.float32)
+    k = torch.randn(3, 2, 5, 4)
+    c.write(0, k, k + 1)
+    c.write(1, k + 2, k + 3)
+    c.advance(5)
+    c.truncate(torch.tensor([5, 2, 4]))
+    rows = c.take(torch.tensor([2, 0]))
+    assert rows.lengths.tolist() == [4, 5] and rows.keys[0].shape == (2, 2, 5, 4)
+    d = KVCache(num_layers=2, batch=2, max_len=8, kv_heads=2, head_dim=4, dtype=torch.float32)
+    d.put(torch.tensor([1, 0]), rows)
+    assert d.lengths.tolist() == [5, 4]
+    assert torch.equal(d.keys[1][1, :, :4], k[2, :, :4] + 2) and torch.equal(d.values[0][0, :, :5], k[0] + 1)
+    with pytest.raises(ValueError, match="truncate can only shorten"):
+        c.truncate(torch.tensor([6, 0, 0]))
+    with pytest.raises(ValueError, match="KV cache overflow: 9 tokens needed, the cache holds 8"):
+        c.check_room(4)
+
+
+def test_greedy_plain_equals_full_recompute(pair):
+    actor, _ = pair
+    out = Generator(actor).generate(PROMPTS, GREEDY)
+    assert out.responses() == [greedy_generate(actor, p, 24) for p in PROMPTS]
+    assert out.finish_reasons == ["length"] * len(PROMPTS)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 6])
+def test_greedy_speculative_equals_plain_with_eos_mid_batch(world1, n):
+    actor, draft = actor_and_draft(world1)
+    plain = Generator(actor).generate(PROMPTS, GREEDY)
+    eos = plain.responses()[2][7]  # a token that ends some samples early, not others
+    actor.mrlhf_config.eos_token_id = eos
+    plain = Generator(actor).generate(PROMPTS, GREEDY)
+    assert "eos" in plain.finish_reasons and "length" in plain.finish_reasons
+    spec = Generator(actor, draft).generate(PROMPTS, GREEDY, SpecConfig(n))
+    assert spec.responses() == plain.responses()
+    assert spec.finish_reasons == plain.finish_reasons
+    s = spec.stats
+    assert s.verifications > 0 and len(s.accepted_per_position) == n
+    assert 0 < s.accepted_tokens < s.verifications * n  # partial acceptance, varying per sample
+    assert s.actor_steps < plain.stats.actor_steps
+
+
+def test_identical_draft_accepts_everything(world1):
+    actor, draft = actor_and_draft(world1, noise=0.0)
+    r = Generator(actor, draft).generate(PROMPTS, GREEDY, SpecConfig(3))
+    assert r.stats.mean_accepted_length == 4.0
+
+
+@pytest.mark.parametrize("n,params", [(0, dict(temperature=1.0)), (3, dict(temperature=0.7)),
+                                      (2, dict(temperature=1.0, top_k=20, top_p=0.9))])
+def test_logprobs_equal_recompute(pair, n, params):
+    actor, draft = pair
+    cfg = GenerationConfig(max_new_tokens=16, **params)
+    r = Generator(actor, draft).generate(PROMPTS, cfg, SpecConfig(n), seed=5)
+    for i, p in enumerate(PROMPTS):
+        resp = r.responses()[i]
+        logits = lm_logits(actor, torch.tensor([p + resp]))[0, len(p) - 1: -1]
+        tok = torch.tensor(resp)[:, None]
+        ref = torch.log_softmax(logits, -1).gather(-1, tok)[:, 0]
+        assert (r.response_logprobs[i, : len(resp)] - ref).abs().max() < 1e-4
+        samp = probs_for_sampling(logits, cfg).gather(-1, tok)[:, 0].log()
+        assert (r.sampling_logprobs[i, : len(resp)] - samp).abs().max() < 1e-4
+        assert (r.response_logprobs[i, len(resp):] == 0).all()
+
+
+def test_acceptance_rule_pieces():
+    p = torch.tensor([[0.5, 0.3, 0.2]])
+    q = torch.tensor([[0.2, 0.6, 0.2]])
+    assert torch.allclose(speculative.residual_distribution(p, q), torch.tensor([[1.0, 0.0, 0.0]]))
+    assert torch.allclose(speculative.residual_distribution(p, p), p)  # p == q: fall back to p
+    logits = torch.tensor([[[0.0, 5.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 9.0]]])
+    v = speculative.accept_greedy(torch.tensor([[1, 2]]), logits)  # 1 matches, 2 does not
+    assert v.accepted.tolist() == [1] and v.next_token.tolist() == [0]
+    v = speculative.accept_greedy(torch.tensor([[1, 0]]), logits)  # both match: bonus
+    assert v.accepted.tolist() == [2] and v.next_token.tolist() == [2]
+
+
+def test_bad_requests(pair):
+    actor, draft = pair
+    gen = Generator(actor, draft)
+    with pytest.raises(ValueError, match="prompt 1 has 250 tokens"):
+        gen.generate([[1, 2], [3] * 250], GREEDY)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        gen.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Generator(actor).generate(PROMPTS, GREEDY, SpecConfig(2))
+
+
+def test_draft_vocabulary_must_match(world1, pair):
+    other = build_model(preset("tiny", vocab_size=300), "draft", world1, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"the draft's vocabulary \(300 tokens\) differs"):
+        Generator(pair[0], other)
