@@ -145,6 +145,7 @@ class Generator:
             d_cache.truncate(d_cache.lengths - 1)
             state.update(d_cache=d_cache, last=torch.tensor([p[-1] for p in prompts], device=dev))
 
+        stats.prefill_s = time.perf_counter() - t0
         while bool(alive.any()):
             dead = int((~alive).sum())
             if dead and dead * 4 >= len(rows):

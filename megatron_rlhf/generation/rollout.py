@@ -25,6 +25,8 @@ class GenerationStats:
     """Tokens emitted over all samples."""
     elapsed_s: float = 0.0
     """Wall time of the whole call, prefill included."""
+    prefill_s: float = 0.0
+    """Wall time of the prefill (actor and draft)."""
 
     @property
     def accepted_tokens(self) -> int:
@@ -46,7 +48,8 @@ class GenerationStats:
             "num_draft_tokens": self.num_draft_tokens, "actor_steps": self.actor_steps,
             "draft_steps": self.draft_steps, "verifications": self.verifications,
             "accepted_per_position": self.accepted_per_position, "new_tokens": self.new_tokens,
-            "elapsed_s": self.elapsed_s, "mean_accepted_length": self.mean_accepted_length,
+            "elapsed_s": self.elapsed_s, "prefill_s": self.prefill_s,
+            "mean_accepted_length": self.mean_accepted_length,
             "tokens_per_s": self.tokens_per_s,
         }
 
