@@ -52,6 +52,9 @@ class ModelConfig:
     """Beginning-of-sequence token, if the tokenizer has one."""
     eos_token_id: int | None = None
     """End-of-sequence token: generation stops on it."""
+    head_vocab_size: int | None = None
+    """Draft models only: an LM head over this many frequent tokens (a multiple of 128)
+    instead of the whole vocabulary; other tokens get probability 0. None: full head."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -69,6 +72,14 @@ class ModelConfig:
                     f"{self.hidden_size} (or set kv_channels)"
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.head_vocab_size is not None:
+            if not 0 < self.head_vocab_size <= self.padded_vocab_size or self.head_vocab_size % VOCAB_PAD_MULTIPLE:
+                raise ValueError(
+                    f"head_vocab_size {self.head_vocab_size} must be a positive multiple of "
+                    f"{VOCAB_PAD_MULTIPLE} no larger than the vocabulary ({self.vocab_size})"
+                )
+            if self.tie_embeddings:
+                raise ValueError("a reduced LM head (head_vocab_size) cannot be tied to the embedding")
         if self.rotary_base <= 0 or self.norm_epsilon <= 0:
             raise ValueError("rotary_base and norm_epsilon must be positive")
 
@@ -85,6 +96,7 @@ class ModelConfig:
             ("KV heads", self.num_query_groups),
             ("ffn hidden size", self.ffn_hidden_size),
             ("padded vocabulary", self.padded_vocab_size),
+            ("LM head tokens", self.head_vocab_size or self.padded_vocab_size),
         ):
             if n % tp:
                 valid = [d for d in range(1, n + 1) if self._tp_ok(d)][:8]
@@ -97,7 +109,7 @@ class ModelConfig:
         return all(
             n % tp == 0
             for n in (self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size,
-                      self.padded_vocab_size)
+                      self.padded_vocab_size, self.head_vocab_size or self.padded_vocab_size)
         )
 
     def to_dict(self) -> dict:

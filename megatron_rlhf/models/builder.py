@@ -3,7 +3,7 @@
 One function, :func:`build_model`, maps a :class:`ModelConfig` onto megatron-core's
 ``TransformerConfig`` and layer spec (local on CPU; Transformer-Engine when it imports on
 GPU) and returns the model for a role: actor/reference/draft carry the LM head,
-critic/reward a scalar value head per token (:mod:`megatron_rlhf.models.value_head`).
+critic/reward a scalar value head per token (:mod:`megatron_rlhf.models.heads`).
 """
 
 from __future__ import annotations
@@ -112,12 +112,16 @@ def build_model(
             rotary_base=cfg.rotary_base,
             pg_collection=pg_collection,
         )
+        model.mrlhf_config = cfg
+        model.mrlhf_role = role
         if value:
-            from megatron_rlhf.models.value_head import attach_value_head
+            from megatron_rlhf.models.heads import attach_value_head
 
             attach_value_head(model)
-    model.mrlhf_config = cfg
-    model.mrlhf_role = role
+        elif cfg.head_vocab_size:
+            from megatron_rlhf.models.heads import attach_subset_head
+
+            attach_subset_head(model)
     # Like Megatron-LM's Float16Module: every parameter in the model dtype (megatron's torch
     # norms are created in fp32 whatever params_dtype says).
     return model.to(device=platform.device(), dtype=dtype)

@@ -43,6 +43,9 @@ def mcore_to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = No
     info = read_checkpoint(src)
     if info.role not in ("actor", "reference", "draft"):
         raise ValueError(f"{info.path} is a {info.role} model; only LM-head models export to HF")
+    if info.config.head_vocab_size:
+        raise ValueError(f"{info.path} has a reduced LM head ({info.config.head_vocab_size} tokens), "
+                         "which Hugging Face Llama cannot represent")
     pg = _single_process_groups()
     model = build_model(info.config, info.role, pg, dtype=dtype or torch.float32)
     load_checkpoint(model, pg, info.path)

@@ -1,0 +1,91 @@
+"""Draft models for speculative decoding: shape, initialisation from the target, distillation.
+
+A fast draft for a small target must read far fewer bytes per token than the target. For
+SmolLM2-135M the 49152 x 576 LM head is a fifth of the weights, so the draft here is:
+
+- a few of the target's own layers (evenly spaced, first and last included), its input
+  embedding and final norm, so it starts close to the target;
+- an LM head over the ``head_vocab_size`` most frequent tokens of the target's responses
+  (:class:`~megatron_rlhf.models.heads`'s subset head), initialised from the target's
+  output rows; other tokens get probability 0 from the draft, which keeps speculation
+  lossless (the actor's ``p`` still decides) at the price of rejecting rare tokens;
+- distilled on the target's own responses: forward KL from the target's distribution,
+  restricted to the head's tokens, to the draft's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from megatron_rlhf.config import ModelConfig
+
+
+def spread_layers(total: int, keep: int) -> list[int]:
+    """``keep`` layer indices spread evenly over ``0..total-1``, first and last included."""
+    if not 1 <= keep <= total:
+        raise ValueError(f"a draft keeps between 1 and {total} layers, got {keep}")
+    if keep == 1:
+        return [0]
+    return sorted({round(i * (total - 1) / (keep - 1)) for i in range(keep)})
+
+
+def draft_config(target: ModelConfig, num_layers: int, head_vocab_size: int | None) -> ModelConfig:
+    """The draft's architecture: the target's width and tokenizer, fewer layers, small head."""
+    return target.replace(num_layers=num_layers, head_vocab_size=head_vocab_size,
+                          tie_embeddings=False if head_vocab_size else target.tie_embeddings)
+
+
+def frequent_tokens(sequences: list[list[int]], k: int, always: list[int]) -> torch.Tensor:
+    """The ``k`` most frequent token ids in ``sequences`` (``always`` included), sorted."""
+    counts = Counter(t for s in sequences for t in s)
+    chosen = list(dict.fromkeys([t for t in always if t is not None] +
+                                [t for t, _ in counts.most_common()]))[:k]
+    fill = (t for t in range(k * 4) if t not in set(chosen))  # pad with low ids if too few
+    while len(chosen) < k:
+        chosen.append(next(fill))
+    return torch.tensor(sorted(chosen))
+
+
+@torch.no_grad()
+def init_from_target(draft, target, layers: list[int], token_ids: torch.Tensor | None) -> None:
+    """Copy the target's embedding, chosen layers, final norm and head rows into ``draft``.
+
+    Both models must share a TP layout (each rank copies its own shards).
+    """
+    draft.embedding.load_state_dict(target.embedding.state_dict())
+    for dst, src in zip(draft.decoder.layers, layers):
+        dst.load_state_dict(target.decoder.layers[src].state_dict())
+    draft.decoder.final_layernorm.load_state_dict(target.decoder.final_layernorm.state_dict())
+    full = (target.shared_embedding_or_output_weight() if target.share_embeddings_and_output_weights
+            else target.output_layer.weight)
+    if token_ids is None:
+        draft.output_layer.weight.copy_(full)
+        return
+    head = draft.output_layer
+    head.token_ids.copy_(token_ids)
+    group = draft.pg_collection.tp
+    shards = [full]
+    if group.size() > 1:  # the target's head is vocab-sharded: every rank needs all rows
+        shards = [torch.empty_like(full) for _ in range(group.size())]
+        torch.distributed.all_gather(shards, full.contiguous(), group=group)
+    per = head.weight.shape[0]  # this rank's slice of the draft head
+    mine = token_ids[group.rank() * per:(group.rank() + 1) * per]
+    head.weight.copy_(torch.cat(shards)[mine])
+
+
+def distill_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,
+                 token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Forward KL(p_target || q_draft) per token, averaged over ``mask``.
+
+    ``*_logits [B, T, V]``; ``mask [B, T]``. With a subset head, both distributions are
+    restricted (and renormalised) to ``token_ids``: the draft cannot put mass elsewhere.
+    """
+    if token_ids is not None:
+        draft_logits = draft_logits[..., token_ids]
+        target_logits = target_logits[..., token_ids]
+    logp = torch.log_softmax(target_logits.float(), -1)
+    logq = torch.log_softmax(draft_logits.float(), -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    return (kl * mask).sum() / mask.sum().clamp(min=1)

@@ -1,0 +1,66 @@
+"""Heads that replace a GPTModel's LM head: a scalar value head (critic, reward) and a
+reduced LM head over frequent tokens (fast drafts).
+
+The critic/reward model is the actor's ``GPTModel`` trunk with its LM head replaced by a
+linear map ``hidden -> 1`` per token (replicated over TP: the trunk's output is already
+replicated). ``GPTModel.forward`` then returns ``[batch, seq, 1]`` values.
+
+A draft's ``SubsetLMHead`` scores only ``head_vocab_size`` tokens (a column-parallel
+linear over TP, gathered) and returns full-vocabulary logits with ``-inf`` elsewhere, so
+every consumer of logits works unchanged; speculative decoding stays lossless because
+the actor's ``p`` decides acceptance.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ValueHead(nn.Module):
+    """``hidden [s, b, h] -> values [s, b, 1]``, called like megatron's output layer."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        # megatron's output layer attributes that GPTModel reads
+        self.sequence_parallel = False
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return nn.functional.linear(hidden, self.weight), None
+
+
+def _subset_head_class():
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class SubsetLMHead(ColumnParallelLinear):
+        """LM head over ``token_ids`` only: ``hidden [s, b, h] -> logits [s, b, V]``, -inf
+        off-head. Its weight keeps megatron's ``output_layer.weight`` name (TP-sharded)."""
+
+        def __init__(self, config, vocab_size: int, head_size: int, tp_group):
+            super().__init__(config.hidden_size, head_size, config=config,
+                             init_method=config.init_method, bias=False, gather_output=True,
+                             tp_group=tp_group)
+            self.register_buffer("token_ids", torch.arange(head_size))  # head row -> token id
+            self.vocab_size = vocab_size
+
+        def forward(self, hidden, weight=None, runtime_gather_output=None):
+            logits, _ = super().forward(hidden)
+            full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+            return full.index_copy_(-1, self.token_ids, logits), None
+
+    return SubsetLMHead
+
+
+def attach_subset_head(model) -> None:
+    """Replace ``model.output_layer`` with a :class:`SubsetLMHead` of ``head_vocab_size`` rows."""
+    cfg = model.mrlhf_config
+    model.output_layer = _subset_head_class()(
+        model.config, cfg.padded_vocab_size, cfg.head_vocab_size, model.pg_collection.tp
+    )
+
+
+def attach_value_head(model) -> None:
+    """Replace ``model.output_layer`` with a zero-initialised :class:`ValueHead`."""
+    head = ValueHead(model.config.hidden_size, model.config.params_dtype)
+    model.output_layer = head

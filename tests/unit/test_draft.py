@@ -1,0 +1,101 @@
+"""Draft models: shape helpers, subset LM head, distillation loss, losslessness with a subset head."""
+
+import pytest
+import torch
+
+from gen_fixtures import PROMPTS, actor_and_draft
+from megatron_rlhf.config import GenerationConfig, SpecConfig, preset
+from megatron_rlhf.generation.draft import (
+    distill_loss,
+    draft_config,
+    frequent_tokens,
+    init_from_target,
+    spread_layers,
+)
+from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rlhf.models.forward import lm_logits
+from test_speculative_distribution import chi_square_pvalue
+
+
+def test_spread_layers_and_config():
+    assert spread_layers(30, 4) == [0, 10, 19, 29]
+    assert spread_layers(30, 1) == [0] and spread_layers(3, 3) == [0, 1, 2]
+    with pytest.raises(ValueError, match="between 1 and 30 layers, got 31"):
+        spread_layers(30, 31)
+    cfg = draft_config(preset("smollm2-135m"), 4, 8064)
+    assert cfg.num_layers == 4 and cfg.head_vocab_size == 8064 and not cfg.tie_embeddings
+    cfg.check_tensor_parallel(3)
+    with pytest.raises(ValueError, match="head_vocab_size 100 must be a positive multiple of 128"):
+        draft_config(preset("tiny"), 1, 100)
+
+
+def test_frequent_tokens():
+    ids = frequent_tokens([[5, 5, 5, 7, 7, 9], [7, 3]], 3, always=[1])
+    assert ids.tolist() == [1, 5, 7]  # eos-like token kept, then by frequency, sorted
+    assert len(frequent_tokens([[4]], 4, always=[None])) == 4  # padded when too few
+
+
+def test_distill_loss_is_kl():
+    p = torch.randn(2, 3, 10)
+    assert distill_loss(p, p, torch.ones(2, 3)) < 1e-6
+    q = torch.randn(2, 3, 10)
+    ref = torch.nn.functional.kl_div(q.log_softmax(-1), p.log_softmax(-1), log_target=True,
+                                     reduction="none").sum(-1).mean()
+    assert torch.allclose(distill_loss(q, p, torch.ones(2, 3)), ref, atol=1e-6)
+    mask = torch.tensor([[1.0, 0, 0], [0, 0, 0]])
+    assert torch.allclose(distill_loss(q, p, mask), distill_loss(q[:1, :1], p[:1, :1], torch.ones(1, 1)))
+
+
+@pytest.fixture(scope="module")
+def subset_pair(world1):
+    actor, _ = actor_and_draft(world1, sharpness=8.0)
+    cfg = draft_config(actor.mrlhf_config, 1, 128)
+    draft = build_model(cfg, "draft", world1, dtype=torch.float32)
+    # half the vocabulary on the head, including the tokens the actor likes most
+    ids = frequent_tokens([lm_logits(actor, torch.tensor([p]))[0].argmax(-1).tolist() for p in PROMPTS],
+                          128, always=[])
+    init_from_target(draft, actor, [1], ids)
+    return actor, draft, ids
+
+
+def test_subset_head_init_and_checkpoint(world1, subset_pair, tmp_path):
+    actor, draft, ids = subset_pair
+    x = torch.tensor([PROMPTS[0]])
+    logits = lm_logits(draft, x)
+    off = torch.ones(actor.mrlhf_config.vocab_size, dtype=torch.bool)
+    off[ids] = False
+    assert torch.isinf(logits[..., off]).all() and torch.isfinite(logits[..., ids]).all()
+    assert torch.equal(draft.output_layer.weight, actor.output_layer.weight[ids])
+    assert torch.equal(draft.decoder.layers[0].mlp.linear_fc2.weight,
+                       actor.decoder.layers[1].mlp.linear_fc2.weight)
+    save_checkpoint(tmp_path / "d", 0, draft, world1)
+    back = build_model(draft.mrlhf_config, "draft", world1, dtype=torch.float32, seed=5)
+    load_checkpoint(back, world1, tmp_path / "d")
+    assert torch.equal(back.output_layer.token_ids, ids)
+    assert torch.equal(lm_logits(back, x), logits)
+
+
+def test_subset_head_draft_keeps_outputs_exact(subset_pair):
+    actor, draft, _ = subset_pair
+    greedy = GenerationConfig(max_new_tokens=16, temperature=0)
+    plain = Generator(actor).generate(PROMPTS, greedy)
+    assert Generator(actor, draft).generate(PROMPTS, greedy, SpecConfig(3)).responses() == plain.responses()
+
+    # sampling: the second token (the first one decided by verification) keeps the actor's
+    # marginal even though the draft cannot propose half of the vocabulary
+    n, prompt = 4000, [5, 6, 7]
+    cfg = GenerationConfig(max_new_tokens=2, temperature=1.0, stop_on_eos=False)
+    r = Generator(actor, draft).generate([prompt] * n, cfg, SpecConfig(2), seed=9)
+    v = actor.mrlhf_config.vocab_size
+    with torch.no_grad():
+        p1 = lm_logits(actor, torch.tensor([prompt]))[0, -1].softmax(-1)
+        seqs = torch.cat([torch.tensor(prompt).expand(v, -1), torch.arange(v)[:, None]], 1)
+        p2 = lm_logits(actor, seqs)[:, -1].softmax(-1)
+    marginal = (p1[:, None] * p2).sum(0).double()
+    counts = torch.bincount(r.response_ids[:, 1], minlength=v).double()
+    off_head = torch.ones(v, dtype=torch.bool)
+    off_head[draft.output_layer.token_ids] = False
+    assert marginal[off_head].sum() > 0.2  # the draft really misses a lot of the mass
+    assert chi_square_pvalue(counts, n * marginal) > 1e-3

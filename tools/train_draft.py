@@ -1,0 +1,202 @@
+#!/usr/bin/env python
+"""Distill a small draft model for speculative decoding from a target, on the target's own
+responses to the prompt set, and save it as a megatron_rlhf checkpoint (role ``draft``).
+
+    python tools/train_draft.py --target ckpt/smollm2 --save ckpt/smollm2-draft \\
+        --num-layers 4 --head-vocab-size 8064 --epochs 2 --bf16
+
+Steps: (1) the target answers the train split of the prompts (sampling at --temperature);
+(2) the draft takes the target's embedding, --num-layers of its layers (evenly spaced)
+and final norm, and an LM head over the --head-vocab-size most frequent response tokens;
+(3) it is trained with forward KL to the target's distribution on those responses;
+(4) mean accepted length with --eval-draft-tokens is measured on held-out prompts.
+See megatron_rlhf/generation/draft.py for why this shape is fast. Runs under torchrun
+with tensor parallelism (world size = TP size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+
+def parse_args(argv=None):
+    from megatron_rlhf import arguments
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    arguments.add_parallel_args(p)
+    p.add_argument("--target", required=True, help="target (actor) checkpoint")
+    p.add_argument("--save", required=True, help="draft checkpoint root to write")
+    p.add_argument("--num-layers", type=int, default=4, help="layers the draft keeps")
+    p.add_argument("--layer-choice", choices=["spread", "first"], default="spread",
+                   help="take the target's layers evenly spread, or its first --num-layers")
+    p.add_argument("--head-vocab-size", type=int, default=8064,
+                   help="LM head over this many frequent tokens (multiple of 128 that TP divides; 0: full head)")
+    p.add_argument("--prompts", default=None, help="prompt jsonl (default: the shipped set)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N train prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="response length budget")
+    p.add_argument("--temperature", type=float, default=1.0, help="target sampling temperature")
+    p.add_argument("--gen-batch-size", type=int, default=32, help="prompts per generation batch")
+    p.add_argument("--epochs", type=int, default=2, help="passes over the responses")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per training step")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate")
+    p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for acceptance")
+    p.add_argument("--eval-draft-tokens", type=int, default=4, help="n for the acceptance check")
+    p.add_argument("--seed", type=int, default=1234, help="random seed")
+    p.add_argument("--bf16", action="store_true", help="run the target in bf16 (draft trains in fp32)")
+    return p.parse_args(argv)
+
+
+def validate(args):
+    from megatron_rlhf import arguments
+    from megatron_rlhf.data.prompts import load_prompts
+    from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
+    from megatron_rlhf.generation.draft import draft_config
+    from megatron_rlhf.models.checkpoint import read_checkpoint
+
+    par = arguments.parallel_config_from_args(args)
+    if par.check_world(arguments.launch_world_size()) != 1:
+        raise ValueError("train_draft runs with world size = --tensor-model-parallel-size (no DP)")
+    info = read_checkpoint(args.target)
+    cfg = draft_config(info.config, args.num_layers, args.head_vocab_size or None)
+    cfg.check_tensor_parallel(par.tensor_model_parallel_size)
+    if args.num_layers > info.config.num_layers:
+        raise ValueError(f"--num-layers {args.num_layers} exceeds the target's {info.config.num_layers}")
+    tok = load_tokenizer(info.tokenizer_dir)
+    train = [encode_prompt(tok, x.prompt, chat=True) for x in load_prompts(args.prompts, split="train")]
+    held = [encode_prompt(tok, x.prompt, chat=True) for x in load_prompts(args.prompts, split="heldout")]
+    return info, cfg, tok, train[: args.limit], held[: args.eval_prompts]
+
+
+def generate_responses(target, prompts, args):
+    from megatron_rlhf.config import GenerationConfig
+    from megatron_rlhf.generation.engine import Generator
+
+    gen, cfg = Generator(target), GenerationConfig(max_new_tokens=args.max_new_tokens,
+                                                   temperature=args.temperature)
+    out = []
+    for i in range(0, len(prompts), args.gen_batch_size):
+        r = gen.generate(prompts[i: i + args.gen_batch_size], cfg, seed=args.seed + i)
+        out += r.responses()
+        log(f"generated {len(out)}/{len(prompts)} responses ({r.stats.tokens_per_s:.0f} tok/s)")
+    return out
+
+
+def batches(prompts, responses, size, generator):
+    """Right-padded (ids, attention mask, loss mask over response-predicting positions)."""
+    order = torch.randperm(len(prompts), generator=generator).tolist()
+    for i in range(0, len(order), size):
+        idx = order[i: i + size]
+        seqs = [prompts[j] + responses[j] for j in idx]
+        t = max(map(len, seqs))
+        ids, att, loss = (torch.zeros(len(idx), t, dtype=torch.long) for _ in range(3))
+        for b, j in enumerate(idx):
+            n, p = len(seqs[b]), len(prompts[j])
+            ids[b, :n] = torch.tensor(seqs[b])
+            att[b, :n] = 1
+            loss[b, p - 1: n - 1] = 1  # logits at p-1 .. n-2 predict the response tokens
+        yield ids, att, loss.float()
+
+
+def train(draft, target, prompts, responses, token_ids, args):
+    from megatron_rlhf.generation.draft import distill_loss
+    from megatron_rlhf.models.forward import lm_logits
+
+    params = [p for n, p in draft.named_parameters() if not n.startswith("embedding.")]
+    for p in draft.embedding.parameters():
+        p.requires_grad_(False)  # the input embedding stays the target's
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    steps = args.epochs * math.ceil(len(prompts) / args.micro_batch_size)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))))
+    g = torch.Generator().manual_seed(args.seed)
+    step, t0 = 0, time.perf_counter()
+    draft.train()
+    for epoch in range(args.epochs):
+        for ids, att, mask in batches(prompts, responses, args.micro_batch_size, g):
+            with torch.no_grad():
+                teacher = lm_logits(target, ids, att)
+            loss = distill_loss(lm_logits(draft, ids, att), teacher, mask, token_ids)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            if step % 10 == 0 or step == steps:
+                log(f"epoch {epoch} step {step}/{steps} KL {loss.item():.3f} "
+                    f"({time.perf_counter() - t0:.0f}s)")
+    draft.eval()
+
+
+def acceptance(target, draft, prompts, args) -> float:
+    from megatron_rlhf.config import GenerationConfig, SpecConfig
+    from megatron_rlhf.generation.engine import Generator
+
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    r = Generator(target, draft).generate(prompts, cfg, SpecConfig(args.eval_draft_tokens),
+                                          seed=args.seed)
+    return r.stats.mean_accepted_length
+
+
+def log(msg: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[train_draft] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_rlhf import platform
+
+    platform.quiet_third_party_warnings()
+    try:
+        info, cfg, tokenizer, train_prompts, held = validate(args)
+    except (ValueError, FileNotFoundError) as e:
+        log(f"error: {e}")
+        return 2
+    from megatron_rlhf.generation.draft import frequent_tokens, init_from_target, spread_layers
+    from megatron_rlhf.models.builder import build_model
+    from megatron_rlhf.models.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rlhf.parallel.groups import build_process_groups
+    from megatron_rlhf.parallel.layout import Layout
+
+    platform.init_distributed(seed=args.seed)
+    pg = build_process_groups(Layout(tp=args.tensor_model_parallel_size))
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    target = build_model(info.config, "actor", pg, dtype=dtype, seed=args.seed).eval()
+    load_checkpoint(target, pg, info.path)
+    responses = generate_responses(target, train_prompts, args)
+    token_ids = None
+    if cfg.head_vocab_size:
+        token_ids = frequent_tokens(responses + train_prompts, cfg.head_vocab_size,
+                                    [cfg.eos_token_id, cfg.bos_token_id])
+        covered = sum(t in set(token_ids.tolist()) for r in responses for t in r)
+        log(f"head covers {covered / max(1, sum(map(len, responses))):.2%} of response tokens")
+    layers = (spread_layers(info.config.num_layers, cfg.num_layers) if args.layer_choice == "spread"
+              else list(range(cfg.num_layers)))
+    draft = build_model(cfg, "draft", pg, dtype=torch.float32, seed=args.seed)
+    init_from_target(draft, target, layers, token_ids)
+    before = acceptance(target, draft.to(dtype), held, args)
+    log(f"held-out mean accepted length before distillation: {before:.2f}")
+    draft.float()
+    train(draft, target, train_prompts, responses, token_ids, args)
+    after = acceptance(target, draft.to(dtype), held, args)
+    log(f"held-out mean accepted length after distillation: {after:.2f} (n={args.eval_draft_tokens})")
+    draft.float()
+    out = save_checkpoint(args.save, 0, draft, pg, tokenizer=tokenizer, extra={
+        "distilled_from": str(info.path), "target_layers": layers,
+        "heldout_mean_accepted_length": after, "eval_draft_tokens": args.eval_draft_tokens,
+        "temperature": args.temperature})
+    log(f"wrote {out}")
+    platform.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
