@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 
@@ -106,3 +107,14 @@ def dtype_from_args(args: argparse.Namespace) -> torch.dtype:
 def launch_world_size() -> int:
     """The world size torchrun will give us, read before any process group exists."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validated(check, *args):
+    """Run an entry point's pre-flight ``check(*args)``; on bad input print ``error: ...``
+    (once, from rank 0) and exit with status 2 before any collective has started."""
+    try:
+        return check(*args)
+    except (ValueError, FileNotFoundError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from megatron_rlhf import arguments
@@ -78,12 +77,7 @@ def main(argv=None) -> int:
     from megatron_rlhf import platform
 
     platform.quiet_third_party_warnings()
-    try:
-        gen, spec, infos, tokenizer, prompts = validate(args)
-    except (ValueError, FileNotFoundError) as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+    gen, spec, infos, tokenizer, prompts = arguments.validated(validate, args)
 
     # --- distributed from here on ---
     from megatron_rlhf.generation.engine import Generator

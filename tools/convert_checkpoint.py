@@ -30,19 +30,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from megatron_rlhf import platform
+    from megatron_rlhf.arguments import validated
     from megatron_rlhf.models import convert
 
     platform.quiet_third_party_warnings()
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    try:
-        if args.command == "hf-to-mcore":
-            out = convert.hf_to_mcore(args.input, args.output, dtype=dtype, role=args.role)
-        else:
-            out = convert.mcore_to_hf(args.input, args.output, dtype=dtype)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.command == "hf-to-mcore":
+        out = validated(convert.hf_to_mcore, args.input, args.output, dtype, args.role)
+    else:
+        out = validated(convert.mcore_to_hf, args.input, args.output, dtype)
     print(f"wrote {out}")
     return 0
 

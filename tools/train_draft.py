@@ -155,11 +155,9 @@ def main(argv=None) -> int:
     from megatron_rlhf import platform
 
     platform.quiet_third_party_warnings()
-    try:
-        info, cfg, tokenizer, train_prompts, held = validate(args)
-    except (ValueError, FileNotFoundError) as e:
-        log(f"error: {e}")
-        return 2
+    from megatron_rlhf import arguments
+
+    info, cfg, tokenizer, train_prompts, held = arguments.validated(validate, args)
     from megatron_rlhf.generation.draft import frequent_tokens, init_from_target, spread_layers
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.checkpoint import load_checkpoint, save_checkpoint

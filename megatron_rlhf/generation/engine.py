@@ -26,7 +26,12 @@ from megatron_rlhf.generation import speculative
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, prefill
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.rollout import GenerationStats, Rollout
-from megatron_rlhf.generation.sampling import probs_for_sampling, sample, token_logprobs
+from megatron_rlhf.generation.sampling import (
+    probs_for_sampling,
+    sample,
+    sampling_logprobs,
+    token_logprobs,
+)
 
 
 class _Samples:
@@ -54,11 +59,9 @@ class _Samples:
         return False
 
 
-def _logprob_pair(logits: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor):
-    """(log pi at T=1, log of the sampling distribution) of ``tokens [...]``."""
-    lp = token_logprobs(logits, tokens)
-    slp = probs.gather(-1, tokens[..., None])[..., 0].clamp(min=1e-30).log()
-    return lp, slp
+def _logprob_pair(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor):
+    """(log pi at T=1, log of the sampling distribution) of ``tokens [...]``; lists per row."""
+    return token_logprobs(logits, tokens).tolist(), sampling_logprobs(probs, tokens).tolist()
 
 
 def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig,
@@ -133,8 +136,8 @@ class Generator:
         lp, slp = _logprob_pair(logits, probs, first)
         rows = torch.arange(len(prompts), device=dev)  # original index of each cache row
         alive = torch.ones(len(prompts), dtype=torch.bool, device=dev)
-        for r in range(len(prompts)):
-            if out.emit(r, [int(first[r])], [float(lp[r])], [float(slp[r])]):
+        for r, tok in enumerate(first.tolist()):
+            if out.emit(r, [tok], [lp[r]], [slp[r]]):
                 alive[r] = False
         pending = first
         state = {"cache": cache, "pending": pending}
@@ -171,8 +174,9 @@ class Generator:
         stats.actor_steps += 1
         tok, probs = sample(logits, cfg, gen)
         lp, slp = _logprob_pair(logits, probs, tok)
+        toks, origin = tok.tolist(), rows.tolist()
         for r in alive.nonzero()[:, 0].tolist():
-            if out.emit(int(rows[r]), [int(tok[r])], [float(lp[r])], [float(slp[r])]):
+            if out.emit(origin[r], [toks[r]], [lp[r]], [slp[r]]):
                 alive[r] = False
         st["pending"] = tok
 
@@ -200,26 +204,23 @@ class Generator:
         a_logits = forward_cached(self.actor, cache, torch.cat([pending[:, None], drafts_t], 1), rope)
         stats.actor_steps += 1
         if cfg.greedy:
-            verdict = speculative.accept_greedy(drafts_t, a_logits)
-            p_probs = None
+            verdict, p_probs = speculative.accept_greedy(drafts_t, a_logits), None
         else:
             p_probs = probs_for_sampling(a_logits, cfg)
             verdict = accept_rule(drafts_t, torch.stack(q_probs, 1), p_probs, gen)
         k = verdict.accepted  # [R]
         emitted = torch.cat([drafts_t, drafts_t[:, :1]], 1)  # [R, n+1]; slot k <- next token
         emitted.scatter_(1, k[:, None], verdict.next_token[:, None])
-        if p_probs is None:
-            p_probs = probs_for_sampling(a_logits, cfg)
-        lp, slp = _logprob_pair(a_logits, p_probs, emitted)  # [R, n+1]
+        lp, slp = _logprob_pair(a_logits, p_probs, emitted)  # lists of [n+1]
 
         live = alive.nonzero()[:, 0]
         stats.verifications += len(live)
         for i in range(n):
             stats.accepted_per_position[i] += int((k[live] > i).sum())
+        ks, toks, origin = k.tolist(), emitted.tolist(), rows.tolist()
         for r in live.tolist():
-            kr = int(k[r])
-            if out.emit(int(rows[r]), emitted[r, : kr + 1].tolist(), lp[r, : kr + 1].tolist(),
-                        slp[r, : kr + 1].tolist()):
+            kr = ks[r] + 1
+            if out.emit(origin[r], toks[r][:kr], lp[r][:kr], slp[r][:kr]):
                 alive[r] = False
 
         # roll back: actor keeps pending + accepted drafts; the draft stays one behind

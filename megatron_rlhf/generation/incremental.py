@@ -53,15 +53,16 @@ def _layer_step(layer, idx: int, x, cache, rope: RopeTable, pos, mask, k_len: in
     q, k, v = attn.get_query_key_value_tensors(h, None)  # [n, B, heads_local, d]
     q, k = rope.apply(q, pos), rope.apply(k, pos)
     cache.write(idx, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3))
+    keys, values = cache.keys[idx][:, :, :k_len], cache.values[idx][:, :, :k_len]
     ctx = F.scaled_dot_product_attention(
-        q.permute(1, 2, 0, 3),  # [B, heads, n, d]
-        cache.keys[idx][:, :, :k_len],
-        cache.values[idx][:, :, :k_len],
+        q.permute(1, 2, 0, 3).to(keys.dtype),  # [B, heads, n, d] in the cache's dtype
+        keys,
+        values,
         attn_mask=mask,
         enable_gqa=True,
     )  # [B, heads, n, d]
     n, b = x.shape[0], x.shape[1]
-    ctx = ctx.permute(2, 0, 1, 3).reshape(n, b, -1)
+    ctx = ctx.permute(2, 0, 1, 3).reshape(n, b, -1).to(x.dtype)
     out, bias = attn.linear_proj(ctx)
     x = residual + (out if bias is None else out + bias)
     residual = x

@@ -31,19 +31,37 @@ def probs_for_sampling(logits: torch.Tensor, params: GenerationConfig) -> torch.
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``probs [..., V]``; identical on ranks with identical generators."""
+    """One token per row of ``probs [..., V]`` by inverse CDF (one uniform per row).
+
+    Much cheaper than ``torch.multinomial`` over a large vocabulary on CPU. Ranks with
+    identical generators and probabilities draw identical tokens. A zero-probability
+    token is never drawn (float rounding at the top end falls back to the argmax).
+    """
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    cdf = flat.double().cumsum(-1)
+    u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=torch.float64)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=flat.shape[-1] - 1)
+    bad = flat.gather(-1, idx) <= 0
+    idx = torch.where(bad, flat.argmax(-1, keepdim=True), idx)
+    return idx.reshape(probs.shape[:-1])
 
 
 def sample(logits: torch.Tensor, params: GenerationConfig, generator: torch.Generator | None):
-    """Tokens ``[...]`` and the sampling distribution ``[..., V]`` for ``logits [..., V]``."""
-    probs = probs_for_sampling(logits, params)
+    """Tokens ``[...]`` and the sampling distribution ``[..., V]`` (None when greedy)."""
     if params.greedy:
-        return probs.argmax(-1), probs
+        return logits.argmax(-1), None
+    probs = probs_for_sampling(logits, params)
     return draw(probs, generator), probs
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``log pi(token)`` under the unmodified distribution at temperature 1 (what PPO uses)."""
-    return torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None])[..., 0]
+    logits = logits.float()
+    return logits.gather(-1, tokens[..., None])[..., 0] - torch.logsumexp(logits, -1)
+
+
+def sampling_logprobs(probs: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-prob of ``tokens`` under the sampling distribution (0 for greedy: ``probs`` None)."""
+    if probs is None:
+        return torch.zeros(tokens.shape, device=tokens.device)
+    return probs.gather(-1, tokens[..., None])[..., 0].clamp(min=1e-30).log()

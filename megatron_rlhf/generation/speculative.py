@@ -54,17 +54,19 @@ def accept_sampling(draft_tokens: torch.Tensor, q_probs: torch.Tensor, p_probs: 
     """Rejection sampling: ``draft_tokens [B, n]``, ``q_probs [B, n, V]``, ``p_probs [B, n+1, V]``.
 
     ``q_probs``/``p_probs`` are the draft's and actor's *sampling* distributions
-    (after temperature, top-k, top-p).
+    (after temperature, top-k, top-p). Only one replacement is drawn per sample, from the
+    residual at its first rejected position (or from ``p`` after all ``n`` accepted).
     """
     b, n = draft_tokens.shape
     p_x = p_probs[:, :n].gather(-1, draft_tokens[..., None])[..., 0]  # [B, n]
     q_x = q_probs.gather(-1, draft_tokens[..., None])[..., 0]
     u = torch.rand((b, n), generator=generator, device=p_x.device)
     ok = u * q_x < p_x  # u < p/q without dividing; q(x) > 0 for any drafted x
-    # replacement after prefix j < n: the residual at j; after all n: the bonus from p[n]
-    resid = residual_distribution(p_probs[:, :n], q_probs)
-    replacement = draw(torch.cat([resid, p_probs[:, n:]], dim=1), generator)  # [B, n+1]
-    return _verdict_from_matches(ok, replacement)
+    accepted = ok.long().cumprod(-1).sum(-1)  # [B]
+    rows = torch.arange(b, device=p_x.device)
+    p_row = p_probs[rows, accepted]  # [B, V]
+    q_row = torch.cat([q_probs, torch.zeros_like(q_probs[:, :1])], 1)[rows, accepted]  # 0 after n
+    return Verdict(accepted=accepted, next_token=draw(residual_distribution(p_row, q_row), generator))
 
 
 def accept_always(draft_tokens: torch.Tensor, q_probs: torch.Tensor, p_probs: torch.Tensor,

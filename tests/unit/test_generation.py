@@ -135,3 +135,14 @@ def test_draft_vocabulary_must_match(world1, pair):
     other = build_model(preset("tiny", vocab_size=300), "draft", world1, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"the draft's vocabulary \(300 tokens\) differs"):
         Generator(pair[0], other)
+
+
+def test_draw_never_picks_zero_probability_tokens():
+    from megatron_rlhf.generation.sampling import draw
+
+    probs = torch.zeros(4000, 50)
+    probs[:, [3, 7, 49]] = torch.tensor([0.2, 0.5, 0.3])
+    tok = draw(probs, torch.Generator().manual_seed(0))
+    counts = torch.bincount(tok, minlength=50).float() / 4000
+    assert set(tok.unique().tolist()) == {3, 7, 49}
+    assert (counts[[3, 7, 49]] - torch.tensor([0.2, 0.5, 0.3])).abs().max() < 0.03
