@@ -8,7 +8,8 @@ responses to the prompt set, and save it as a megatron_rlhf checkpoint (role ``d
 Steps: (1) the target answers the train split of the prompts (sampling at --temperature);
 (2) the draft takes the target's embedding, --num-layers of its layers (evenly spaced)
 and final norm, and an LM head over the --head-vocab-size most frequent response tokens;
-(3) it is trained with forward KL to the target's distribution on those responses;
+(3) it is trained with forward KL to the target's distribution on those responses (the
+target's top-k, computed once);
 (4) mean accepted length with --eval-draft-tokens is measured on held-out prompts.
 See megatron_rlhf/generation/draft.py for why this shape is fast. Runs under torchrun
 with tensor parallelism (world size = TP size).
@@ -42,9 +43,11 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64, help="response length budget")
     p.add_argument("--temperature", type=float, default=1.0, help="target sampling temperature")
     p.add_argument("--gen-batch-size", type=int, default=32, help="prompts per generation batch")
-    p.add_argument("--epochs", type=int, default=2, help="passes over the responses")
+    p.add_argument("--epochs", type=int, default=8, help="passes over the responses")
     p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per training step")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument("--teacher-topk", type=int, default=64,
+                   help="keep the target's distribution as its top-k tokens (computed once)")
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for acceptance")
     p.add_argument("--eval-draft-tokens", type=int, default=4, help="n for the acceptance check")
     p.add_argument("--seed", type=int, default=1234, help="random seed")
@@ -87,9 +90,8 @@ def generate_responses(target, prompts, args):
     return out
 
 
-def batches(prompts, responses, size, generator):
-    """Right-padded (ids, attention mask, loss mask over response-predicting positions)."""
-    order = torch.randperm(len(prompts), generator=generator).tolist()
+def batches(prompts, responses, order, size):
+    """Right-padded (indices, ids, attention mask, loss mask over response-predicting positions)."""
     for i in range(0, len(order), size):
         idx = order[i: i + size]
         seqs = [prompts[j] + responses[j] for j in idx]
@@ -100,11 +102,27 @@ def batches(prompts, responses, size, generator):
             ids[b, :n] = torch.tensor(seqs[b])
             att[b, :n] = 1
             loss[b, p - 1: n - 1] = 1  # logits at p-1 .. n-2 predict the response tokens
-        yield ids, att, loss.float()
+        yield idx, ids, att, loss
 
 
-def train(draft, target, prompts, responses, token_ids, args):
-    from megatron_rlhf.generation.draft import distill_loss
+@torch.no_grad()
+def teacher_targets(target, prompts, responses, token_ids, args):
+    """Per sequence: the target's top-k (head index, log-prob) at each response position."""
+    from megatron_rlhf.generation.draft import teacher_topk
+    from megatron_rlhf.models.forward import lm_logits
+
+    out = [None] * len(prompts)
+    for idx, ids, att, mask in batches(prompts, responses, list(range(len(prompts))),
+                                       args.micro_batch_size):
+        index, logp = teacher_topk(lm_logits(target, ids, att), mask, token_ids, args.teacher_topk)
+        counts = mask.sum(-1).tolist()
+        for j, part_i, part_p in zip(idx, index.split(counts), logp.split(counts)):
+            out[j] = (part_i, part_p)
+    return out
+
+
+def train(draft, teacher, prompts, responses, token_ids, args):
+    from megatron_rlhf.generation.draft import topk_distill_loss
     from megatron_rlhf.models.forward import lm_logits
 
     params = [p for n, p in draft.named_parameters() if not n.startswith("embedding.")]
@@ -119,18 +137,19 @@ def train(draft, target, prompts, responses, token_ids, args):
     step, t0 = 0, time.perf_counter()
     draft.train()
     for epoch in range(args.epochs):
-        for ids, att, mask in batches(prompts, responses, args.micro_batch_size, g):
-            with torch.no_grad():
-                teacher = lm_logits(target, ids, att)
-            loss = distill_loss(lm_logits(draft, ids, att), teacher, mask, token_ids)
+        order = torch.randperm(len(prompts), generator=g).tolist()
+        for idx, ids, att, mask in batches(prompts, responses, order, args.micro_batch_size):
+            index = torch.cat([teacher[j][0] for j in idx])
+            logp = torch.cat([teacher[j][1] for j in idx])
+            loss = topk_distill_loss(lm_logits(draft, ids, att), mask, index, logp, token_ids)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()
             step += 1
-            if step % 10 == 0 or step == steps:
-                log(f"epoch {epoch} step {step}/{steps} KL {loss.item():.3f} "
+            if step % 20 == 0 or step == steps:
+                log(f"epoch {epoch} step {step}/{steps} KL(top-{args.teacher_topk}) {loss.item():.3f} "
                     f"({time.perf_counter() - t0:.0f}s)")
     draft.eval()
 
@@ -183,7 +202,9 @@ def main(argv=None) -> int:
     before = acceptance(target, draft.to(dtype), held, args)
     log(f"held-out mean accepted length before distillation: {before:.2f}")
     draft.float()
-    train(draft, target, train_prompts, responses, token_ids, args)
+    teacher = teacher_targets(target, train_prompts, responses, token_ids, args)
+    log("target distributions computed")
+    train(draft, teacher, train_prompts, responses, token_ids, args)
     after = acceptance(target, draft.to(dtype), held, args)
     log(f"held-out mean accepted length after distillation: {after:.2f} (n={args.eval_draft_tokens})")
     draft.float()

@@ -10,7 +10,8 @@ SmolLM2-135M the 49152 x 576 LM head is a fifth of the weights, so the draft her
   output rows; other tokens get probability 0 from the draft, which keeps speculation
   lossless (the actor's ``p`` still decides) at the price of rejecting rare tokens;
 - distilled on the target's own responses: forward KL from the target's distribution,
-  restricted to the head's tokens, to the draft's.
+  restricted to the head's tokens, to the draft's. The target's distribution is computed
+  once and kept as its top-k (:func:`teacher_topk`), so each epoch costs only the draft.
 """
 
 from __future__ import annotations
@@ -89,3 +90,31 @@ def distill_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: 
     logq = torch.log_softmax(draft_logits.float(), -1)
     kl = (logp.exp() * (logp - logq)).sum(-1)
     return (kl * mask).sum() / mask.sum().clamp(min=1)
+
+
+def teacher_topk(target_logits: torch.Tensor, mask: torch.Tensor, token_ids: torch.Tensor | None,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-``k`` tokens and renormalised log-probs at ``mask``-ed positions.
+
+    ``target_logits [B, T, V]``, ``mask [B, T]``; returns ``(index [N, k], logp [N, k])`` in
+    row-major order of the mask, indices into ``token_ids`` (the head) when given.
+    """
+    logits = target_logits[mask.bool()].float()  # [N, V]
+    if token_ids is not None:
+        logits = logits[:, token_ids]
+    top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+    return top.indices, torch.log_softmax(top.values, -1)
+
+
+def topk_distill_loss(draft_logits: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
+                      logp: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """KL from the target's top-k distribution (``teacher_topk``) to the draft, per token.
+
+    Up to the target's (constant) entropy this is the cross-entropy
+    ``-sum_k p_k log q(x_k)``, with ``q`` the draft's distribution over its head.
+    """
+    logits = draft_logits[mask.bool()].float()
+    if token_ids is not None:
+        logits = logits[:, token_ids]
+    logq = torch.log_softmax(logits, -1).gather(-1, index)
+    return (logp.exp() * (logp - logq)).sum(-1).mean()

@@ -99,3 +99,18 @@ def test_subset_head_draft_keeps_outputs_exact(subset_pair):
     off_head[draft.output_layer.token_ids] = False
     assert marginal[off_head].sum() > 0.2  # the draft really misses a lot of the mass
     assert chi_square_pvalue(counts, n * marginal) > 1e-3
+
+
+def test_topk_distill_loss_matches_full_kl():
+    from megatron_rlhf.generation.draft import teacher_topk, topk_distill_loss
+
+    t, d = torch.randn(2, 4, 300), torch.randn(2, 4, 300, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]])
+    head = torch.arange(0, 300, 2)
+    index, logp = teacher_topk(t, mask, head, k=150)  # k = whole head: exact
+    full = distill_loss(d, t, mask.float(), head)
+    assert torch.allclose(topk_distill_loss(d, mask, index, logp, head), full, atol=1e-5)
+    index, logp = teacher_topk(t, mask, head, k=8)
+    assert index.shape == (5, 8) and torch.allclose(logp.exp().sum(-1), torch.ones(5))
+    topk_distill_loss(d, mask, index, logp, head).backward()
+    assert d.grad is not None and d.grad[mask == 0].abs().sum() == 0
