@@ -43,9 +43,15 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64, help="response length budget")
     p.add_argument("--temperature", type=float, default=1.0, help="target sampling temperature")
     p.add_argument("--gen-batch-size", type=int, default=32, help="prompts per generation batch")
-    p.add_argument("--epochs", type=int, default=8, help="passes over the responses")
+    p.add_argument("--epochs", type=int, default=4,
+                   help="passes over the responses (the best epoch on held-out KL is kept)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per training step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--valid-prompts", type=int, default=40,
+                   help="train prompts set aside to choose the best epoch")
+    p.add_argument("--samples-per-prompt", type=int, default=2,
+                   help="target responses per train prompt (more data, less overfitting)")
     p.add_argument("--teacher-topk", type=int, default=64,
                    help="keep the target's distribution as its top-k tokens (computed once)")
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for acceptance")
@@ -73,7 +79,10 @@ def validate(args):
     tok = load_tokenizer(info.tokenizer_dir)
     train = [encode_prompt(tok, x.prompt, chat=True) for x in load_prompts(args.prompts, split="train")]
     held = [encode_prompt(tok, x.prompt, chat=True) for x in load_prompts(args.prompts, split="heldout")]
-    return info, cfg, tok, train[: args.limit], held[: args.eval_prompts]
+    train = train[: args.limit]
+    if len(train) < 2:
+        raise ValueError(f"need at least 2 train prompts (one is set aside for validation), got {len(train)}")
+    return info, cfg, tok, train, held[: args.eval_prompts]
 
 
 def generate_responses(target, prompts, args):
@@ -121,27 +130,52 @@ def teacher_targets(target, prompts, responses, token_ids, args):
     return out
 
 
-def train(draft, teacher, prompts, responses, token_ids, args):
+def draft_loss(draft, teacher, idx, ids, att, mask, token_ids):
+    """Top-k KL of the draft against the cached target distributions of sequences ``idx``."""
     from megatron_rlhf.generation.draft import topk_distill_loss
     from megatron_rlhf.models.forward import lm_logits
+    from megatron_rlhf.models.heads import head_logits_only
+
+    index = torch.cat([teacher[j][0] for j in idx])
+    logp = torch.cat([teacher[j][1] for j in idx])
+    if token_ids is None:
+        return topk_distill_loss(lm_logits(draft, ids, att), mask, index, logp)
+    with head_logits_only(draft):  # logits over the head only: no 49152-wide scatter
+        return topk_distill_loss(lm_logits(draft, ids, att), mask, index, logp)
+
+
+@torch.no_grad()
+def validation_kl(draft, teacher, prompts, responses, token_ids, args) -> float:
+    draft.eval()
+    total, n = 0.0, 0
+    for idx, ids, att, mask in batches(prompts, responses, list(range(len(prompts))),
+                                       args.micro_batch_size):
+        total += draft_loss(draft, teacher, idx, ids, att, mask, token_ids).item() * len(idx)
+        n += len(idx)
+    draft.train()
+    return total / max(n, 1)
+
+
+def train(draft, teacher, prompts, responses, token_ids, args, held=None):
+    """AdamW with warmup and cosine decay; keeps the weights of the epoch with the lowest
+    KL on validation responses (``held = (teacher, prompts, responses)``)."""
 
     params = [p for n, p in draft.named_parameters() if not n.startswith("embedding.")]
     for p in draft.embedding.parameters():
         p.requires_grad_(False)  # the input embedding stays the target's
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     steps = args.epochs * math.ceil(len(prompts) / args.micro_batch_size)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))))
     g = torch.Generator().manual_seed(args.seed)
     step, t0 = 0, time.perf_counter()
+    best = (float("inf"), None)
     draft.train()
     for epoch in range(args.epochs):
         order = torch.randperm(len(prompts), generator=g).tolist()
         for idx, ids, att, mask in batches(prompts, responses, order, args.micro_batch_size):
-            index = torch.cat([teacher[j][0] for j in idx])
-            logp = torch.cat([teacher[j][1] for j in idx])
-            loss = topk_distill_loss(lm_logits(draft, ids, att), mask, index, logp, token_ids)
+            loss = draft_loss(draft, teacher, idx, ids, att, mask, token_ids)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -151,6 +185,15 @@ def train(draft, teacher, prompts, responses, token_ids, args):
             if step % 20 == 0 or step == steps:
                 log(f"epoch {epoch} step {step}/{steps} KL(top-{args.teacher_topk}) {loss.item():.3f} "
                     f"({time.perf_counter() - t0:.0f}s)")
+        if held is not None:
+            kl = validation_kl(draft, *held, token_ids, args)
+            log(f"epoch {epoch}: validation KL {kl:.3f}")
+            if kl < best[0]:
+                best = (kl, {k: v.detach().clone() for k, v in draft.state_dict().items()
+                             if isinstance(v, torch.Tensor)})
+    if best[1] is not None:
+        draft.load_state_dict(best[1], strict=False)
+        log(f"kept the epoch with validation KL {best[0]:.3f}")
     draft.eval()
 
 
@@ -188,7 +231,12 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     target = build_model(info.config, "actor", pg, dtype=dtype, seed=args.seed).eval()
     load_checkpoint(target, pg, info.path)
+    # the last train prompts pick the epoch (early stopping); the held-out split only reports
+    nv = min(args.valid_prompts, max(1, len(train_prompts) // 5))
+    valid, train_prompts = train_prompts[-nv:], train_prompts[:-nv]
+    train_prompts = [p for p in train_prompts for _ in range(args.samples_per_prompt)]
     responses = generate_responses(target, train_prompts, args)
+    valid_responses = generate_responses(target, valid, args)
     token_ids = None
     if cfg.head_vocab_size:
         token_ids = frequent_tokens(responses + train_prompts, cfg.head_vocab_size,
@@ -203,8 +251,10 @@ def main(argv=None) -> int:
     log(f"held-out mean accepted length before distillation: {before:.2f}")
     draft.float()
     teacher = teacher_targets(target, train_prompts, responses, token_ids, args)
+    valid_teacher = teacher_targets(target, valid, valid_responses, token_ids, args)
     log("target distributions computed")
-    train(draft, teacher, train_prompts, responses, token_ids, args)
+    train(draft, teacher, train_prompts, responses, token_ids, args,
+          held=(valid_teacher, valid, valid_responses))
     after = acceptance(target, draft.to(dtype), held, args)
     log(f"held-out mean accepted length after distillation: {after:.2f} (n={args.eval_draft_tokens})")
     draft.float()

@@ -37,12 +37,13 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     identical generators and probabilities draw identical tokens. A zero-probability
     token is never drawn (float rounding at the top end falls back to the argmax).
     """
-    flat = probs.reshape(-1, probs.shape[-1])
-    cdf = flat.double().cumsum(-1)
-    u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=torch.float64)
+    flat = probs.reshape(-1, probs.shape[-1]).float()
+    cdf = flat.cumsum(-1)
+    u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device)
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=flat.shape[-1] - 1)
     bad = flat.gather(-1, idx) <= 0
-    idx = torch.where(bad, flat.argmax(-1, keepdim=True), idx)
+    if bool(bad.any()):
+        idx = torch.where(bad, flat.argmax(-1, keepdim=True), idx)
     return idx.reshape(probs.shape[:-1])
 
 

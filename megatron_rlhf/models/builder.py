@@ -9,6 +9,7 @@ critic/reward a scalar value head per token (:mod:`megatron_rlhf.models.heads`).
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ def transformer_engine_available() -> bool:
     if not platform.has_cuda():
         return False
     try:
-        import transformer_engine  # noqa: F401
+        importlib.import_module("transformer_engine")
     except Exception:
         return False
     return True

@@ -13,6 +13,8 @@ the actor's ``p`` decides acceptance.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -43,9 +45,12 @@ def _subset_head_class():
                              tp_group=tp_group)
             self.register_buffer("token_ids", torch.arange(head_size))  # head row -> token id
             self.vocab_size = vocab_size
+            self.head_only = False  # True: return [s, b, head_size] (training a draft)
 
         def forward(self, hidden, weight=None, runtime_gather_output=None):
             logits, _ = super().forward(hidden)
+            if self.head_only:
+                return logits, None
             full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
             return full.index_copy_(-1, self.token_ids, logits), None
 
@@ -64,3 +69,17 @@ def attach_value_head(model) -> None:
     """Replace ``model.output_layer`` with a zero-initialised :class:`ValueHead`."""
     head = ValueHead(model.config.hidden_size, model.config.params_dtype)
     model.output_layer = head
+
+
+@contextlib.contextmanager
+def head_logits_only(model):
+    """Within the block, a draft with a subset head returns logits over its head tokens only
+    (``[..., head_vocab_size]``, in ``token_ids`` order): no full-vocabulary scatter."""
+    head = model.output_layer
+    if not hasattr(head, "head_only"):
+        raise ValueError("head_logits_only needs a model with a reduced LM head (head_vocab_size)")
+    head.head_only = True
+    try:
+        yield
+    finally:
+        head.head_only = False

@@ -16,7 +16,6 @@ from megatron_rlhf.generation.greedy import greedy_generate
 from megatron_rlhf.models import convert
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.checkpoint import load_checkpoint, read_checkpoint
-from megatron_rlhf.models.forward import lm_logits
 
 pytestmark = pytest.mark.slow
 
