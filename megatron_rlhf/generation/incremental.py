@@ -56,10 +56,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     b, h, n, d = q.shape
     kv = k.shape[1]
-    qg = q.reshape(b, kv, h // kv, n, d)  # query heads of one KV group are adjacent
-    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * d ** -0.5  # [B, KV, g, n, L]
-    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.unsqueeze(2)).reshape(b, h, n, d)
+    g = h // kv
+    # a KV group's query heads are adjacent: stack them as rows, so k and v are used as
+    # they lie in the cache (no broadcast copies of the cache per query head)
+    qg = q.reshape(b, kv, g * n, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * d ** -0.5  # [B, KV, g*n, L]
+    scores = scores.masked_fill(~mask.repeat(1, 1, g, 1), float("-inf"))
+    return torch.matmul(scores.softmax(-1), v).reshape(b, h, n, d)
 
 
 def _layer_step(layer, idx: int, x, cache, rope: RopeTable, pos, mask, k_len: int):
