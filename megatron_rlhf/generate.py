@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     for start in range(0, len(mine), args.batch_size):
         idx = mine[start: start + args.batch_size]
         r = engine.generate([prompts[i] for i in idx], gen, spec, seed=args.seed + idx[0])
-        _accumulate(totals, r.stats)
+        totals.add(r.stats)
         for j, i in enumerate(idx):
             n = int(r.lengths[j])
             results.append((i, prompts[i], r.response_ids[j, :n].tolist(),
@@ -116,16 +116,6 @@ def main(argv=None) -> int:
         _report(args, tokenizer, gathered)
     platform.shutdown()
     return 0
-
-
-def _accumulate(total, s) -> None:
-    total.actor_steps += s.actor_steps
-    total.draft_steps += s.draft_steps
-    total.verifications += s.verifications
-    total.new_tokens += s.new_tokens
-    total.elapsed_s += s.elapsed_s
-    total.accepted_per_position = [a + b for a, b in zip(total.accepted_per_position,
-                                                         s.accepted_per_position)]
 
 
 def _gather(pg, results, totals):
@@ -145,13 +135,15 @@ def _report(args, tokenizer, gathered) -> None:
                               "text": text, "logprobs": lps, "finish_reason": reason}))
         else:
             print(text if args.prompt is not None else f"[{i}] {text}")
-    tokens = sum(t.new_tokens for _, t in gathered)
-    slowest = max(t.elapsed_s for _, t in gathered)
-    ver = sum(t.verifications for _, t in gathered)
-    acc = sum(sum(t.accepted_per_position) for _, t in gathered)
+    slowest = max(t.elapsed_s for _, t in gathered)  # ranks run concurrently
+    total = gathered[0][1]
+    for _, t in gathered[1:]:
+        total.add(t)
+    tokens = total.new_tokens
     line = f"[{len(rows)} prompts, {tokens} tokens in {slowest:.2f}s: {tokens / max(slowest, 1e-9):.1f} tok/s"
-    if ver:
-        line += f", mean accepted length {1 + acc / ver:.2f} with {args.num_draft_tokens} draft tokens"
+    if total.verifications:
+        line += (f", mean accepted length {total.mean_accepted_length:.2f} with "
+                 f"{args.num_draft_tokens} draft tokens")
     print(line + "]", file=sys.stderr)
 
 

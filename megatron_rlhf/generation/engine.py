@@ -64,6 +64,15 @@ def _logprob_pair(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torc
     return token_logprobs(logits, tokens).tolist(), sampling_logprobs(probs, tokens).tolist()
 
 
+def check_draft(actor_cfg, draft_cfg) -> None:
+    """A draft must share the actor's tokenizer (vocabulary)."""
+    if draft_cfg.vocab_size != actor_cfg.vocab_size:
+        raise ValueError(
+            f"the draft's vocabulary ({draft_cfg.vocab_size} tokens) differs from the actor's "
+            f"({actor_cfg.vocab_size}): a draft must share the actor's tokenizer"
+        )
+
+
 def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig,
                   actor_cfg, draft_cfg=None) -> int:
     """Validate a request against the model configs (no models, no collectives needed).
@@ -74,11 +83,8 @@ def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecCon
         raise ValueError("no prompts to generate from")
     if spec.num_draft_tokens and draft_cfg is None:
         raise ValueError("--num-draft-tokens > 0 needs a draft model (--draft-load)")
-    if draft_cfg is not None and draft_cfg.vocab_size != actor_cfg.vocab_size:
-        raise ValueError(
-            f"the draft's vocabulary ({draft_cfg.vocab_size} tokens) differs from the actor's "
-            f"({actor_cfg.vocab_size}): a draft must share the actor's tokenizer"
-        )
+    if draft_cfg is not None:
+        check_draft(actor_cfg, draft_cfg)
     limit = actor_cfg.max_position_embeddings
     if draft_cfg is not None:
         limit = min(limit, draft_cfg.max_position_embeddings)
@@ -101,8 +107,7 @@ class Generator:
     def __init__(self, actor, draft=None, pad_id: int = 0):
         self.actor, self.draft, self.pad_id = actor, draft, pad_id
         if draft is not None:
-            check_request([[0]], GenerationConfig(max_new_tokens=1), SpecConfig(),
-                          actor.mrlhf_config, draft.mrlhf_config)
+            check_draft(actor.mrlhf_config, draft.mrlhf_config)
             if draft.pg_collection.tp.size() != actor.pg_collection.tp.size():
                 raise ValueError("draft and actor must run under the same tensor-parallel group")
         self.eos = actor.mrlhf_config.eos_token_id
@@ -139,8 +144,7 @@ class Generator:
         for r, tok in enumerate(first.tolist()):
             if out.emit(r, [tok], [lp[r]], [slp[r]]):
                 alive[r] = False
-        pending = first
-        state = {"cache": cache, "pending": pending}
+        state = {"cache": cache, "pending": first}
         if n:
             d_rope = RopeTable(self.draft, max_len)
             d_cache = KVCache.for_model(self.draft, len(prompts), max_len)

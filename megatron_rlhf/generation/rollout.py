@@ -43,6 +43,18 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.elapsed_s if self.elapsed_s else 0.0
 
+    def add(self, other: "GenerationStats") -> None:
+        """Accumulate ``other`` (another batch, or another rank's totals) into this one."""
+        self.actor_steps += other.actor_steps
+        self.draft_steps += other.draft_steps
+        self.verifications += other.verifications
+        self.new_tokens += other.new_tokens
+        self.elapsed_s += other.elapsed_s
+        self.prefill_s += other.prefill_s
+        self.accepted_per_position = [
+            a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)
+        ]
+
     def to_dict(self) -> dict:
         return {
             "num_draft_tokens": self.num_draft_tokens, "actor_steps": self.actor_steps,
