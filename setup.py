@@ -18,6 +18,8 @@ setup(
         "accelerate",
         "sentencepiece",
         "tqdm",
+        "tensorboard",
+        "matplotlib",
     ],
     extras_require={"test": ["pytest>=8", "pytest-timeout"]},
 )

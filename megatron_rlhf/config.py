@@ -208,6 +208,117 @@ class SpecConfig:
             )
 
 
+
+ADVANTAGE_ESTIMATORS = ("gae", "grpo")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+
+
+@dataclass
+class PPOConfig:
+    """One RLHF iteration: how much is generated, and how actor and critic learn from it."""
+
+    global_batch_size: int = 8
+    """Prompts per iteration, over all data-parallel ranks."""
+    rollout_n: int = 2
+    """Responses sampled per prompt (a GRPO group)."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward pass (gradients accumulate over micro-batches)."""
+    num_mini_batches: int = 1
+    """Optimizer steps per PPO epoch: the iteration's samples are split into this many."""
+    ppo_epochs: int = 1
+    """Passes over the iteration's samples."""
+    advantage_estimator: str = "gae"
+    """gae (with a critic) or grpo (group-normalised rewards, no critic)."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Normalise GAE advantages over the whole batch (all data-parallel ranks)."""
+    clip_eps: float = 0.2
+    """PPO ratio clip."""
+    value_clip_eps: float = 0.2
+    """Clip of the critic's new values around the old ones (0: no value clipping)."""
+    kl_coef: float = 0.05
+    """KL(actor || reference) weight: a per-token reward penalty with gae, a loss term with grpo."""
+    kl_estimator: str = "k1"
+    """Per-token KL estimate: k1 (log-ratio), k2, k3 (Schulman), abs."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight in the policy loss."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "rollout_n", "micro_batch_size", "num_mini_batches",
+                     "ppo_epochs"):
+            _positive(name, getattr(self, name))
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"unknown advantage estimator {self.advantage_estimator!r}; "
+                             f"valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; "
+                             f"valid: {', '.join(KL_ESTIMATORS)}")
+        if self.advantage_estimator == "grpo" and self.rollout_n < 2:
+            raise ValueError("grpo normalises rewards within a prompt's group: use --rollout-n >= 2")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError(f"gamma and lam must lie in [0, 1], got {self.gamma}, {self.lam}")
+        if self.clip_eps <= 0 or self.value_clip_eps < 0 or self.kl_coef < 0:
+            raise ValueError("clip_eps must be > 0, value_clip_eps and kl_coef >= 0")
+
+    @property
+    def use_critic(self) -> bool:
+        return self.advantage_estimator == "gae"
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.global_batch_size * self.rollout_n
+
+    def check_data_parallel(self, dp: int) -> int:
+        """Samples per rank, or a message saying which flags to change."""
+        if self.global_batch_size % dp:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} prompts must split evenly over "
+                f"{dp} data-parallel ranks (a prompt's {self.rollout_n} samples stay on one rank)"
+            )
+        per_step = self.micro_batch_size * dp * self.num_mini_batches
+        if self.samples_per_iteration % per_step:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} x --rollout-n {self.rollout_n} = "
+                f"{self.samples_per_iteration} samples per iteration is not divisible by "
+                f"--micro-batch-size {self.micro_batch_size} x {dp} data-parallel ranks x "
+                f"--num-mini-batches {self.num_mini_batches} = {per_step}"
+            )
+        return self.samples_per_iteration // dp
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay, and gradient clipping."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    lr_warmup_iters: int = 0
+    """Optimizer steps of linear warmup from 0."""
+    lr_decay_iters: int | None = None
+    """Optimizer steps until min_lr (None: the whole run)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (not applied to norms and biases)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip over all ranks of the model (0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.lr_warmup_iters < 0 or self.clip_grad < 0 or self.weight_decay < 0:
+            raise ValueError("lr_warmup_iters, clip_grad and weight_decay must be >= 0")
+
+
 PRESETS: dict[str, ModelConfig] = {
     "llama2-7b": ModelConfig(
         num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
@@ -272,6 +383,7 @@ def dataclass_from_namespace(cls, namespace, **extra):
 
 
 __all__ = [
-    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerationConfig", "SpecConfig", "PRESETS", "ROLES",
+    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerationConfig", "SpecConfig", "PPOConfig", "OptimConfig",
+    "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "PRESETS", "ROLES",
     "preset", "check_role", "dataclass_from_namespace",
 ]

@@ -91,42 +91,26 @@ def sharded_state_dict(model, pg_collection) -> dict:
     return {"model": model.sharded_state_dict(metadata={"dp_cp_group": pg_collection.dp_cp})}
 
 
-def save_checkpoint(
-    root: str | os.PathLike,
-    step: int,
-    model,
-    pg_collection,
-    tokenizer=None,
-    extra: dict | None = None,
-) -> Path:
-    """Save ``model`` to ``ROOT/iter_<step>`` atomically; collective over the world.
-
-    Returns the checkpoint directory. ``tokenizer`` (a HF tokenizer) is stored beside the
-    weights so the checkpoint is self-contained.
-    """
-    from megatron.core import dist_checkpointing
-
-    rank = dist.get_rank()
-    final = iteration_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
+def begin_iteration(root: str | os.PathLike, step: int) -> Path:
+    """Create an empty ``ROOT/iter_<step>.tmp`` to write into; collective over the world."""
+    tmp = iteration_dir(root, step).with_name(iteration_dir(root, step).name + ".tmp")
+    if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(sharded_state_dict(model, pg_collection), str(tmp))
+    return tmp
+
+
+def commit_iteration(root: str | os.PathLike, step: int) -> Path:
+    """Publish ``iter_<step>.tmp`` as ``iter_<step>`` and point the tracker at it; collective.
+
+    Call once every rank has written its files. The rename is atomic, and the tracker is
+    replaced last, so a crash at any point leaves the previous checkpoint as the latest.
+    """
     dist.barrier()
-    if rank == 0:
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp / "tokenizer"))
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "role": model.mrlhf_role,
-            "step": step,
-            "model_config": model.mrlhf_config.to_dict(),
-            "extra": extra or {},
-            "files": _manifest(tmp),
-        }
-        _atomic_write_text(tmp / METADATA_FILE, json.dumps(meta, indent=1))
+    final = iteration_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
         if final.exists():  # an earlier save at the same step: replace it
             old = final.with_name(final.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
@@ -139,6 +123,51 @@ def save_checkpoint(
         _atomic_write_text(Path(root) / TRACKER_FILE, f"{step}\n")
     dist.barrier()
     return final
+
+
+def write_model(directory: Path, step: int, model, pg_collection, tokenizer=None,
+                extra: dict | None = None) -> None:
+    """Write ``model`` into an existing ``directory`` (weights + metadata); collective.
+
+    ``tokenizer`` (a HF tokenizer) is stored beside the weights so the checkpoint is
+    self-contained.
+    """
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(sharded_state_dict(model, pg_collection), str(directory))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(directory / "tokenizer"))
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "role": model.mrlhf_role,
+            "step": step,
+            "model_config": model.mrlhf_config.to_dict(),
+            "extra": extra or {},
+            "files": _manifest(directory),
+        }
+        _atomic_write_text(directory / METADATA_FILE, json.dumps(meta, indent=1))
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model,
+    pg_collection,
+    tokenizer=None,
+    extra: dict | None = None,
+) -> Path:
+    """Save ``model`` to ``ROOT/iter_<step>`` atomically; collective over the world.
+
+    Returns the checkpoint directory.
+    """
+    tmp = begin_iteration(root, step)
+    write_model(tmp, step, model, pg_collection, tokenizer, extra)
+    return commit_iteration(root, step)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -196,8 +225,11 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     )
 
 
-def check_shapes(model, pg_collection, info: CheckpointInfo) -> None:
-    """Compare every tensor's global shape with the checkpoint's; name the first mismatch."""
+def check_shapes(model, pg_collection, info: CheckpointInfo, skip: tuple[str, ...] = ()) -> None:
+    """Compare every tensor's global shape with the checkpoint's; name the first mismatch.
+
+    Tensors whose key starts with one of ``skip`` are not checked (not loaded).
+    """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from torch.distributed.checkpoint import FileSystemReader
@@ -206,7 +238,7 @@ def check_shapes(model, pg_collection, info: CheckpointInfo) -> None:
     sd = sharded_state_dict(model, pg_collection)
     apply_factories(sd)
     for t in nested_values(sd):
-        if not isinstance(t, ShardedTensor):
+        if not isinstance(t, ShardedTensor) or t.key.startswith(skip):
             continue
         if t.key not in stored:
             raise CheckpointError(
@@ -221,15 +253,21 @@ def check_shapes(model, pg_collection, info: CheckpointInfo) -> None:
             )
 
 
-def load_checkpoint(model, pg_collection, path: str | os.PathLike) -> CheckpointInfo:
+def load_checkpoint(model, pg_collection, path: str | os.PathLike,
+                    skip: tuple[str, ...] = ()) -> CheckpointInfo:
     """Load weights into ``model`` (any TP size); collective over the model's ranks.
 
     The files and shapes are verified first, on every rank, before any collective.
+    Tensors whose key starts with one of ``skip`` keep their current values (e.g. a critic's
+    value head when its trunk comes from an actor checkpoint).
     """
     from megatron.core import dist_checkpointing
 
     info = read_checkpoint(path)
-    check_shapes(model, pg_collection, info)
-    state = dist_checkpointing.load(sharded_state_dict(model, pg_collection), str(info.path))
+    check_shapes(model, pg_collection, info, skip)
+    sd = sharded_state_dict(model, pg_collection)
+    if skip:
+        sd = {"model": {k: v for k, v in sd["model"].items() if not k.startswith(skip)}}
+    state = dist_checkpointing.load(sd, str(info.path))
     model.load_state_dict(state["model"], strict=False)
     return info

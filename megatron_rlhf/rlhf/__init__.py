@@ -1,0 +1,1 @@
+"""The RLHF loop: rollout -> experience -> advantages -> losses -> trainer."""

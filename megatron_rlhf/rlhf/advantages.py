@@ -1,0 +1,122 @@
+"""Advantage estimators and masked statistics for PPO-style RLHF.
+
+Shapes: ``B`` samples, ``T`` response positions (right-padded); ``mask`` is ``[B, T]``,
+1 (or True) at response tokens and 0 at padding. Every ``[B, T]`` output is 0 at padding.
+
+- :func:`gae`: generalised advantage estimation with a learned value (PPO).
+- :func:`grpo_advantages`: group-relative scores, no value model (GRPO).
+- :func:`masked_whiten`: batch (optionally data-parallel global) normalisation.
+
+Estimators are registered by name in :data:`ADVANTAGE_ESTIMATORS`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_rlhf.config import ADVANTAGE_ESTIMATORS  # one list, also validated by PPOConfig
+
+
+def check_advantage_estimator(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is one of :data:`ADVANTAGE_ESTIMATORS`."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        valid = ", ".join(ADVANTAGE_ESTIMATORS)
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {valid}")
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """Sum of ``x`` [B, T] over the elements where ``mask`` [B, T] is set; a scalar."""
+    return (x * mask.to(x.dtype)).sum()
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over masked elements, over everything or along ``dim``.
+
+    An empty selection (no masked element) gives 0 rather than NaN.
+    """
+    m = mask.to(x.dtype)
+    if dim is None:
+        return (x * m).sum() / m.sum().clamp(min=1)
+    return (x * m).sum(dim) / m.sum(dim).clamp(min=1)
+
+
+def _global_sum(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``t`` summed over the ranks of ``group`` (unchanged without a group)."""
+    if group is not None:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def masked_whiten(x: Tensor, mask: Tensor, group: dist.ProcessGroup | None = None,
+                  shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the masked elements of ``x`` [B, T].
+
+    Mean and population variance (divide by the count) are taken over all masked
+    elements of the batch; with ``group`` they are global over that process group
+    (two all-reduces: count and sum, then sum of squared deviations), so a batch split
+    over data-parallel ranks is whitened exactly as the whole batch on one rank.
+    With ``shift_mean=False`` the mean is added back after scaling. 0 at padding.
+    """
+    m = mask.to(x.dtype)  # [B, T]
+    x = torch.where(m > 0, x, torch.zeros_like(x))  # padding may hold garbage
+    count_sum = _global_sum(torch.stack([m.sum(), (x * m).sum()]), group)  # [2]
+    mean = count_sum[1] / count_sum[0].clamp(min=1)
+    sq_dev = _global_sum(((x - mean) ** 2 * m).sum(), group)
+    var = sq_dev / count_sum[0].clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)  # [B, T]
+    if not shift_mean:
+        out = out + mean
+    return out * m
+
+
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
+        lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over right-padded responses.
+
+    ``token_rewards``, ``values``, ``mask``: [B, T]; ``mask`` is a prefix of ones per row
+    (possibly empty). The value after the last response token is 0 (the episode ends).
+    ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``,
+    ``returns = A + V``. Returns ``(advantages [B, T], returns [B, T])``, 0 at padding.
+    """
+    m = mask.to(values.dtype)  # [B, T]
+    zero = torch.zeros_like(values)
+    rewards = torch.where(m > 0, token_rewards, zero)  # [B, T], padding may hold garbage
+    values = torch.where(m > 0, values, zero)  # [B, T]
+    T = values.shape[1]
+    next_value = torch.zeros_like(values[:, 0])  # [B]
+    next_adv = torch.zeros_like(values[:, 0])  # [B]
+    advantages = torch.zeros_like(values)  # [B, T]
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # [B]
+        next_adv = (delta + gamma * lam * next_adv) * m[:, t]
+        advantages[:, t] = next_adv
+        next_value = values[:, t]  # 0 at padding, so V after the last token is 0
+    returns = (advantages + values) * m  # [B, T]
+    return advantages, returns
+
+
+def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 1e-6,
+                    scale_by_std: bool = True) -> Tensor:
+    """Group-relative advantages (GRPO): each score against its group's statistics.
+
+    ``scores`` [B] come in consecutive groups of ``group_size`` samples of one prompt.
+    A sample's advantage is ``(score - group mean) / (group std + eps)`` with the unbiased
+    std, or only ``score - group mean`` when ``scale_by_std=False``. With
+    ``group_size == 1`` the unbiased std is undefined and the advantage is 0 (a single
+    sample carries no relative signal). Broadcast over the response tokens of ``mask``
+    [B, T]; returns [B, T], 0 at padding.
+    """
+    B = scores.shape[0]
+    if group_size < 1 or B % group_size != 0:
+        raise ValueError(f"batch size {B} must be a multiple of the group size {group_size}")
+    grouped = scores.view(B // group_size, group_size)  # [G, group_size]
+    if group_size == 1:
+        adv = torch.zeros_like(grouped)
+    else:
+        adv = grouped - grouped.mean(dim=1, keepdim=True)
+        if scale_by_std:
+            adv = adv / (grouped.std(dim=1, keepdim=True) + eps)
+    return adv.reshape(B, 1) * mask.to(scores.dtype)  # [B, T]

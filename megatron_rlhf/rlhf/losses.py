@@ -1,0 +1,106 @@
+"""Per-token PPO quantities: KL estimates, shaped rewards, log-probs, entropy, losses.
+
+Shapes: ``B`` samples, ``T`` response positions, ``V`` vocabulary. Losses are returned
+per token and unmasked; the caller masks and reduces (token or sequence mean).
+KL estimators are registered by name in :data:`KL_ESTIMATORS`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megatron_rlhf.config import KL_ESTIMATORS  # one list, also validated by PPOConfig
+
+# log(pi_ref / pi) is clamped to this range before ``exp`` in k3 so that a token the
+# reference finds far likelier than the policy cannot overflow to inf.
+_K3_LOG_RATIO_CLAMP = 20.0
+
+
+def check_kl_estimator(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is one of :data:`KL_ESTIMATORS`."""
+    if name not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {name!r}; valid: {', '.join(KL_ESTIMATORS)}")
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
+
+    ``logprobs``, ``ref_logprobs``: [B, T] log pi(a|s), log pi_ref(a|s). Estimators
+    (Schulman, "Approximating KL divergence"): ``k1 = logp - ref`` (unbiased, noisy),
+    ``k2 = 0.5 * (logp - ref)^2``, ``k3 = exp(ref - logp) - (ref - logp) - 1`` (unbiased,
+    low variance, >= 0; the log-ratio is clamped to [-20, 20] before ``exp``),
+    ``abs = |logp - ref|``. Returns [B, T].
+    """
+    check_kl_estimator(estimator)
+    diff = logprobs - ref_logprobs  # [B, T] log(pi / pi_ref)
+    if estimator == "k1":
+        return diff
+    if estimator == "k2":
+        return 0.5 * diff.square()
+    if estimator == "abs":
+        return diff.abs()
+    log_ratio = (-diff).clamp(-_K3_LOG_RATIO_CLAMP, _K3_LOG_RATIO_CLAMP)  # log(pi_ref / pi)
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+    """Shaped per-token rewards: ``-kl_coef * kl`` everywhere, plus the score at the end.
+
+    ``scores`` [B] (one scalar per sample), ``kl`` [B, T], ``mask`` [B, T] right-padded.
+    The score is added at the last response token of each row; a row without response
+    tokens gets nothing. Returns [B, T], 0 at padding.
+    """
+    keep = mask.bool()  # [B, T]
+    rewards = torch.where(keep, -kl_coef * kl, torch.zeros_like(kl))  # [B, T]
+    lengths = keep.sum(dim=1)  # [B]
+    rows = torch.nonzero(lengths > 0).squeeze(1)  # [B'] rows with a response
+    rewards[rows, lengths[rows] - 1] += scores[rows].to(rewards.dtype)
+    return rewards
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
+    """``log softmax(logits)`` [B, T, V] gathered at ``tokens`` [B, T]; float32 [B, T]."""
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    logp = torch.log_softmax(logits, dim=-1)  # [B, T, V]
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of ``softmax(logits)`` [..., V] as ``logsumexp - sum(softmax * logits)``; [...]."""
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    probs = torch.softmax(logits, dim=-1)  # [..., V]
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float,
+                clip_eps_high: float | None = None) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate per token.
+
+    ``ratio = exp(logprobs - old_logprobs)``; ``loss = max(-A * ratio,
+    -A * clamp(ratio, 1 - clip_eps, 1 + (clip_eps_high or clip_eps)))``. All inputs
+    [B, T]. Returns ``(loss [B, T], clipped [B, T] bool)`` where ``clipped`` marks tokens
+    whose clipped branch is strictly larger (the clip was active). Unmasked.
+    """
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
+    unclipped = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1 - clip_eps, 1 + high)
+    return torch.maximum(unclipped, clipped_loss), clipped_loss > unclipped
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor,
+               clip_eps: float | None) -> tuple[Tensor, Tensor]:
+    """Value-function loss per token, optionally clipped around the rollout's values.
+
+    With ``clip_eps``: ``0.5 * max((v - R)^2, (old + clamp(v - old, -eps, eps) - R)^2)``;
+    without: ``0.5 * (v - R)^2``. All inputs [B, T]. Returns ``(loss [B, T],
+    clipped [B, T] bool)``, ``clipped`` marking where the clipped term is strictly larger
+    (all False without clipping). Unmasked.
+    """
+    unclipped = (values - returns).square()  # [B, T]
+    if clip_eps is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    v_clip = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    clipped_sq = (v_clip - returns).square()  # [B, T]
+    return 0.5 * torch.maximum(unclipped, clipped_sq), clipped_sq > unclipped

@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Plot a training run's metrics.jsonl (one JSON object per iteration) to a PNG.
+
+  python tools/plot_metrics.py LOG_DIR_OR_METRICS_JSONL [-o out.png]
+
+Given a directory, reads ``DIR/metrics.jsonl``. The PNG goes next to the file
+(``metrics.png``) unless ``-o`` is given. Three panels share the ``iteration`` axis:
+``reward_mean`` with a +-``reward_std`` band and a dashed moving average (window 5),
+``kl``, and the stage times ``time_*_s`` as stacked bars. Points whose keys are missing
+are skipped; a line that is not valid JSON is an error (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+STAGE_KEYS = ("time_rollout_s", "time_experience_s", "time_train_s", "time_draft_s")
+MA_WINDOW = 5
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The JSON objects of ``path``, one per non-blank line; ValueError names the bad line."""
+    rows = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                kind = type(row).__name__
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {kind}")
+            rows.append(row)
+    return rows
+
+
+def series(rows: list[dict], *keys: str) -> list[tuple]:
+    """(iteration, key values...) for the rows that have ``iteration`` and all ``keys``."""
+    need = ("iteration", *keys)
+    return [tuple(r[k] for k in need) for r in rows if all(r.get(k) is not None for k in need)]
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values (shorter at the start)."""
+    windows = (values[max(0, i - window + 1) : i + 1] for i in range(len(values)))
+    return [sum(w) / len(w) for w in windows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", type=Path, help="log directory or metrics.jsonl file")
+    parser.add_argument(
+        "-o", "--output", type=Path, help="output PNG (default: metrics.png next to the file)"
+    )
+    args = parser.parse_args(argv)
+
+    path = args.path / "metrics.jsonl" if args.path.is_dir() else args.path
+    if not path.is_file():
+        print(f"error: {path} does not exist", file=sys.stderr)
+        return 2
+    try:
+        rows = read_metrics(path)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    output = args.output or path.with_name("metrics.png")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_kl, ax_t) = plt.subplots(3, 1, sharex=True, figsize=(9, 9))
+
+    reward = series(rows, "reward_mean")
+    if reward:
+        it, mean = zip(*reward)
+        ax_r.plot(it, mean, label="reward_mean")
+        band = series(rows, "reward_mean", "reward_std")
+        if band:
+            bit, bmean, bstd = zip(*band)
+            lo = [m - s for m, s in zip(bmean, bstd)]
+            hi = [m + s for m, s in zip(bmean, bstd)]
+            ax_r.fill_between(bit, lo, hi, alpha=0.25, label="+-reward_std")
+        ma = moving_average(list(mean), MA_WINDOW)
+        ax_r.plot(it, ma, "--", label=f"moving avg ({MA_WINDOW})")
+        ax_r.legend(loc="best", fontsize="small")
+    ax_r.set_ylabel("reward")
+
+    kl = series(rows, "kl")
+    if kl:
+        ax_kl.plot(*zip(*kl), color="tab:red")
+    ax_kl.set_ylabel("kl")
+
+    bottoms: dict = {}
+    for key in STAGE_KEYS:
+        points = series(rows, key)  # empty when the key is absent from the file
+        if not points:
+            continue
+        it, secs = zip(*points)
+        base = [bottoms.get(i, 0.0) for i in it]
+        ax_t.bar(it, secs, bottom=base, label=key.removeprefix("time_").removesuffix("_s"))
+        for i, s in zip(it, secs):
+            bottoms[i] = bottoms.get(i, 0.0) + s
+    if bottoms:
+        ax_t.legend(loc="best", fontsize="small")
+    ax_t.set_ylabel("time per stage (s)")
+    ax_t.set_xlabel("iteration")
+
+    fig.suptitle(str(path))
+    fig.tight_layout()
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    print(output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
