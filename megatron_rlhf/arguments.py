@@ -118,3 +118,62 @@ def validated(check, *args):
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def add_rlhf_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``python -m megatron_rlhf.train``: models, PPO, optimizer, run."""
+    from megatron_rlhf.config import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+
+    g = p.add_argument_group("models")
+    g.add_argument("--actor-load", required=True, help="initial policy checkpoint (LM)")
+    g.add_argument("--ref-load", default=None, help="KL reference checkpoint (default: --actor-load)")
+    g.add_argument("--critic-load", default=None,
+                   help="critic checkpoint (default: the actor's trunk with a zero value head)")
+    r = g.add_mutually_exclusive_group(required=True)
+    r.add_argument("--reward-load", default=None, help="reward model checkpoint (scalar head)")
+    r.add_argument("--reward-fn", default=None,
+                   help="rule reward by name (see megatron_rlhf/rlhf/rewards.py), e.g. concise")
+    g = p.add_argument_group("data and rollout")
+    g.add_argument("--prompts", default=None,
+                   help="jsonl of {\"prompt\": ...} (default: the shipped set's train split)")
+    g.add_argument("--max-prompt-length", type=int, default=256, help="longest prompt, tokens")
+    g.add_argument("--no-chat", dest="chat", action="store_false", default=True,
+                   help="do not apply the tokenizer's chat template")
+    g.add_argument("--global-batch-size", type=int, default=8, help="prompts per iteration")
+    g.add_argument("--rollout-n", type=int, default=2, help="responses sampled per prompt")
+    g = p.add_argument_group("PPO")
+    g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="gae",
+                   help="gae (critic) or grpo (group-normalised, no critic)")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each iteration's samples")
+    g.add_argument("--num-mini-batches", type=int, default=1, help="optimizer steps per PPO epoch")
+    g.add_argument("--gamma", type=float, default=1.0, help="GAE discount")
+    g.add_argument("--lam", type=float, default=0.95, help="GAE lambda")
+    g.add_argument("--no-whiten-advantages", dest="whiten_advantages", action="store_false",
+                   default=True, help="do not normalise GAE advantages over the batch")
+    g.add_argument("--clip-eps", type=float, default=0.2, help="PPO ratio clip")
+    g.add_argument("--value-clip-eps", type=float, default=0.2, help="value clip (0: none)")
+    g.add_argument("--kl-coef", type=float, default=0.05,
+                   help="KL-to-reference weight (reward penalty with gae, loss with grpo)")
+    g.add_argument("--kl-estimator", choices=KL_ESTIMATORS, default="k1", help="per-token KL estimate")
+    g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus weight")
+    g = p.add_argument_group("optimizer (AdamW, warmup + cosine)")
+    g.add_argument("--lr", type=float, default=1e-6, help="actor peak learning rate")
+    g.add_argument("--critic-lr", type=float, default=5e-6, help="critic peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="actor learning rate after decay")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="iterations of linear warmup")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="iterations of cosine decay (default: --train-iters)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip (0: none)")
+    g = p.add_argument_group("run")
+    g.add_argument("--train-iters", type=int, default=20, help="RLHF iterations")
+    g.add_argument("--save-interval", type=int, default=0,
+                   help="save every N iterations (0: at the end only; needs --save)")
+    g.add_argument("--log-dir", default=None, help="metrics.jsonl and TensorBoard go here")
+    g.add_argument("--draft-distill", action="store_true",
+                   help="distil the draft towards the actor on every iteration's rollouts")
+    g.add_argument("--draft-lr", type=float, default=1e-4, help="draft learning rate")
+    g.add_argument("--draft-distill-topk", type=int, default=64, help="teacher tokens per position")

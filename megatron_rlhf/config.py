@@ -298,9 +298,9 @@ class OptimConfig:
     min_lr: float = 0.0
     """Learning rate at the end of the cosine decay."""
     lr_warmup_iters: int = 0
-    """Optimizer steps of linear warmup from 0."""
+    """Iterations of linear warmup from 0."""
     lr_decay_iters: int | None = None
-    """Optimizer steps until min_lr (None: the whole run)."""
+    """Iterations until min_lr (None: the whole run)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay (not applied to norms and biases)."""
     adam_beta1: float = 0.9
@@ -311,12 +311,46 @@ class OptimConfig:
     """AdamW epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip over all ranks of the model (0: none)."""
+    critic_lr: float = 5e-6
+    """Peak learning rate of the critic (same schedule)."""
+    draft_lr: float = 1e-4
+    """Learning rate of the draft under --draft-distill (constant)."""
 
     def __post_init__(self) -> None:
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.critic_lr < 0 or self.draft_lr < 0:
+            raise ValueError("critic_lr and draft_lr must be >= 0")
         if self.lr_warmup_iters < 0 or self.clip_grad < 0 or self.weight_decay < 0:
             raise ValueError("lr_warmup_iters, clip_grad and weight_decay must be >= 0")
+
+
+
+@dataclass
+class LoopConfig:
+    """The RLHF run around the iterations: length, data, checkpoints, draft upkeep."""
+
+    train_iters: int = 20
+    """RLHF iterations (rollout + experience + PPO update each)."""
+    save_interval: int = 0
+    """Save a resumable checkpoint every this many iterations (0: only at the end)."""
+    seed: int = 1234
+    """Seeds the prompt order, the sampling of every iteration and the initialisations."""
+    max_prompt_length: int = 256
+    """Longest prompt in tokens (chat template included); longer prompts are an error."""
+    chat: bool = True
+    """Format prompts with the tokenizer's chat template."""
+    draft_distill: bool = False
+    """Distil the draft towards the updated actor on each iteration's rollouts."""
+    draft_distill_topk: int = 64
+    """Teacher tokens per position for --draft-distill."""
+
+    def __post_init__(self) -> None:
+        _positive("train_iters", self.train_iters)
+        _positive("max_prompt_length", self.max_prompt_length)
+        _positive("draft_distill_topk", self.draft_distill_topk)
+        if self.save_interval < 0:
+            raise ValueError("save_interval must be >= 0")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -383,7 +417,7 @@ def dataclass_from_namespace(cls, namespace, **extra):
 
 
 __all__ = [
-    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerationConfig", "SpecConfig", "PPOConfig", "OptimConfig",
+    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerationConfig", "SpecConfig", "PPOConfig", "OptimConfig", "LoopConfig",
     "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "PRESETS", "ROLES",
     "preset", "check_role", "dataclass_from_namespace",
 ]

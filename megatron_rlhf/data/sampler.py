@@ -1,0 +1,28 @@
+"""Which prompts an RLHF iteration trains on: a pure function of (seed, iteration).
+
+The prompt order is a fresh permutation each epoch; iteration ``k`` (1-based) takes the
+next ``batch`` prompts of the endless sequence of epochs. Resuming at iteration ``k``
+needs nothing but ``k``, and no prompt repeats before every prompt has been seen.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def epoch_order(num_prompts: int, epoch: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_prompts, generator=g).tolist()
+
+
+def batch_indices(num_prompts: int, batch: int, iteration: int, seed: int) -> list[int]:
+    """Prompt indices of ``iteration`` (1-based)."""
+    if num_prompts < 1:
+        raise ValueError("no prompts to train on")
+    start = (iteration - 1) * batch
+    out = []
+    while len(out) < batch:
+        epoch, pos = divmod(start + len(out), num_prompts)
+        order = epoch_order(num_prompts, epoch, seed)
+        out.extend(order[pos: pos + batch - len(out)])
+    return out

@@ -1,0 +1,218 @@
+"""From validated settings to a running trainer.
+
+:func:`make_plan` checks everything that can be wrong — checkpoints, layout, batch
+arithmetic, reward name, prompt lengths, a resume directory — from files alone, before
+any collective. :func:`build_trainer` then creates the process groups' models on this
+rank, loads weights, optimizer states and the loop position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_rlhf.config import (
+    GenerationConfig,
+    LoopConfig,
+    OptimConfig,
+    ParallelConfig,
+    PPOConfig,
+    SpecConfig,
+)
+from megatron_rlhf.models.checkpoint import CheckpointInfo, read_checkpoint
+
+
+@dataclass
+class CheckpointPaths:
+    """Where each model comes from."""
+
+    actor: str
+    """The policy's initial weights (an LM checkpoint)."""
+    reference: str | None = None
+    """The KL reference (default: the initial actor)."""
+    critic: str | None = None
+    """The critic (default: the actor's trunk with a zero value head)."""
+    reward: str | None = None
+    """A reward model (a critic/reward checkpoint); or use a rule reward function."""
+    draft: str | None = None
+    """A draft model for speculative generation."""
+    resume: str | None = None
+    """A --save directory (or one of its iter_* directories) to resume from."""
+
+
+@dataclass
+class TrainPlan:
+    """Everything a run needs, validated."""
+
+    ppo: PPOConfig
+    optim: OptimConfig
+    loop: LoopConfig
+    gen: GenerationConfig
+    spec: SpecConfig
+    par: ParallelConfig
+    dtype: torch.dtype
+    paths: CheckpointPaths
+    reward_fn: str | None
+    infos: dict[str, CheckpointInfo]
+    tokenizer: object
+    prompts: list
+    prompt_ids: list[list[int]]
+    world_size: int
+    save_dir: str | None = None
+    log_dir: str | None = None
+    resume_dir: Path | None = None
+    resume_state: dict = field(default_factory=dict)
+
+
+def _infos(paths: CheckpointPaths, ppo: PPOConfig, resume: Path | None) -> dict[str, CheckpointInfo]:
+    infos = {"actor": read_checkpoint(resume / "actor" if resume else paths.actor),
+             "reference": read_checkpoint(paths.reference or paths.actor)}
+    if ppo.use_critic:
+        src = resume / "critic" if resume else paths.critic
+        infos["critic"] = read_checkpoint(src) if src else infos["reference"]
+    if paths.reward:
+        infos["reward"] = read_checkpoint(paths.reward)
+        if infos["reward"].role not in ("reward", "critic"):
+            raise ValueError(f"--reward-load {paths.reward} is a {infos['reward'].role} "
+                             "checkpoint; a reward model has a scalar head (role reward)")
+    if paths.draft:
+        infos["draft"] = read_checkpoint(resume / "draft" if resume and (resume / "draft").is_dir()
+                                         else paths.draft)
+    return infos
+
+
+def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: GenerationConfig,
+              spec: SpecConfig, par: ParallelConfig, dtype: torch.dtype, paths: CheckpointPaths,
+              reward_fn: str | None, world_size: int, prompts_file=None,
+              save_dir: str | None = None, log_dir: str | None = None) -> TrainPlan:
+    """Validate a run from files alone (no collectives); raises ValueError saying what to change."""
+    from megatron_rlhf.data.prompts import load_prompts
+    from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
+    from megatron_rlhf.generation.engine import check_draft
+    from megatron_rlhf.rlhf.rewards import get_reward_fn
+    from megatron_rlhf.rlhf.state import find_training_checkpoint, read_training_state
+
+    if (reward_fn is None) == (paths.reward is None):
+        raise ValueError("give exactly one of --reward-fn NAME and --reward-load CHECKPOINT")
+    if reward_fn is not None:
+        get_reward_fn(reward_fn)
+    if spec.num_draft_tokens and not paths.draft:
+        raise ValueError("--num-draft-tokens > 0 needs --draft-load")
+    if loop.draft_distill and not paths.draft:
+        raise ValueError("--draft-distill needs a draft model (--draft-load)")
+    dp = par.check_world(world_size)
+    ppo.check_data_parallel(dp)
+    resume, state = None, {}
+    if paths.resume:
+        resume = find_training_checkpoint(paths.resume)
+        state = read_training_state(resume)
+        if state["world_size"] != world_size or state["tp"] != par.tensor_model_parallel_size:
+            raise ValueError(
+                f"{resume} was saved with {state['world_size']} ranks at TP={state['tp']}; "
+                f"resume with the same layout (its optimizer states are per rank)")
+        if state["iteration"] >= loop.train_iters:
+            raise ValueError(f"{resume} is at iteration {state['iteration']}: raise "
+                             f"--train-iters above it to train further")
+    infos = _infos(paths, ppo, resume)
+    for info in infos.values():
+        info.config.check_tensor_parallel(par.tensor_model_parallel_size)
+        if info.config.vocab_size != infos["actor"].config.vocab_size:
+            raise ValueError(f"{info.path} has a {info.config.vocab_size}-token vocabulary, the "
+                             f"actor {infos['actor'].config.vocab_size}: models must share a tokenizer")
+    if "draft" in infos:
+        check_draft(infos["actor"].config, infos["draft"].config)
+    tokenizer = load_tokenizer(infos["actor"].tokenizer_dir)
+    prompts = load_prompts(prompts_file, split="train" if prompts_file is None else None)
+    if len(prompts) < ppo.global_batch_size:
+        raise ValueError(f"{len(prompts)} prompts are fewer than --global-batch-size "
+                         f"{ppo.global_batch_size}")
+    prompt_ids = [encode_prompt(tokenizer, p.prompt, chat=loop.chat) for p in prompts]
+    _check_lengths(prompts, prompt_ids, loop, gen, spec, infos)
+    return TrainPlan(ppo=ppo, optim=optim, loop=loop, gen=gen, spec=spec, par=par, dtype=dtype,
+                     paths=paths, reward_fn=reward_fn, infos=infos, tokenizer=tokenizer,
+                     prompts=prompts, prompt_ids=prompt_ids, world_size=world_size,
+                     save_dir=save_dir, log_dir=log_dir, resume_dir=resume, resume_state=state)
+
+
+def _check_lengths(prompts, prompt_ids, loop, gen, spec, infos) -> None:
+    for p, ids in zip(prompts, prompt_ids):
+        if len(ids) > loop.max_prompt_length:
+            raise ValueError(
+                f"prompt {p.id} has {len(ids)} tokens, more than --max-prompt-length "
+                f"{loop.max_prompt_length}: raise the limit or drop the prompt")
+    need = loop.max_prompt_length + gen.max_new_tokens + spec.num_draft_tokens + 1
+    for name, info in infos.items():
+        if need > info.config.max_position_embeddings:
+            raise ValueError(
+                f"--max-prompt-length {loop.max_prompt_length} + --max-new-tokens "
+                f"{gen.max_new_tokens} (+{spec.num_draft_tokens + 1} for verification) = {need} "
+                f"exceeds the {name}'s {info.config.max_position_embeddings} positions")
+
+
+# ---------------------------------------------------------------------------- building
+def _model(plan: TrainPlan, name: str, role: str, pg, skip: tuple[str, ...] = ()):
+    from megatron_rlhf.models.builder import build_model
+    from megatron_rlhf.models.checkpoint import load_checkpoint
+
+    info = plan.infos[name]
+    model = build_model(info.config, role, pg, dtype=plan.dtype, seed=plan.loop.seed)
+    load_checkpoint(model, pg, info.path, skip=skip)
+    return model
+
+
+def _trainee(plan: TrainPlan, model, pg, lr: float, schedule: bool):
+    from megatron_rlhf.rlhf.optim import WarmupCosine, build_optimizer
+    from megatron_rlhf.rlhf.update import Trainee
+
+    opt = build_optimizer(model, plan.optim, lr)
+    steps = plan.ppo.ppo_epochs * plan.ppo.num_mini_batches
+    o = plan.optim
+    if schedule:
+        total = (o.lr_decay_iters or plan.loop.train_iters) * steps
+        sched = WarmupCosine(opt, lr, o.min_lr * lr / o.lr if o.lr else 0.0,
+                             o.lr_warmup_iters * steps, total)
+    else:
+        sched = WarmupCosine(opt, lr, lr, 0, 1)  # constant
+    return Trainee(model=model, optimizer=opt, scheduler=sched, clip_grad=o.clip_grad, pg=pg)
+
+
+def build_trainer(plan: TrainPlan, pg):
+    """Models, optimizers, generator and experience maker on this rank; resumes if asked."""
+    from megatron_rlhf.generation.engine import Generator
+    from megatron_rlhf.rlhf.experience import ExperienceMaker
+    from megatron_rlhf.rlhf.state import load_trainer_states
+    from megatron_rlhf.rlhf.trainer import Models, RLHFTrainer
+
+    actor = _model(plan, "actor", "actor", pg)
+    reference = _model(plan, "reference", "reference", pg)
+    models = Models(actor=_trainee(plan, actor, pg, plan.optim.lr, True), reference=reference)
+    if plan.ppo.use_critic:
+        from_actor = plan.infos["critic"].role not in ("critic", "reward")
+        critic = _model(plan, "critic", "critic", pg, skip=("output_layer.",) if from_actor else ())
+        models.critic = _trainee(plan, critic, pg, plan.optim.critic_lr, True)
+    if "reward" in plan.infos:
+        models.reward_model = _model(plan, "reward", "reward", pg)
+    if "draft" in plan.infos:
+        models.draft = _model(plan, "draft", "draft", pg)
+        if plan.loop.draft_distill:
+            models.draft_trainee = _trainee(plan, models.draft, pg, plan.optim.draft_lr, False)
+    start = 0
+    if plan.resume_dir is not None:
+        trainees = {"actor": models.actor, "critic": models.critic, "draft": models.draft_trainee}
+        load_trainer_states(plan.resume_dir, {k: v for k, v in trainees.items() if v is not None})
+        start = plan.resume_state["iteration"]
+    tok = plan.tokenizer
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+    eos = plan.infos["actor"].config.eos_token_id
+    generator = Generator(actor, models.draft, pad_id=pad)
+    maker = ExperienceMaker(plan.ppo, reference, critic=models.critic and models.critic.model,
+                            reward_model=models.reward_model, reward_fn=plan.reward_fn,
+                            tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=pg.dp,
+                            world_group=None)
+    run_info = {"tp": plan.par.tensor_model_parallel_size, "seed": plan.loop.seed,
+                "actor_init": str(plan.paths.actor), "reference": str(plan.infos["reference"].path)}
+    return RLHFTrainer(models, generator, maker, plan.ppo, plan.loop, plan.gen, plan.spec,
+                       plan.prompts, plan.prompt_ids, pg, tokenizer=tok, save_dir=plan.save_dir,
+                       log_dir=plan.log_dir, start_iteration=start, run_info=run_info)

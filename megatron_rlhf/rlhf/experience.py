@@ -1,0 +1,128 @@
+"""Experience making: a rollout -> reference log-probs, values, rewards, KL, advantages.
+
+Every data-parallel rank turns its own samples into :class:`Experience`; the only
+collectives are the models' own TP all-reduces, the DP-global whitening of GAE
+advantages, and an all-reduce that stops every rank together when a reward fails.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config import PPOConfig
+from megatron_rlhf.models.forward import lm_logits, token_values
+from megatron_rlhf.rlhf.advantages import gae, grpo_advantages, masked_whiten
+from megatron_rlhf.rlhf.batch import Experience, last_token_index, pack, response_slice
+from megatron_rlhf.rlhf.losses import kl_estimate, logprobs_from_logits, token_rewards
+from megatron_rlhf.rlhf.rewards import RewardError, RewardInput, score_samples
+
+
+@torch.no_grad()
+def response_logprobs(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
+    """``[B, T]`` log-probs of the response tokens under ``model`` (T=1), 0 at padding."""
+    out = []
+    for mb in exp.split(micro_batch_size):
+        logits = response_slice(lm_logits(model, mb.input_ids, mb.attention_mask), mb)
+        out.append(logprobs_from_logits(logits, mb.response_ids) * mb.response_mask)
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def response_values(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
+    """``[B, T]`` critic values ``V(s_t)`` of the states before each response token."""
+    out = []
+    for mb in exp.split(micro_batch_size):
+        v = response_slice(token_values(model, mb.input_ids, mb.attention_mask), mb)
+        out.append(v.float() * mb.response_mask)
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def reward_model_scores(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
+    """``[B]`` a reward model's value at each response's last token."""
+    out = []
+    for mb in exp.split(micro_batch_size):
+        v = token_values(model, mb.input_ids, mb.attention_mask).float()
+        out.append(v.gather(1, last_token_index(mb)[:, None])[:, 0])
+    return torch.cat(out)
+
+
+class ExperienceMaker:
+    """Scores and annotates rollouts with the reference, critic and reward."""
+
+    def __init__(self, cfg: PPOConfig, reference, critic=None, reward_model=None,
+                 reward_fn: str | None = None, tokenizer=None, pad_id: int = 0,
+                 eos_id: int | None = None, dp_group=None, world_group=None):
+        if (reward_model is None) == (reward_fn is None):
+            raise ValueError("give exactly one of a reward model and a reward function")
+        self.cfg, self.reference, self.critic = cfg, reference, critic
+        self.reward_model, self.reward_fn, self.tokenizer = reward_model, reward_fn, tokenizer
+        self.pad_id, self.eos_id = pad_id, eos_id
+        self.dp_group, self.world_group = dp_group, world_group
+
+    def make(self, prompts: list[list[int]], prompt_texts: list[str], rollout,
+             first_index: int = 0) -> Experience:
+        """``prompts``/``prompt_texts`` per sample (repeated for a group); ``first_index``:
+        this rank's first sample in the global batch (named in reward errors)."""
+        cfg, mbs = self.cfg, self.cfg.micro_batch_size
+        responses = rollout.responses()
+        dev = rollout.response_ids.device
+        ids, att, mask = (x.to(dev) for x in pack(prompts, responses, self.pad_id))
+        t = mask.shape[1]
+        old = _pad_to(rollout.response_logprobs.float(), t) * mask
+        exp = Experience(input_ids=ids, attention_mask=att, response_mask=mask,
+                         old_logprobs=old, ref_logprobs=old, scores=torch.zeros(len(prompts), device=dev),
+                         kl=torch.zeros_like(old), advantages=torch.zeros_like(old))
+        exp.ref_logprobs = response_logprobs(self.reference, exp, mbs)
+        exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
+        exp.scores = self._scores(exp, prompts, prompt_texts, responses, rollout, first_index).to(dev)
+        if cfg.use_critic:
+            exp.values = response_values(self.critic, exp, mbs)
+            rewards = token_rewards(exp.scores, exp.kl, mask, cfg.kl_coef)
+            adv, exp.returns = gae(rewards, exp.values, mask, cfg.gamma, cfg.lam)
+            exp.advantages = masked_whiten(adv, mask, group=self.dp_group) if cfg.whiten_advantages else adv
+        else:
+            exp.advantages = grpo_advantages(exp.scores, cfg.rollout_n, mask)
+        return exp
+
+    def _scores(self, exp, prompts, prompt_texts, responses, rollout, first_index):
+        error = None
+        try:
+            if self.reward_model is not None:
+                scores = reward_model_scores(self.reward_model, exp, self.cfg.micro_batch_size)
+                bad = (~torch.isfinite(scores)).nonzero()
+                if len(bad):
+                    raise RewardError(f"the reward model returned {scores[bad[0, 0]].item()} for "
+                                      f"sample {first_index + int(bad[0, 0])}")
+            else:
+                samples = [
+                    RewardInput(prompt=text, response=self.tokenizer.decode(r, skip_special_tokens=True)
+                                if self.tokenizer is not None else "",
+                                prompt_ids=p, response_ids=r, finish_reason=reason,
+                                eos_token_id=self.eos_id)
+                    for p, text, r, reason in zip(prompts, prompt_texts, responses,
+                                                  rollout.finish_reasons)
+                ]
+                scores = score_samples(self.reward_fn, samples, first_index)
+        except RewardError as e:
+            error, scores = e, torch.zeros(len(prompts))
+        _stop_together(error, self.world_group)
+        return scores
+
+
+def _stop_together(error: Exception | None, group) -> None:
+    """Raise on every rank if any rank failed, so none waits forever in a collective."""
+    failed = torch.tensor([0 if error is None else 1])
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise RewardError("the reward failed on another rank (its message is above)")
+
+
+def _pad_to(x: torch.Tensor, t: int) -> torch.Tensor:
+    if x.shape[1] >= t:
+        return x[:, :t]
+    return torch.nn.functional.pad(x, (0, t - x.shape[1]))

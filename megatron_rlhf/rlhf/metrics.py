@@ -1,0 +1,67 @@
+"""Per-iteration metrics: ``metrics.jsonl`` and TensorBoard (rank 0), and a progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+
+class MetricsLog:
+    """Appends one JSON line per iteration to ``LOG_DIR/metrics.jsonl`` and the same scalars
+    to TensorBoard under ``LOG_DIR/tensorboard``. Only rank 0 writes.
+
+    On resume from iteration ``k``, lines of later iterations (written by the run that
+    stopped) are dropped, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, log_dir: str | None, enabled: bool, resume_from: int = 0):
+        self.enabled = enabled and log_dir is not None
+        self.path = None if log_dir is None else Path(log_dir) / "metrics.jsonl"
+        self.tb = None
+        if not self.enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("iteration", 0) <= resume_from:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    pass  # a line cut short by a crash
+        self.path.write_text("".join(x + "\n" for x in kept))
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(log_dir) / "tensorboard"), purge_step=resume_from + 1)
+        except ImportError:
+            print("warning: tensorboard is not installed; metrics go to metrics.jsonl only",
+                  file=sys.stderr)
+
+    def write(self, iteration: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"iteration": iteration, **metrics}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(f"rlhf/{k}", v, iteration)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def progress(start: int, total: int, enabled: bool):
+    """A tqdm bar over iterations ``start+1..total`` on rank 0 (None elsewhere)."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="rlhf", unit="it", dynamic_ncols=True,
+                file=sys.stderr)

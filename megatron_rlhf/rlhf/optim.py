@@ -1,0 +1,117 @@
+"""AdamW, warmup + cosine learning rate, data-parallel gradient reduction, TP-aware clipping.
+
+Losses are normalised by the token count of the whole (all-DP) mini-batch, so summing
+gradients over data-parallel ranks gives exactly the gradient of the DP=1 run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron_rlhf.config import OptimConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters; no weight decay on norms and biases."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+
+class WarmupCosine:
+    """Linear warmup from 0 to ``peak`` over ``warmup`` steps, then cosine to ``min_lr``."""
+
+    def __init__(self, optimizer, peak: float, min_lr: float, warmup: int, total: int):
+        self.optimizer, self.peak, self.min_lr = optimizer, peak, min_lr
+        self.warmup, self.total = warmup, max(total, 1)
+        self.num_steps = 0
+        self._apply()
+
+    def lr(self, step: int) -> float:
+        if self.warmup and step < self.warmup:
+            return self.peak * (step + 1) / self.warmup
+        span = max(self.total - self.warmup, 1)
+        progress = min(max(step - self.warmup, 0) / span, 1.0)
+        return self.min_lr + 0.5 * (self.peak - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def _apply(self) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.lr(self.num_steps)
+
+    def step(self) -> None:
+        self.num_steps += 1
+        self._apply()
+
+    @property
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])
+        self._apply()
+
+
+def reduce_gradients(model: torch.nn.Module, dp_group) -> None:
+    """Sum every gradient over the data-parallel group (one flat all-reduce per dtype)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=dp_group)
+        for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(r)
+
+
+def grad_norm(model: torch.nn.Module, tp_group) -> float:
+    """Global L2 norm of the gradients over the model's TP ranks.
+
+    TP-sharded parameters (megatron marks them ``tensor_model_parallel``) contribute their
+    shard from every rank; replicated ones (norms, value head) are counted once.
+    """
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dev = next(model.parameters()).device
+        t = sharded.to(dev)
+        dist.all_reduce(t, group=tp_group)
+        sharded = t.cpu()
+    return math.sqrt(float(sharded + replicated))
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float, tp_group) -> float:
+    """Scale gradients so their global norm is at most ``max_norm`` (0: no clipping).
+    Returns the norm before clipping."""
+    norm = grad_norm(model, tp_group)
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm

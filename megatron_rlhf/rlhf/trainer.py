@@ -1,0 +1,167 @@
+"""The SPMD RLHF loop: every rank runs every stage of every iteration (colocation).
+
+    rollout     the speculative generator samples ``rollout_n`` responses per prompt
+    experience  reference log-probs, critic values, rewards, KL, advantages
+    train       PPO epochs for the actor (and the critic); optionally the draft
+
+Data-parallel ranks take disjoint prompts; tensor-parallel ranks of one replica run in
+lockstep on the same prompts and seeds. Each iteration's prompts and sampling seeds are a
+function of (seed, iteration) alone, so a resumed run repeats the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config import GenerationConfig, LoopConfig, PPOConfig, SpecConfig
+from megatron_rlhf.data.sampler import batch_indices
+from megatron_rlhf.rlhf import offload
+from megatron_rlhf.rlhf.experience import ExperienceMaker
+from megatron_rlhf.rlhf.metrics import MetricsLog, progress
+from megatron_rlhf.rlhf.state import save_training
+from megatron_rlhf.rlhf.update import Trainee, train_actor, train_critic, train_draft
+
+
+@dataclass
+class Models:
+    """The models of a run, built and loaded on this rank."""
+
+    actor: Trainee
+    reference: torch.nn.Module
+    critic: Trainee | None = None
+    draft: torch.nn.Module | None = None
+    draft_trainee: Trainee | None = None
+    reward_model: torch.nn.Module | None = None
+
+
+def iteration_seed(seed: int, iteration: int, dp_rank: int) -> int:
+    """Sampling seed of one replica in one iteration."""
+    return (seed * 1_000_003 + iteration * 7919 + dp_rank) % (2**63)
+
+
+class RLHFTrainer:
+    """Runs iterations ``start+1 .. loop.train_iters``; see the module docstring."""
+
+    def __init__(self, models: Models, generator, maker: ExperienceMaker, ppo: PPOConfig,
+                 loop: LoopConfig, gen: GenerationConfig, spec: SpecConfig, prompts: list,
+                 prompt_ids: list[list[int]], pg, tokenizer=None, save_dir=None, log_dir=None,
+                 start_iteration: int = 0, run_info: dict | None = None):
+        self.m, self.generator, self.maker = models, generator, maker
+        self.ppo, self.loop, self.gen, self.spec = ppo, loop, gen, spec
+        self.prompts, self.prompt_ids, self.pg, self.tokenizer = prompts, prompt_ids, pg, tokenizer
+        self.save_dir, self.start = save_dir, start_iteration
+        self.run_info = run_info or {}
+        self.rank0 = dist.get_rank() == 0
+        self.dp_rank, self.dp = pg.dp.rank(), pg.dp.size()
+        self.log = MetricsLog(log_dir, self.rank0, resume_from=start_iteration)
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> list[dict]:
+        bar = progress(self.start, self.loop.train_iters, self.rank0)
+        for it in range(self.start + 1, self.loop.train_iters + 1):
+            metrics = self.iteration(it)
+            self.history.append(metrics)
+            self.log.write(it, metrics)
+            if bar is not None:
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                                tok_s=f"{metrics['gen_tokens_per_s']:.0f}", refresh=False)
+                bar.update(1)
+            interval = self.loop.save_interval
+            if self.save_dir and (it == self.loop.train_iters or (interval and it % interval == 0)):
+                self.save(it)
+        if bar is not None:
+            bar.close()
+        self.log.close()
+        return self.history
+
+    def _my_samples(self, it: int):
+        g = self.ppo.global_batch_size
+        idx = batch_indices(len(self.prompt_ids), g, it, self.loop.seed)
+        per = g // self.dp
+        mine = idx[self.dp_rank * per:(self.dp_rank + 1) * per]
+        n = self.ppo.rollout_n
+        ids = [self.prompt_ids[i] for i in mine for _ in range(n)]
+        texts = [self.prompts[i].prompt for i in mine for _ in range(n)]
+        return ids, texts, self.dp_rank * per * n
+
+    def iteration(self, it: int) -> dict:
+        m, stages = self.m, offload.StageMemory()
+        ids, texts, first = self._my_samples(it)
+        host, dev = torch.device("cpu"), m.actor.model.embedding.word_embeddings.weight.device
+        with stages.stage("rollout"):
+            for t in (m.actor, m.critic, m.draft_trainee):
+                if t is not None:
+                    offload.move_optimizer(t.optimizer, host)
+            rollout = self.generator.generate(ids, self.gen, self.spec,
+                                              seed=iteration_seed(self.loop.seed, it, self.dp_rank))
+        with stages.stage("experience"):
+            for extra in (m.reference, m.reward_model):
+                if extra is not None:
+                    offload.move_model(extra, dev)
+            exp = self.maker.make(ids, texts, rollout, first_index=first)
+            for extra in (m.reference, m.reward_model):
+                if extra is not None:
+                    offload.move_model(extra, host)
+        metrics = self._rollout_metrics(rollout, exp)
+        with stages.stage("train"):
+            for t in (m.actor, m.critic):
+                if t is not None:
+                    offload.move_optimizer(t.optimizer, dev)
+            metrics.update(train_actor(m.actor, exp, self.ppo))
+            if m.critic is not None:
+                metrics.update(train_critic(m.critic, exp, self.ppo))
+        if m.draft_trainee is not None:
+            with stages.stage("draft"):
+                offload.move_optimizer(m.draft_trainee.optimizer, dev)
+                metrics.update(train_draft(m.draft_trainee, m.actor.model, exp,
+                                           self.ppo.micro_batch_size, self.loop.draft_distill_topk))
+        metrics.update(stages.metrics)
+        metrics["time_iteration_s"] = sum(v for k, v in stages.metrics.items() if k.startswith("time_"))
+        return metrics
+
+    def _rollout_metrics(self, rollout, exp) -> dict:
+        """Reward, KL, length and generation statistics over all data-parallel ranks."""
+        mask = exp.response_mask
+        s = rollout.stats
+        local = torch.tensor([
+            float(exp.scores.sum()), float((exp.scores.double() ** 2).sum()), exp.batch_size,
+            float((exp.kl * mask).sum()), float(mask.sum()),
+            sum(r == "eos" for r in rollout.finish_reasons),
+            s.new_tokens, s.verifications, s.accepted_tokens,
+        ], dtype=torch.float64)
+        slowest = torch.tensor([s.elapsed_s], dtype=torch.float64)
+        if self.dp > 1:
+            dist.all_reduce(local, group=self.pg.dp)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.pg.dp)
+        rsum, rsq, n, kl, tokens, eos, new, ver, acc = local.tolist()
+        mean = rsum / n
+        return {
+            "reward_mean": mean,
+            "reward_std": math.sqrt(max(rsq / n - mean * mean, 0.0)),
+            "kl": kl / max(tokens, 1),
+            "response_length": tokens / n,
+            "eos_fraction": eos / n,
+            "gen_tokens_per_s": new / max(float(slowest), 1e-9),
+            "accepted_length": 1.0 + acc / ver if ver else 1.0,
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, it: int) -> None:
+        m = self.m
+        models = {"actor": (m.actor.model, m.actor.pg)}
+        trainees = {"actor": m.actor}
+        if m.critic is not None:
+            models["critic"] = (m.critic.model, m.critic.pg)
+            trainees["critic"] = m.critic
+        if m.draft is not None:
+            models["draft"] = (m.draft, m.actor.pg)
+        if m.draft_trainee is not None:
+            trainees["draft"] = m.draft_trainee
+        state = dict(self.run_info, consumed_prompts=it * self.ppo.global_batch_size,
+                     ppo=asdict(self.ppo), loop=asdict(self.loop))
+        save_training(self.save_dir, it, models, trainees, state, self.tokenizer)

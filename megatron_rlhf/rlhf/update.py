@@ -1,0 +1,168 @@
+"""PPO updates of the actor and the critic over one iteration's experience.
+
+Each PPO epoch splits this rank's samples into ``num_mini_batches`` mini-batches (one
+optimizer step each), and each mini-batch into micro-batches whose gradients accumulate.
+Per-token losses are summed and divided by the number of response tokens in the
+mini-batch over *all* data-parallel ranks, then gradients are summed over DP: the update
+is the same as one rank holding the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config import PPOConfig
+from megatron_rlhf.models.forward import lm_logits, token_values
+from megatron_rlhf.rlhf.batch import Experience, response_slice
+from megatron_rlhf.rlhf.losses import (
+    entropy_from_logits,
+    kl_estimate,
+    logprobs_from_logits,
+    policy_loss,
+    value_loss,
+)
+from megatron_rlhf.rlhf.optim import clip_gradients, reduce_gradients
+
+
+@dataclass
+class Trainee:
+    """A model with what trains it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    clip_grad: float
+    pg: object  # the model's ProcessGroupCollection
+
+
+@dataclass
+class _Sums:
+    """Token-weighted sums of per-token metrics, reduced over DP at the end."""
+
+    values: dict = field(default_factory=dict)
+
+    def add(self, name: str, per_token: torch.Tensor, mask: torch.Tensor) -> None:
+        v = (per_token.detach().float() * mask).sum().cpu()
+        self.values[name] = self.values.get(name, 0.0) + v
+
+    def means(self, tokens: torch.Tensor, group) -> dict:
+        names = sorted(self.values)
+        t = torch.stack([torch.as_tensor(self.values[n], dtype=torch.float64) for n in names]
+                        + [tokens.double().cpu()])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, group=group)
+        return {n: float(t[i] / t[-1].clamp(min=1)) for i, n in enumerate(names)}
+
+
+def _global_tokens(mask: torch.Tensor, group) -> torch.Tensor:
+    n = mask.sum().double().reshape(1)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(n, group=group)
+    return n[0].clamp(min=1)
+
+
+def _mini_batches(exp: Experience, cfg: PPOConfig) -> list[Experience]:
+    return exp.split(exp.batch_size // cfg.num_mini_batches)
+
+
+def _step(t: Trainee) -> float:
+    reduce_gradients(t.model, t.pg.dp)
+    norm = clip_gradients(t.model, t.clip_grad, t.pg.tp)
+    t.optimizer.step()
+    t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def _policy_micro(actor, mb: Experience, cfg: PPOConfig, sums: _Sums, tokens) -> None:
+    mask = mb.response_mask
+    logits = response_slice(lm_logits(actor, mb.input_ids, mb.attention_mask), mb)
+    logp = logprobs_from_logits(logits, mb.response_ids)
+    pg_loss, clipped = policy_loss(logp, mb.old_logprobs, mb.advantages, cfg.clip_eps)
+    loss = pg_loss
+    entropy = entropy_from_logits(logits)
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * entropy
+    if not cfg.use_critic and cfg.kl_coef:  # grpo: KL to the reference as a loss term
+        kl = kl_estimate(logp, mb.ref_logprobs, cfg.kl_estimator)
+        loss = loss + cfg.kl_coef * kl
+        sums.add("kl_loss", kl, mask)
+    ((loss * mask).sum() / tokens).backward()
+    sums.add("policy_loss", pg_loss, mask)
+    sums.add("clip_frac", clipped.float(), mask)
+    sums.add("entropy", entropy, mask)
+    sums.add("approx_kl", 0.5 * (logp.detach() - mb.old_logprobs) ** 2, mask)
+
+
+def train_actor(t: Trainee, exp: Experience, cfg: PPOConfig) -> dict:
+    """PPO epochs over ``exp`` for the actor; token-mean metrics over all ranks."""
+    t.model.train()
+    sums, norms, all_tokens = _Sums(), [], 0.0
+    for _ in range(cfg.ppo_epochs):
+        for mini in _mini_batches(exp, cfg):
+            tokens = _global_tokens(mini.response_mask, t.pg.dp)
+            for mb in mini.split(cfg.micro_batch_size):
+                _policy_micro(t.model, mb, cfg, sums, tokens)
+            norms.append(_step(t))
+            all_tokens += float(mini.response_mask.sum())
+    out = sums.means(torch.tensor(all_tokens), t.pg.dp)
+    out["actor_grad_norm"] = sum(norms) / len(norms)
+    out["actor_lr"] = t.scheduler.current_lr
+    return out
+
+
+def train_critic(t: Trainee, exp: Experience, cfg: PPOConfig) -> dict:
+    """Clipped value-loss epochs over ``exp`` for the critic."""
+    t.model.train()
+    clip = cfg.value_clip_eps or None
+    sums, norms, all_tokens = _Sums(), [], 0.0
+    for _ in range(cfg.ppo_epochs):
+        for mini in _mini_batches(exp, cfg):
+            tokens = _global_tokens(mini.response_mask, t.pg.dp)
+            for mb in mini.split(cfg.micro_batch_size):
+                v = response_slice(token_values(t.model, mb.input_ids, mb.attention_mask), mb)
+                loss, clipped = value_loss(v.float(), mb.values, mb.returns, clip)
+                ((loss * mb.response_mask).sum() / tokens).backward()
+                sums.add("value_loss", loss, mb.response_mask)
+                sums.add("value_clip_frac", clipped.float(), mb.response_mask)
+            norms.append(_step(t))
+            all_tokens += float(mini.response_mask.sum())
+    out = sums.means(torch.tensor(all_tokens), t.pg.dp)
+    out["critic_grad_norm"] = sum(norms) / len(norms)
+    return out
+
+
+def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk: int) -> dict:
+    """One distillation step of the draft towards the (updated) actor on fresh rollouts.
+
+    The teacher is the actor's top-``topk`` distribution at each response position; the
+    loss is the forward KL to the draft (:mod:`megatron_rlhf.generation.draft`).
+    """
+    from megatron_rlhf.generation.draft import teacher_topk, topk_distill_loss
+    from megatron_rlhf.models.heads import head_logits_only
+
+    head = getattr(t.model.output_layer, "token_ids", None)
+    t.model.train()
+    tokens = _global_tokens(exp.response_mask, t.pg.dp)
+    total = torch.zeros((), dtype=torch.float64)
+    for mb in exp.split(micro_batch_size):
+        mask = mb.response_mask
+        with torch.no_grad():
+            teacher = response_slice(lm_logits(actor, mb.input_ids, mb.attention_mask), mb)
+            index, logp = teacher_topk(teacher, mask, head, topk)
+        if head is None:
+            logits = response_slice(lm_logits(t.model, mb.input_ids, mb.attention_mask), mb)
+        else:
+            with head_logits_only(t.model):
+                logits = response_slice(lm_logits(t.model, mb.input_ids, mb.attention_mask), mb)
+        n = mask.sum()
+        loss = topk_distill_loss(logits, mask, index, logp) * n / tokens  # token-mean overall
+        loss.backward()
+        total += loss.detach().double().cpu()
+    _step(t)
+    if t.pg.dp is not None and dist.get_world_size(t.pg.dp) > 1:
+        dist.all_reduce(total, group=t.pg.dp)
+    return {"draft_kl": float(total)}
