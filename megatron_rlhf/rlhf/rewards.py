@@ -65,12 +65,25 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """The reward function registered under ``name``; ValueError listing valid names."""
+    """The reward function registered under ``name``, or a user's ``module:function``
+    (imported; the module must be importable on every rank). ValueError listing valid names."""
+    if ":" in name:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot load reward function {name!r}: {e}") from None
+        if not callable(fn):
+            raise ValueError(f"reward function {name!r} is not callable")
+        return fn
     try:
         return REWARD_FUNCTIONS[name]
     except KeyError:
         valid = ", ".join(sorted(REWARD_FUNCTIONS))
-        raise ValueError(f"unknown reward function {name!r}; valid names: {valid}") from None
+        raise ValueError(f"unknown reward function {name!r}; valid names: {valid} "
+                         "(or module:function for your own)") from None
 
 
 def score_samples(fn_name: str, samples: list[RewardInput], first_index: int = 0) -> torch.Tensor:

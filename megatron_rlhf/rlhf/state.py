@@ -38,8 +38,9 @@ from megatron_rlhf.models.checkpoint import (
 
 STATE_FILE = "state.json"
 KILL_IN_SAVE_ENV = "MEGATRON_RLHF_TEST_KILL_IN_SAVE"
-"""Fault injection for tests: when set, the process kills itself (SIGKILL) after writing
-the models and before the checkpoint is committed — what a node failure mid-save does."""
+"""Fault injection for tests: set to an iteration number, the save of that iteration kills
+its process (SIGKILL) after writing the models, before the checkpoint is committed — what a
+node failure mid-save does."""
 
 
 def rng_state() -> dict:
@@ -77,7 +78,7 @@ def save_training(root: str | os.PathLike, iteration: int, models: dict, trainee
     }
     torch.save(per_rank, tmp / "trainer" / f"rank_{rank:05d}.pt")
     dist.barrier()
-    if os.environ.get(KILL_IN_SAVE_ENV):
+    if os.environ.get(KILL_IN_SAVE_ENV) == str(iteration):
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
         meta = dict(state, iteration=iteration, world_size=dist.get_world_size(),

@@ -105,8 +105,15 @@ def test_unknown_name_lists_valid_names():
     with pytest.raises(ValueError) as info:
         get_reward_fn("nope")
     valid = ", ".join(sorted(REWARD_FUNCTIONS))
-    assert str(info.value) == f"unknown reward function 'nope'; valid names: {valid}"
+    assert str(info.value) == (f"unknown reward function 'nope'; valid names: {valid} "
+                               "(or module:function for your own)")
     assert "concise, format_bullets, no_e, token_parity" in str(info.value)
+
+
+def test_module_function_reward():
+    assert get_reward_fn("megatron_rlhf.rlhf.rewards:no_e") is REWARD_FUNCTIONS["no_e"]
+    with pytest.raises(ValueError, match="cannot load reward function 'no_such_module:f'"):
+        get_reward_fn("no_such_module:f")
 
 
 def test_duplicate_registration(temp_rewards):
