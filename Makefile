@@ -4,9 +4,9 @@ PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-NPROC   ?= 3
+NPROC   ?= 2
 OUT     ?= out/demo
-PROMPT  ?= Explain in two sentences why the sky is blue.
+ITERS   ?= 20
 
 .PHONY: install demo test test-fast clean
 
@@ -21,7 +21,7 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 demo: $(STAMP)
-	NPROC=$(NPROC) OUT=$(OUT) PROMPT="$(PROMPT)" PATH=$(abspath $(BIN)):$$PATH bash examples/cpu_demo.sh
+	NPROC=$(NPROC) OUT=$(OUT) ITERS=$(ITERS) PATH=$(abspath $(BIN)):$$PATH bash examples/cpu_demo.sh
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

