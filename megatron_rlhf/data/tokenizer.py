@@ -21,7 +21,8 @@ def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
     """Token ids of ``text``; with ``chat`` wrapped as a user turn plus the assistant header."""
     if chat:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; drop --chat")
+            raise ValueError("the tokenizer has no chat template: encode prompts as plain text "
+                             "(generate: drop --chat; train: --no-chat)")
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
         )

@@ -110,7 +110,7 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
         state = read_training_state(resume)
         if state["world_size"] != world_size or state["tp"] != par.tensor_model_parallel_size:
             raise ValueError(
-                f"{resume} was saved with {state['world_size']} ranks at TP={state['tp']}; "
+                f"{resume} was saved on {state['world_size']} rank(s) at TP={state['tp']}; "
                 f"resume with the same layout (its optimizer states are per rank)")
         if state["iteration"] >= loop.train_iters:
             raise ValueError(f"{resume} is at iteration {state['iteration']}: raise "

@@ -1,0 +1,47 @@
+"""Under torchrun (2 ranks): greedy generation at TP=2 equals TP=1 (a second layout of the
+same ranks), plain and speculative, on tiny models with EOS mid-batch."""
+
+import torch
+
+from gen_fixtures import PROMPTS, actor_and_draft
+from megatron_rlhf import platform
+from megatron_rlhf.config import GenerationConfig, SpecConfig
+from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.parallel.groups import build_process_groups
+from megatron_rlhf.parallel.layout import Layout
+
+
+def run(pg, eos):
+    actor, draft = actor_and_draft(pg, eos=eos)
+    cfg = GenerationConfig(max_new_tokens=20, temperature=0)
+    out = {"plain": Generator(actor).generate(PROMPTS, cfg)}
+    for n in (1, 3):
+        out[n] = Generator(actor, draft).generate(PROMPTS, cfg, SpecConfig(n))
+    sampled = GenerationConfig(max_new_tokens=12, temperature=1.0)
+    out["sampled"] = Generator(actor, draft).generate(PROMPTS, sampled, SpecConfig(2), seed=3)
+    return out
+
+
+def main():
+    platform.quiet_third_party_warnings()
+    rank, _ = platform.init_distributed()
+    tp2 = build_process_groups(Layout(tp=2))
+    tp1 = build_process_groups(Layout(tp=1, dp=2))
+    probe = run(tp1, eos=None)["plain"].responses()
+    eos = probe[2][6]
+    a, b = run(tp2, eos), run(tp1, eos)
+    assert "eos" in a["plain"].finish_reasons
+    for key in ("plain", 1, 3):
+        assert a[key].responses() == a["plain"].responses(), f"TP=2 {key} != TP=2 plain"
+        assert a[key].responses() == b[key].responses(), f"TP=2 {key} != TP=1 {key}"
+    # every rank of the TP group drew the same sampled tokens
+    mine = a["sampled"].response_ids
+    other = [torch.zeros_like(mine) for _ in range(2)]
+    torch.distributed.all_gather(other, mine, group=tp2.tp)
+    assert torch.equal(other[0], other[1])
+    if rank == 0:
+        print("OK", a[3].stats.mean_accepted_length)
+
+
+if __name__ == "__main__":
+    main()

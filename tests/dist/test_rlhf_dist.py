@@ -1,0 +1,88 @@
+"""RLHF training at DP=2 (two gloo ranks) equals DP=1 on the same global batch, and a
+DP=2 run resumed from its checkpoint continues as the uninterrupted run."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rlhf_fixtures as F
+from launch import ROOT, torchrun
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.checkpoint import load_checkpoint, read_checkpoint
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+# Greedy rollouts (identical however prompts are split over ranks), GAE with a critic; the
+# DP=1 run trains 3 iterations in one go (saving after 2 and 3), the DP=2 run trains 2, then
+# resumes for the 3rd (the critic's trunk gets no gradient in the first iteration: its
+# value head starts at zero). --lr-decay-iters 3 gives both runs the same LR schedule.
+# DP=2 holds 2 prompts = 4 samples per rank, one micro-batch of 2 after another;
+# DP=1 accumulates over 4 micro-batches. --adam-eps 1e-5: Adam's first step is about
+# lr * sign(g), so a gradient component below the default eps (1e-8) turns a 1-ulp
+# difference in the order of summation into an update difference of ~1e-6; a larger eps
+# keeps the update proportional to such tiny gradients.
+FLAGS = dict(temperature=0, global_batch_size=4, rollout_n=2, micro_batch_size=2,
+             max_new_tokens=8, advantage_estimator="gae", adam_eps=1e-5, lr=1e-3,
+             critic_lr=1e-3, lr_decay_iters=3, seed=7)
+
+
+def _load(path, role, pg):
+    info = read_checkpoint(path)
+    model = build_model(info.config, role, pg, dtype=torch.float32)
+    load_checkpoint(model, pg, path)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _compare(run1, run2, iteration, init, pg):
+    """Actor and critic weights of two runs at ``iteration`` agree to float32 rounding."""
+    for role in ("actor", "critic"):
+        w1 = _load(run1 / "save" / f"iter_{iteration:07d}" / role, role, pg)
+        w2 = _load(run2 / "save" / f"iter_{iteration:07d}" / role, role, pg)
+        assert w1.keys() == w2.keys()
+        for name in w1:
+            a, b = w1[name], w2[name]
+            where = f"iteration {iteration} {role} {name}"
+            diff = (a - b).norm().item()
+            # float32 sums in another order: a few ulps here and there, ~1e-7 of the tensor
+            assert diff <= 1e-6 * a.norm().item(), f"{where}: DP=2 differs by {diff:.2e}"
+            worst = (a - b).abs().max().item()
+            assert worst <= 1e-5 * a.abs().max().item(), f"{where}: one element off by {worst:.1e}"
+            if name in init and init[name].shape == a.shape:
+                # it trained (every tensor moved), and the two updates agree to 1e-4
+                change = (a - init[name]).norm().item()
+                assert (a - init[name]).abs().max().item() > 1e-4, f"{where} did not change"
+                assert diff <= 1e-4 * change, f"{where}: {diff:.2e} vs update {change:.2e}"
+
+
+def test_dp2_equals_dp1_and_resumes(world1, tmp_path):
+    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
+    run1, run2 = tmp_path / "dp1", tmp_path / "dp2"
+    log1 = (tmp_path / "dp1.stderr").open("w+")
+    dp1 = subprocess.Popen(  # alongside the DP=2 run: the two start up in parallel
+        [sys.executable, "-m", "megatron_rlhf.train",
+         *F.train_args(actor, prompts, run1, train_iters=3, save_interval=2, **FLAGS)],
+        cwd=ROOT, env=F.env(), stdout=subprocess.DEVNULL, stderr=log1)
+    with log1:
+        try:
+            args2 = ["-m", "megatron_rlhf.train", *F.train_args(actor, prompts, run2, **FLAGS)]
+            torchrun(2, [*args2, "--train-iters", "2"])
+            dp1.wait(timeout=300)
+        finally:
+            if dp1.poll() is None:
+                dp1.kill()
+                dp1.wait()
+        log1.seek(0)
+        assert dp1.returncode == 0, log1.read()[-6000:]
+    init = _load(actor, "actor", world1)
+    _compare(run1, run2, 2, init, world1)
+
+    torchrun(2, [*args2, "--train-iters", "3", "--load", str(run2 / "save")])
+    _compare(run1, run2, 3, init, world1)
+    # the same rollouts, rewards and losses, iteration by iteration
+    m1, m2 = F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log")
+    assert [m["iteration"] for m in m2] == [1, 2, 3]
+    for a, b in zip(m1, m2, strict=True):
+        F.assert_metrics_equal(a, b)

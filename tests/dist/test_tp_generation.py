@@ -1,0 +1,12 @@
+"""TP=2 generation equals TP=1, with and without speculation (2 gloo ranks)."""
+
+import pytest
+
+from launch import torchrun
+
+pytestmark = pytest.mark.dist
+
+
+def test_tp2_generation_equals_tp1():
+    r = torchrun(2, ["tp_generation.py"])
+    assert "OK" in r.stdout

@@ -1,0 +1,82 @@
+"""``python -m megatron_rlhf.train``: bad input is reported before any collective starts."""
+
+import pytest
+
+import rlhf_fixtures as F
+
+# (name, extra flags or a callable(files) -> flags, launch world size, expected message)
+CASES = [
+    ("batch_not_divisible_by_micro_batch",
+     dict(global_batch_size=3, rollout_n=2, micro_batch_size=4), 1,
+     "--global-batch-size 3 x --rollout-n 2 = 6 samples per iteration is not divisible by "
+     "--micro-batch-size 4 x 1 data-parallel ranks x --num-mini-batches 1 = 4"),
+    ("batch_not_divisible_by_dp",
+     dict(global_batch_size=3, rollout_n=2, micro_batch_size=1), 2,
+     "--global-batch-size 3 prompts must split evenly over 2 data-parallel ranks"),
+    ("samples_not_divisible_by_dp_micro_batches",
+     dict(global_batch_size=2, rollout_n=2, micro_batch_size=4), 2,
+     "= 4 samples per iteration is not divisible by --micro-batch-size 4 x 2 data-parallel "
+     "ranks"),
+    ("unknown_reward",
+     dict(reward_fn="nope"), 1,
+     "unknown reward function 'nope'; valid names: concise, format_bullets, no_e, token_parity"),
+    ("missing_user_reward",
+     dict(reward_fn="rlhf_fixtures:no_such_function"), 1,
+     "cannot load reward function 'rlhf_fixtures:no_such_function'"),
+    ("prompt_too_long",
+     lambda f: dict(prompts=f["long_prompts"], max_prompt_length=8), 1,
+     "prompt line5 has 20 tokens, more than --max-prompt-length 8"),
+    ("sequence_beyond_positions",
+     dict(max_prompt_length=40, max_new_tokens=30), 1,
+     "--max-prompt-length 40 + --max-new-tokens 30 (+1 for verification) = 71 exceeds the "
+     "actor's 64 positions"),
+    ("resume_from_empty_dir",
+     lambda f: dict(load=f["empty"]), 1,
+     "holds no training checkpoint (latest_checkpointed_iteration.txt is missing)"),
+    ("grpo_single_rollout",
+     dict(advantage_estimator="grpo", rollout_n=1), 1,
+     "grpo normalises rewards within a prompt's group: use --rollout-n >= 2"),
+    ("fewer_prompts_than_batch",
+     dict(global_batch_size=32, rollout_n=1, micro_batch_size=4), 1,
+     "16 prompts are fewer than --global-batch-size 32"),
+    ("missing_prompts_file",
+     lambda f: dict(prompts=f["empty"] / "nothing.jsonl"), 1,
+     "nothing.jsonl"),
+    ("no_chat_template",
+     dict(no_chat=None), 1,
+     "the tokenizer has no chat template: encode prompts as plain text (generate: drop --chat; train: --no-chat)"),
+    ("missing_actor",
+     lambda f: dict(actor_load=f["empty"] / "nothing"), 1,
+     "does not exist"),
+    ("valid", {}, 2, None),  # the control: good flags get as far as the first collective
+]
+
+
+@pytest.fixture(scope="module")
+def results(world1, tmp_path_factory):
+    """Every case of CASES, validated in one bombed process."""
+    d = tmp_path_factory.mktemp("train_cli")
+    actor = F.make_actor_checkpoint(d / "actor", world1)
+    prompts = F.write_prompts(d / "prompts.jsonl")
+    long = list(F.PROMPTS)
+    long[4] = "abcdefghijklmnopqrst"  # line 5: 20 tokens
+    files = {"long_prompts": F.write_prompts(d / "long.jsonl", long), "empty": d / "empty"}
+    files["empty"].mkdir()
+    cases = []
+    for _, extra, world, _ in CASES:
+        flags = extra(files) if callable(extra) else extra
+        cases.append((F.train_args(actor, prompts, d / "out", **flags), world))
+    return dict(zip([c[0] for c in CASES], F.run_validation(cases)))
+
+
+@pytest.mark.parametrize("name,extra,world,message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_fails_before_collectives(results, name, extra, world, message):
+    r = results[name]
+    if message is None:
+        assert r["code"] == "BOMB: init_process_group reached" and not r["output"], r
+        return
+    assert "BOMB" not in str(r["code"]) + r["output"], f"{name} reached a collective: {r}"
+    assert r["code"] == 2, r
+    assert "error: " in r["output"], r["output"]
+    assert message in r["output"], r["output"]
+    assert "Traceback" not in r["output"]
