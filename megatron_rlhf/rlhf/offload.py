@@ -38,10 +38,12 @@ def move_model(model: torch.nn.Module, device) -> None:
 
 
 def move_optimizer(optimizer: torch.optim.Optimizer, device) -> None:
-    """Move every optimizer state tensor (Adam moments) to ``device``."""
+    """Move every optimizer state tensor (Adam moments, fp32 masters) to ``device``."""
     if not platform.has_cuda():
         return
     device = torch.device(device)
+    for m in getattr(optimizer, "masters", []):  # fp32 master weights of a bf16 model
+        m.data = _move(m.data, device)
     for state in optimizer.state.values():
         for k, v in state.items():
             if torch.is_tensor(v) and v.dim() > 0:

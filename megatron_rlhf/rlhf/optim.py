@@ -15,16 +15,60 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron_rlhf.config import OptimConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
-    """AdamW over ``model``'s trainable parameters; no weight decay on norms and biases."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+def _groups(params: list, weight_decay: float) -> list[dict]:
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    return [g for g in groups if g["params"]]
+
+
+class MixedPrecisionAdamW(torch.optim.AdamW):
+    """AdamW over fp32 master copies of low-precision (bf16) model parameters, as
+    Megatron's mixed-precision optimizer does: gradients are copied up to the masters,
+    the step runs in fp32, and the result is copied back into the model's bf16 weights.
+    The masters are part of the state dict (a resume keeps their fp32 precision)."""
+
+    def __init__(self, params: list, weight_decay: float, **kwargs):
+        self.model_params = list(params)
+        self.masters = [p.detach().float().clone() for p in self.model_params]
+        groups = _groups(self.masters, weight_decay)
+        super().__init__(groups, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p, m in zip(self.model_params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        loss = super().step(closure)
+        for p, m in zip(self.model_params, self.masters):
+            p.copy_(m)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params:
+            p.grad = None
+        super().zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "fp32_masters": [m.detach().cpu() for m in self.masters]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        for m, saved, p in zip(self.masters, state.pop("fp32_masters"), self.model_params):
+            m.copy_(saved)
+            p.copy_(m)
+        super().load_state_dict(state)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters; no weight decay on norms and biases.
+    Low-precision (bf16) models get fp32 master weights (:class:`MixedPrecisionAdamW`)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    kwargs = dict(lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if any(p.dtype != torch.float32 for p in params):
+        return MixedPrecisionAdamW(params, cfg.weight_decay, **kwargs)
+    return torch.optim.AdamW(_groups(params, cfg.weight_decay), **kwargs)
 
 
 class WarmupCosine:
