@@ -35,8 +35,10 @@ def _load(path, role, pg):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _compare(run1, run2, iteration, init, pg):
-    """Actor and critic weights of two runs at ``iteration`` agree to float32 rounding."""
+def _compare(run1, run2, iteration, init, pg, moved=1e-4):
+    """Actor and critic weights of two runs at ``iteration`` agree to float32 rounding;
+    every tensor that has an initial value in ``init`` moved by more than ``moved`` in
+    some element."""
     for role in ("actor", "critic"):
         w1 = _load(run1 / "save" / f"iter_{iteration:07d}" / role, role, pg)
         w2 = _load(run2 / "save" / f"iter_{iteration:07d}" / role, role, pg)
@@ -46,13 +48,13 @@ def _compare(run1, run2, iteration, init, pg):
             where = f"iteration {iteration} {role} {name}"
             diff = (a - b).norm().item()
             # float32 sums in another order: a few ulps here and there, ~1e-7 of the tensor
-            assert diff <= 1e-6 * a.norm().item(), f"{where}: DP=2 differs by {diff:.2e}"
+            assert diff <= 1e-6 * a.norm().item(), f"{where}: {run2.name} differs by {diff:.2e}"
             worst = (a - b).abs().max().item()
             assert worst <= 1e-5 * a.abs().max().item(), f"{where}: one element off by {worst:.1e}"
             if name in init and init[name].shape == a.shape:
                 # it trained (every tensor moved), and the two updates agree to 1e-4
                 change = (a - init[name]).norm().item()
-                assert (a - init[name]).abs().max().item() > 1e-4, f"{where} did not change"
+                assert (a - init[name]).abs().max().item() > moved, f"{where} did not change"
                 assert diff <= 1e-4 * change, f"{where}: {diff:.2e} vs update {change:.2e}"
 
 
@@ -86,3 +88,47 @@ def test_dp2_equals_dp1_and_resumes(world1, tmp_path):
     assert [m["iteration"] for m in m2] == [1, 2, 3]
     for a, b in zip(m1, m2, strict=True):
         F.assert_metrics_equal(a, b)
+
+
+def test_tp2_equals_tp1(world1, tmp_path):
+    """TP=2 (two gloo ranks, DP=1) trains as TP=1, with gradient clipping active in both:
+    --clip-grad 0.05 sits below every iteration's gradient norm (actor ~5, critic 1.6-2.9), so
+    the TP-aware norm (sharded parameters summed over the TP ranks, replicated ones counted
+    once) sets the scale of every update; a norm off at TP=2 changes the weights and the
+    logged grad norms.
+
+    Clipped gradients are small: the critic trunk's, in its one step with a gradient
+    (iteration 2), lie mostly below --adam-eps, so its layer norms move by ~6e-5 only,
+    hence ``moved=1e-5`` here (the equality tolerances are the DP test's)."""
+    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
+    run1, run2 = tmp_path / "tp1", tmp_path / "tp2"
+    flags = dict(FLAGS, clip_grad=0.05)
+    log1 = (tmp_path / "tp1.stderr").open("w+")
+    tp1 = subprocess.Popen(  # alongside the TP=2 run: the two start up in parallel
+        [sys.executable, "-m", "megatron_rlhf.train",
+         *F.train_args(actor, prompts, run1, train_iters=2, **flags)],
+        cwd=ROOT, env=F.env(), stdout=subprocess.DEVNULL, stderr=log1)
+    with log1:
+        try:
+            torchrun(2, ["-m", "megatron_rlhf.train",
+                         *F.train_args(actor, prompts, run2, train_iters=2, **flags),
+                         "--tensor-model-parallel-size", "2"])
+            tp1.wait(timeout=300)
+        finally:
+            if tp1.poll() is None:
+                tp1.kill()
+                tp1.wait()
+        log1.seek(0)
+        assert tp1.returncode == 0, log1.read()[-6000:]
+    init = _load(actor, "actor", world1)
+    _compare(run1, run2, 2, init, world1, moved=1e-5)
+    m1, m2 = F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log")
+    assert [m["iteration"] for m in m1] == [m["iteration"] for m in m2] == [1, 2]
+    for a, b in zip(m1, m2, strict=True):
+        # every deterministic metric (reward_mean, policy_loss, value_loss, kl, grad norms,
+        # entropy, ...) within 1e-5, relative or absolute (policy_loss is ~1e-7 noise)
+        F.assert_metrics_equal(a, b)
+        # clipping was active: the (pre-clip) norms lie above --clip-grad
+        for m in (a, b):
+            assert m["actor_grad_norm"] > 0.05 and m["critic_grad_norm"] > 0.05, m
