@@ -116,7 +116,13 @@ def validated(check, *args):
         return check(*args)
     except (ValueError, FileNotFoundError) as e:
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            # Every rank finds the same error; the others wait a little so that torchrun,
+            # which stops all workers at the first exit, does not kill rank 0 mid-report.
+            import time
+
+            time.sleep(10)
         raise SystemExit(2) from None
 
 
