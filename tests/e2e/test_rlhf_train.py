@@ -124,3 +124,28 @@ def test_failing_reward_stops_the_run(tiny, tmp_path, fn, message):
     assert f"error: rank 0: reward function 'rlhf_fixtures:{fn}' " + message.format(i=i) in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "save" / "latest_checkpointed_iteration.txt").exists()
+
+
+# ---------------------------------------------------------------------------- reward model
+def test_reward_model_scores_the_rollouts(world1, tiny, tmp_path):
+    import torch
+
+    from megatron_rlhf.config import preset
+    from megatron_rlhf.models.builder import build_model
+    from megatron_rlhf.models.checkpoint import save_checkpoint
+
+    cfg = preset("tiny", vocab_size=F.VOCAB, max_position_embeddings=F.POSITIONS)
+    rm = build_model(cfg, "reward", world1, dtype=torch.float32, seed=5)
+    torch.nn.init.normal_(rm.output_layer.weight)  # zero-initialised otherwise
+    save_checkpoint(tmp_path / "rm", 0, rm, world1)
+    args = F.train_args(tiny.actor, tiny.prompts, tmp_path, reward_fn=None,
+                        reward_load=str(tmp_path / "rm"), train_iters=2)
+    F.check_ok(F.run_train(args))
+    rows = F.read_metrics(tmp_path / "log")
+    assert [m["iteration"] for m in rows] == [1, 2]
+    assert all(m["reward_std"] > 0 for m in rows), rows  # scores vary with the samples
+
+    # an LM checkpoint is not a reward model
+    bad = F.run_validation([(F.train_args(tiny.actor, tiny.prompts, tmp_path, reward_fn=None,
+                                          reward_load=str(tiny.actor)), 1)])
+    assert bad[0]["code"] == 2 and "is an actor checkpoint; a reward model has a scalar head" in bad[0]["output"], bad[0]
