@@ -75,8 +75,9 @@ def _infos(paths: CheckpointPaths, ppo: PPOConfig, resume: Path | None) -> dict[
     if paths.reward:
         infos["reward"] = read_checkpoint(paths.reward)
         if infos["reward"].role not in ("reward", "critic"):
-            raise ValueError(f"--reward-load {paths.reward} is an {infos['reward'].role} "
-                             "checkpoint; a reward model has a scalar head (role reward)")
+            raise ValueError(f"--reward-load {paths.reward} holds a model of role "
+                             f"'{infos['reward'].role}'; a reward model has a scalar head "
+                             "(role reward)")
     if paths.draft:
         infos["draft"] = read_checkpoint(resume / "draft" if resume and (resume / "draft").is_dir()
                                          else paths.draft)

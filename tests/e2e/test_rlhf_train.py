@@ -148,4 +148,4 @@ def test_reward_model_scores_the_rollouts(world1, tiny, tmp_path):
     # an LM checkpoint is not a reward model
     bad = F.run_validation([(F.train_args(tiny.actor, tiny.prompts, tmp_path, reward_fn=None,
                                           reward_load=str(tiny.actor)), 1)])
-    assert bad[0]["code"] == 2 and "is an actor checkpoint; a reward model has a scalar head" in bad[0]["output"], bad[0]
+    assert bad[0]["code"] == 2 and "holds a model of role 'actor'; a reward model has a scalar head" in bad[0]["output"], bad[0]
