@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 NPROC   ?= 2
 OUT     ?= out/demo
-ITERS   ?= 20
+ITERS   ?= 16
 
 .PHONY: install demo test test-fast clean
 

