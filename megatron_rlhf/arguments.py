@@ -162,6 +162,12 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
                    help="KL-to-reference weight (reward penalty with gae, loss with grpo)")
     g.add_argument("--kl-estimator", choices=KL_ESTIMATORS, default="k1", help="per-token KL estimate")
     g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus weight")
+    rc = g.add_mutually_exclusive_group()
+    rc.add_argument("--recompute-logprobs", dest="recompute_logprobs", action="store_true",
+                    default=None, help="log pi_old from a training forward, not from generation "
+                    "(default: on for bf16, off for fp32)")
+    rc.add_argument("--no-recompute-logprobs", dest="recompute_logprobs", action="store_false",
+                    help="always use generation's log-probs")
     g = p.add_argument_group("optimizer (AdamW, warmup + cosine)")
     g.add_argument("--lr", type=float, default=1e-6, help="actor peak learning rate")
     g.add_argument("--critic-lr", type=float, default=5e-6, help="critic peak learning rate")

@@ -245,6 +245,9 @@ class PPOConfig:
     """Per-token KL estimate: k1 (log-ratio), k2, k3 (Schulman), abs."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the policy loss."""
+    recompute_logprobs: bool | None = None
+    """Take log pi_old from a training forward instead of from generation (None: only for
+    bf16 models, where the cached decode and the full forward round differently)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "rollout_n", "micro_batch_size", "num_mini_batches",

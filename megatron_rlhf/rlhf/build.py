@@ -208,7 +208,9 @@ def build_trainer(plan: TrainPlan, pg):
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
     eos = plan.infos["actor"].config.eos_token_id
     generator = Generator(actor, models.draft, pad_id=pad)
-    maker = ExperienceMaker(plan.ppo, reference, critic=models.critic and models.critic.model,
+    if plan.ppo.recompute_logprobs is None:
+        plan.ppo.recompute_logprobs = plan.dtype != torch.float32
+    maker = ExperienceMaker(plan.ppo, reference, actor=actor, critic=models.critic and models.critic.model,
                             reward_model=models.reward_model, reward_fn=plan.reward_fn,
                             tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=pg.dp,
                             world_group=None)

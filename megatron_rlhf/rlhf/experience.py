@@ -53,13 +53,16 @@ class ExperienceMaker:
 
     def __init__(self, cfg: PPOConfig, reference, critic=None, reward_model=None,
                  reward_fn: str | None = None, tokenizer=None, pad_id: int = 0,
-                 eos_id: int | None = None, dp_group=None, world_group=None):
+                 eos_id: int | None = None, dp_group=None, world_group=None, actor=None):
         if (reward_model is None) == (reward_fn is None):
             raise ValueError("give exactly one of a reward model and a reward function")
         self.cfg, self.reference, self.critic = cfg, reference, critic
         self.reward_model, self.reward_fn, self.tokenizer = reward_model, reward_fn, tokenizer
         self.pad_id, self.eos_id = pad_id, eos_id
         self.dp_group, self.world_group = dp_group, world_group
+        self.actor = actor  # for cfg.recompute_logprobs
+        if cfg.recompute_logprobs and actor is None:
+            raise ValueError("recompute_logprobs needs the actor")
 
     def make(self, prompts: list[list[int]], prompt_texts: list[str], rollout,
              first_index: int = 0) -> Experience:
@@ -74,6 +77,8 @@ class ExperienceMaker:
         exp = Experience(input_ids=ids, attention_mask=att, response_mask=mask,
                          old_logprobs=old, ref_logprobs=old, scores=torch.zeros(len(prompts), device=dev),
                          kl=torch.zeros_like(old), advantages=torch.zeros_like(old))
+        if cfg.recompute_logprobs:
+            exp.old_logprobs = response_logprobs(self.actor, exp, mbs)
         exp.ref_logprobs = response_logprobs(self.reference, exp, mbs)
         exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
         exp.scores = self._scores(exp, prompts, prompt_texts, responses, rollout, first_index).to(dev)

@@ -149,3 +149,18 @@ def test_reward_model_scores_the_rollouts(world1, tiny, tmp_path):
     bad = F.run_validation([(F.train_args(tiny.actor, tiny.prompts, tmp_path, reward_fn=None,
                                           reward_load=str(tiny.actor)), 1)])
     assert bad[0]["code"] == 2 and "holds a model of role 'actor'; a reward model has a scalar head" in bad[0]["output"], bad[0]
+
+
+# ---------------------------------------------------------------------------- old log-probs
+def test_recomputed_old_logprobs_match_generation(tiny, tmp_path):
+    """In fp32 the generator's log-probs equal a training forward's (within 1e-4, tested in
+    the generation tests), so recomputing pi_old must not change the run."""
+    runs = {}
+    for flag in ("--recompute-logprobs", "--no-recompute-logprobs"):
+        out = tmp_path / flag.strip("-")
+        args = F.train_args(tiny.actor, tiny.prompts, out, save=None, advantage_estimator="gae",
+                            train_iters=2, seed=11)
+        F.check_ok(F.run_train(args + [flag]))
+        runs[flag] = F.read_metrics(out / "log")
+    for a, b in zip(runs["--recompute-logprobs"], runs["--no-recompute-logprobs"]):
+        F.assert_metrics_equal(a, b, tol=1e-4)
