@@ -34,8 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--target", required=True, help="target (actor) checkpoint")
     p.add_argument("--save", required=True, help="draft checkpoint root to write")
     p.add_argument("--num-layers", type=int, default=4, help="layers the draft keeps")
-    p.add_argument("--layer-choice", choices=["spread", "first"], default="spread",
-                   help="take the target's layers evenly spread, or its first --num-layers")
+    p.add_argument("--layer-choice", choices=["spread", "first", "ends"], default="spread",
+                   help="take the target's layers evenly spread, its first --num-layers, or "
+                        "its first and last ones (skipping the middle)")
     p.add_argument("--head-vocab-size", type=int, default=8064,
                    help="LM head over this many frequent tokens (multiple of 128 that TP divides; 0: full head)")
     p.add_argument("--prompts", default=None, help="prompt jsonl (default: the shipped set)")
@@ -220,7 +221,8 @@ def main(argv=None) -> int:
     from megatron_rlhf import arguments
 
     info, cfg, tokenizer, train_prompts, held = arguments.validated(validate, args)
-    from megatron_rlhf.generation.draft import frequent_tokens, init_from_target, spread_layers
+    from megatron_rlhf.generation.draft import (
+        end_layers, frequent_tokens, init_from_target, spread_layers)
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rlhf.parallel.groups import build_process_groups
@@ -243,8 +245,9 @@ def main(argv=None) -> int:
                                     [cfg.eos_token_id, cfg.bos_token_id])
         covered = sum(t in set(token_ids.tolist()) for r in responses for t in r)
         log(f"head covers {covered / max(1, sum(map(len, responses))):.2%} of response tokens")
-    layers = (spread_layers(info.config.num_layers, cfg.num_layers) if args.layer_choice == "spread"
-              else list(range(cfg.num_layers)))
+    choose = {"spread": spread_layers, "ends": end_layers,
+              "first": lambda total, keep: list(range(keep))}[args.layer_choice]
+    layers = choose(info.config.num_layers, cfg.num_layers)
     draft = build_model(cfg, "draft", pg, dtype=torch.float32, seed=args.seed)
     init_from_target(draft, target, layers, token_ids)
     before = acceptance(target, draft.to(dtype), held, args)

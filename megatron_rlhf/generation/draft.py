@@ -32,6 +32,15 @@ def spread_layers(total: int, keep: int) -> list[int]:
     return sorted({round(i * (total - 1) / (keep - 1)) for i in range(keep)})
 
 
+def end_layers(total: int, keep: int) -> list[int]:
+    """The first ``ceil(keep/2)`` and the last ``floor(keep/2)`` of ``total`` layers: a
+    layer-skipping draft that keeps the model's input and output ends."""
+    if not 1 <= keep <= total:
+        raise ValueError(f"a draft keeps between 1 and {total} layers, got {keep}")
+    head = (keep + 1) // 2
+    return list(range(head)) + list(range(total - (keep - head), total))
+
+
 def draft_config(target: ModelConfig, num_layers: int, head_vocab_size: int | None) -> ModelConfig:
     """The draft's architecture: the target's width and tokenizer, fewer layers, small head."""
     return target.replace(num_layers=num_layers, head_vocab_size=head_vocab_size,

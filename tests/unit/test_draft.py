@@ -8,6 +8,7 @@ from megatron_rlhf.config import GenerationConfig, SpecConfig, preset
 from megatron_rlhf.generation.draft import (
     distill_loss,
     draft_config,
+    end_layers,
     frequent_tokens,
     init_from_target,
     spread_layers,
@@ -17,6 +18,13 @@ from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rlhf.models.forward import lm_logits
 from test_speculative_distribution import chi_square_pvalue
+
+
+def test_end_layers():
+    assert end_layers(30, 5) == [0, 1, 2, 28, 29]
+    assert end_layers(30, 1) == [0] and end_layers(4, 4) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="between 1 and 30 layers, got 0"):
+        end_layers(30, 0)
 
 
 def test_spread_layers_and_config():
