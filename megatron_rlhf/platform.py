@@ -168,3 +168,13 @@ def barrier() -> None:
 
 def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """All-reduce a small tensor (statistics, flags) that may live on the host: NCCL only
+    reduces CUDA tensors, so it travels on this rank's device and comes back to ``t``'s."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return t
+    x = t.to(device())
+    dist.all_reduce(x, op=op, group=group)
+    return x.to(t.device)

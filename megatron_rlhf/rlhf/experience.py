@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf import platform
 from megatron_rlhf.config import PPOConfig
 from megatron_rlhf.models.forward import lm_logits, token_values
 from megatron_rlhf.rlhf.advantages import gae, grpo_advantages, masked_whiten
@@ -118,9 +119,7 @@ class ExperienceMaker:
 
 def _stop_together(error: Exception | None, group) -> None:
     """Raise on every rank if any rank failed, so none waits forever in a collective."""
-    failed = torch.tensor([0 if error is None else 1])
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    failed = platform.all_reduce(torch.tensor([0 if error is None else 1]), dist.ReduceOp.MAX, group)
     if error is not None:
         raise error
     if failed.item():

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, LoopConfig, PPOConfig, SpecConfig
 from megatron_rlhf.data.sampler import batch_indices
 from megatron_rlhf.rlhf import offload
@@ -135,9 +136,8 @@ class RLHFTrainer:
             s.new_tokens, s.verifications, s.accepted_tokens,
         ], dtype=torch.float64)
         slowest = torch.tensor([s.elapsed_s], dtype=torch.float64)
-        if self.dp > 1:
-            dist.all_reduce(local, group=self.pg.dp)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.pg.dp)
+        local = platform.all_reduce(local, group=self.pg.dp)
+        slowest = platform.all_reduce(slowest, dist.ReduceOp.MAX, self.pg.dp)
         rsum, rsq, n, kl, tokens, eos, new, ver, acc = local.tolist()
         mean = rsum / n
         return {

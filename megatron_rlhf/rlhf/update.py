@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf import platform
 from megatron_rlhf.config import PPOConfig
 from megatron_rlhf.models.forward import lm_logits, token_values
 from megatron_rlhf.rlhf.batch import Experience, response_slice
@@ -52,8 +53,7 @@ class _Sums:
         names = sorted(self.values)
         t = torch.stack([torch.as_tensor(self.values[n], dtype=torch.float64) for n in names]
                         + [tokens.double().cpu()])
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(t, group=group)
+        t = platform.all_reduce(t, group=group)
         return {n: float(t[i] / t[-1].clamp(min=1)) for i, n in enumerate(names)}
 
 
@@ -163,6 +163,5 @@ def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk:
         loss.backward()
         total += loss.detach().double().cpu()
     _step(t)
-    if t.pg.dp is not None and dist.get_world_size(t.pg.dp) > 1:
-        dist.all_reduce(total, group=t.pg.dp)
+    total = platform.all_reduce(total, group=t.pg.dp)
     return {"draft_kl": float(total)}
