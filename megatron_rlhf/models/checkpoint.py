@@ -78,7 +78,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _manifest(directory: Path) -> dict[str, int]:
+def file_manifest(directory: Path) -> dict[str, int]:
+    """``{relative path: size}`` of every file under ``directory`` (metadata excluded)."""
     return {
         str(p.relative_to(directory)): p.stat().st_size
         for p in sorted(directory.rglob("*"))
@@ -86,14 +87,44 @@ def _manifest(directory: Path) -> dict[str, int]:
     }
 
 
+def verify_manifest(directory: Path, files: dict[str, int]) -> None:
+    """Raise naming the first file of a :func:`file_manifest` that is missing or resized."""
+    for name, size in files.items():
+        f = directory / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {directory} is incomplete: file {name} is missing")
+        actual = f.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"checkpoint {directory} is truncated or corrupt: {name} has {actual} bytes, "
+                f"the manifest says {size}; load an earlier iteration or re-save"
+            )
+
+
+def tracked_iteration(root: Path) -> tuple[int, Path] | None:
+    """The step and ``iter_*`` directory that ``ROOT``'s tracker file names (None without a
+    tracker)."""
+    tracker = root / TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker} is corrupt (holds {text!r}, expected a step)")
+    return int(text), iteration_dir(root, int(text))
+
+
 def sharded_state_dict(model, pg_collection) -> dict:
     """The model's sharded state dict, as saved under the key ``model``."""
     return {"model": model.sharded_state_dict(metadata={"dp_cp_group": pg_collection.dp_cp})}
 
 
+def _tmp_dir(final: Path) -> Path:
+    return final.with_name(final.name + ".tmp")
+
+
 def begin_iteration(root: str | os.PathLike, step: int) -> Path:
     """Create an empty ``ROOT/iter_<step>.tmp`` to write into; collective over the world."""
-    tmp = iteration_dir(root, step).with_name(iteration_dir(root, step).name + ".tmp")
+    tmp = _tmp_dir(iteration_dir(root, step))
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -109,7 +140,7 @@ def commit_iteration(root: str | os.PathLike, step: int) -> Path:
     """
     dist.barrier()
     final = iteration_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = _tmp_dir(final)
     if dist.get_rank() == 0:
         if final.exists():  # an earlier save at the same step: replace it
             old = final.with_name(final.name + ".old")
@@ -148,7 +179,7 @@ def write_model(directory: Path, step: int, model, pg_collection, tokenizer=None
             "step": step,
             "model_config": model.mrlhf_config.to_dict(),
             "extra": extra or {},
-            "files": _manifest(directory),
+            "files": file_manifest(directory),
         }
         _atomic_write_text(directory / METADATA_FILE, json.dumps(meta, indent=1))
 
@@ -177,15 +208,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"checkpoint {p} does not exist: check --load / --ckpt paths")
     if (p / METADATA_FILE).is_file():
         return p
-    tracker = p / TRACKER_FILE
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        if not text.isdigit():
-            raise CheckpointError(f"{tracker} is corrupt (holds {text!r}, expected a step)")
-        d = iteration_dir(p, int(text))
+    tracked = tracked_iteration(p)
+    if tracked is not None:
+        step, d = tracked
         if not (d / METADATA_FILE).is_file():
             raise CheckpointError(
-                f"{tracker} points to step {text} but {d} is missing or incomplete"
+                f"{p / TRACKER_FILE} points to step {step} but {d} is missing or incomplete"
             )
         return d
     raise CheckpointError(
@@ -206,16 +234,7 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
             f"{d} has checkpoint format {meta.get('format_version')}, this version reads "
             f"{FORMAT_VERSION}"
         )
-    for name, size in meta["files"].items():
-        f = d / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {d} is incomplete: file {name} is missing")
-        actual = f.stat().st_size
-        if actual != size:
-            raise CheckpointError(
-                f"checkpoint {d} is truncated or corrupt: {name} has {actual} bytes, the "
-                f"manifest says {size}; load an earlier iteration or re-save"
-            )
+    verify_manifest(d, meta["files"])
     return CheckpointInfo(
         path=d,
         config=ModelConfig.from_dict(meta["model_config"]),

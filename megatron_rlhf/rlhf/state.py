@@ -29,10 +29,11 @@ import torch.distributed as dist
 from megatron_rlhf.models.checkpoint import (
     TRACKER_FILE,
     CheckpointError,
-    _manifest,
     begin_iteration,
     commit_iteration,
-    iteration_dir,
+    file_manifest,
+    tracked_iteration,
+    verify_manifest,
     write_model,
 )
 
@@ -82,7 +83,7 @@ def save_training(root: str | os.PathLike, iteration: int, models: dict, trainee
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
         meta = dict(state, iteration=iteration, world_size=dist.get_world_size(),
-                    files=_manifest(tmp / "trainer"))
+                    files=file_manifest(tmp / "trainer"))
         (tmp / "trainer" / STATE_FILE).write_text(json.dumps(meta, indent=1))
     return commit_iteration(root, iteration)
 
@@ -94,22 +95,15 @@ def find_training_checkpoint(root: str | os.PathLike) -> Path:
     if (p / "trainer" / STATE_FILE).is_file():
         d = p
     else:
-        tracker = p / TRACKER_FILE
-        if not tracker.is_file():
+        tracked = tracked_iteration(p)
+        if tracked is None:
             raise CheckpointError(f"{p} holds no training checkpoint ({TRACKER_FILE} is missing); "
                                   "pass the --save directory of an earlier run to --load")
-        text = tracker.read_text().strip()
-        if not text.isdigit():
-            raise CheckpointError(f"{tracker} is corrupt (holds {text!r})")
-        d = iteration_dir(p, int(text))
+        d = tracked[1]
     meta_path = d / "trainer" / STATE_FILE
     if not meta_path.is_file():
         raise CheckpointError(f"{d} is not a complete training checkpoint ({meta_path} is missing)")
-    meta = json.loads(meta_path.read_text())
-    for name, size in meta["files"].items():
-        f = d / "trainer" / name
-        if not f.is_file() or f.stat().st_size != size:
-            raise CheckpointError(f"training checkpoint {d} is incomplete or corrupt: {f}")
+    verify_manifest(d / "trainer", json.loads(meta_path.read_text())["files"])
     return d
 
 
