@@ -131,33 +131,28 @@ def teacher_targets(target, prompts, responses, token_ids, args):
     return out
 
 
-def draft_loss(draft, teacher, idx, ids, att, mask, token_ids):
+def draft_loss(draft, teacher, idx, ids, att, mask):
     """Top-k KL of the draft against the cached target distributions of sequences ``idx``."""
-    from megatron_rlhf.generation.draft import topk_distill_loss
-    from megatron_rlhf.models.forward import lm_logits
-    from megatron_rlhf.models.heads import head_logits_only
+    from megatron_rlhf.generation.draft import head_logits, topk_distill_loss
 
     index = torch.cat([teacher[j][0] for j in idx])
     logp = torch.cat([teacher[j][1] for j in idx])
-    if token_ids is None:
-        return topk_distill_loss(lm_logits(draft, ids, att), mask, index, logp)
-    with head_logits_only(draft):  # logits over the head only: no 49152-wide scatter
-        return topk_distill_loss(lm_logits(draft, ids, att), mask, index, logp)
+    return topk_distill_loss(head_logits(draft, ids, att), mask, index, logp)
 
 
 @torch.no_grad()
-def validation_kl(draft, teacher, prompts, responses, token_ids, args) -> float:
+def validation_kl(draft, teacher, prompts, responses, args) -> float:
     draft.eval()
     total, n = 0.0, 0
     for idx, ids, att, mask in batches(prompts, responses, list(range(len(prompts))),
                                        args.micro_batch_size):
-        total += draft_loss(draft, teacher, idx, ids, att, mask, token_ids).item() * len(idx)
+        total += draft_loss(draft, teacher, idx, ids, att, mask).item() * len(idx)
         n += len(idx)
     draft.train()
     return total / max(n, 1)
 
 
-def train(draft, teacher, prompts, responses, token_ids, args, held=None):
+def train(draft, teacher, prompts, responses, args, held=None):
     """AdamW with warmup and cosine decay; keeps the weights of the epoch with the lowest
     KL on validation responses (``held = (teacher, prompts, responses)``)."""
 
@@ -176,7 +171,7 @@ def train(draft, teacher, prompts, responses, token_ids, args, held=None):
     for epoch in range(args.epochs):
         order = torch.randperm(len(prompts), generator=g).tolist()
         for idx, ids, att, mask in batches(prompts, responses, order, args.micro_batch_size):
-            loss = draft_loss(draft, teacher, idx, ids, att, mask, token_ids)
+            loss = draft_loss(draft, teacher, idx, ids, att, mask)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -187,7 +182,7 @@ def train(draft, teacher, prompts, responses, token_ids, args, held=None):
                 log(f"epoch {epoch} step {step}/{steps} KL(top-{args.teacher_topk}) {loss.item():.3f} "
                     f"({time.perf_counter() - t0:.0f}s)")
         if held is not None:
-            kl = validation_kl(draft, *held, token_ids, args)
+            kl = validation_kl(draft, *held, args)
             log(f"epoch {epoch}: validation KL {kl:.3f}")
             if kl < best[0]:
                 best = (kl, {k: v.detach().clone() for k, v in draft.state_dict().items()
@@ -256,7 +251,7 @@ def main(argv=None) -> int:
     teacher = teacher_targets(target, train_prompts, responses, token_ids, args)
     valid_teacher = teacher_targets(target, valid, valid_responses, token_ids, args)
     log("target distributions computed")
-    train(draft, teacher, train_prompts, responses, token_ids, args,
+    train(draft, teacher, train_prompts, responses, args,
           held=(valid_teacher, valid, valid_responses))
     after = acceptance(target, draft.to(dtype), held, args)
     log(f"held-out mean accepted length after distillation: {after:.2f} (n={args.eval_draft_tokens})")

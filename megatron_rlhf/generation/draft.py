@@ -127,3 +127,16 @@ def topk_distill_loss(draft_logits: torch.Tensor, mask: torch.Tensor, index: tor
         logits = logits[:, token_ids]
     logq = torch.log_softmax(logits, -1).gather(-1, index)
     return (logp.exp() * (logp - logq)).sum(-1).mean()
+
+
+def head_logits(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The logits a draft trains on: ``[B, T, head_vocab_size]`` over its head tokens (in
+    ``token_ids`` order; no full-vocabulary scatter) with a subset head, else ``[B, T, V]`` —
+    the index space of :func:`teacher_topk` given the same head."""
+    from megatron_rlhf.models.forward import lm_logits
+    from megatron_rlhf.models.heads import head_logits_only
+
+    if getattr(draft.output_layer, "token_ids", None) is None:
+        return lm_logits(draft, input_ids, attention_mask)
+    with head_logits_only(draft):
+        return lm_logits(draft, input_ids, attention_mask)

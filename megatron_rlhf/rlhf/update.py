@@ -141,8 +141,7 @@ def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk:
     The teacher is the actor's top-``topk`` distribution at each response position; the
     loss is the forward KL to the draft (:mod:`megatron_rlhf.generation.draft`).
     """
-    from megatron_rlhf.generation.draft import teacher_topk, topk_distill_loss
-    from megatron_rlhf.models.heads import head_logits_only
+    from megatron_rlhf.generation.draft import head_logits, teacher_topk, topk_distill_loss
 
     head = getattr(t.model.output_layer, "token_ids", None)
     t.model.train()
@@ -153,11 +152,7 @@ def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk:
         with torch.no_grad():
             teacher = response_slice(lm_logits(actor, mb.input_ids, mb.attention_mask), mb)
             index, logp = teacher_topk(teacher, mask, head, topk)
-        if head is None:
-            logits = response_slice(lm_logits(t.model, mb.input_ids, mb.attention_mask), mb)
-        else:
-            with head_logits_only(t.model):
-                logits = response_slice(lm_logits(t.model, mb.input_ids, mb.attention_mask), mb)
+        logits = response_slice(head_logits(t.model, mb.input_ids, mb.attention_mask), mb)
         n = mask.sum()
         loss = topk_distill_loss(logits, mask, index, logp) * n / tokens  # token-mean overall
         loss.backward()
