@@ -172,9 +172,10 @@ def is_rank0() -> bool:
 
 def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """All-reduce a small tensor (statistics, flags) that may live on the host: NCCL only
-    reduces CUDA tensors, so it travels on this rank's device and comes back to ``t``'s."""
+    reduces CUDA tensors, so it travels on this rank's device and comes back to ``t``'s.
+    ``t`` itself is left unchanged."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return t
-    x = t.to(device())
+    x = t.to(device(), copy=True)
     dist.all_reduce(x, op=op, group=group)
     return x.to(t.device)

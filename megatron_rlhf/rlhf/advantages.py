@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_rlhf import platform
 from megatron_rlhf.config import ADVANTAGE_ESTIMATORS  # one list, also validated by PPOConfig
 
 
@@ -44,10 +45,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 def _global_sum(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """``t`` summed over the ranks of ``group`` (unchanged without a group)."""
-    if group is not None:
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
+    return t if group is None else platform.all_reduce(t, group=group)
 
 
 def masked_whiten(x: Tensor, mask: Tensor, group: dist.ProcessGroup | None = None,

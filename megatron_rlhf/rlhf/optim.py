@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron_rlhf import platform
 from megatron_rlhf.config import OptimConfig
 
 
@@ -141,11 +142,8 @@ def grad_norm(model: torch.nn.Module, tp_group) -> float:
             sharded += sq
         else:
             replicated += sq
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dev = next(model.parameters()).device
-        t = sharded.to(dev)
-        dist.all_reduce(t, group=tp_group)
-        sharded = t.cpu()
+    if tp_group is not None:
+        sharded = platform.all_reduce(sharded, group=tp_group)
     return math.sqrt(float(sharded + replicated))
 
 

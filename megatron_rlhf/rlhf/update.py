@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from megatron_rlhf import platform
 from megatron_rlhf.config import PPOConfig
@@ -58,10 +57,7 @@ class _Sums:
 
 
 def _global_tokens(mask: torch.Tensor, group) -> torch.Tensor:
-    n = mask.sum().double().reshape(1)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(n, group=group)
-    return n[0].clamp(min=1)
+    return platform.all_reduce(mask.sum().double(), group=group).clamp(min=1)
 
 
 def _mini_batches(exp: Experience, cfg: PPOConfig) -> list[Experience]:
@@ -77,7 +73,28 @@ def _step(t: Trainee) -> float:
     return norm
 
 
-def _policy_micro(actor, mb: Experience, cfg: PPOConfig, sums: _Sums, tokens) -> None:
+def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_loss) -> dict:
+    """PPO epochs x mini-batches (one optimizer step each) x micro-batches (accumulated).
+
+    ``micro_loss(mb, sums)`` returns the per-token loss ``[b, T]`` of a micro-batch and
+    adds its metrics to ``sums``; it is summed over response tokens and divided by the
+    mini-batch's token count over all DP ranks. Returns token-mean metrics over all ranks.
+    """
+    t.model.train()
+    sums, norms, all_tokens = _Sums(), [], 0.0
+    for _ in range(cfg.ppo_epochs):
+        for mini in _mini_batches(exp, cfg):
+            tokens = _global_tokens(mini.response_mask, t.pg.dp)
+            for mb in mini.split(cfg.micro_batch_size):
+                ((micro_loss(mb, sums) * mb.response_mask).sum() / tokens).backward()
+            norms.append(_step(t))
+            all_tokens += float(mini.response_mask.sum())
+    out = sums.means(torch.tensor(all_tokens), t.pg.dp)
+    out[f"{name}_grad_norm"] = sum(norms) / len(norms)
+    return out
+
+
+def _policy_micro(actor, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.Tensor:
     mask = mb.response_mask
     logits = response_slice(lm_logits(actor, mb.input_ids, mb.attention_mask), mb)
     logp = logprobs_from_logits(logits, mb.response_ids)
@@ -90,49 +107,31 @@ def _policy_micro(actor, mb: Experience, cfg: PPOConfig, sums: _Sums, tokens) ->
         kl = kl_estimate(logp, mb.ref_logprobs, cfg.kl_estimator)
         loss = loss + cfg.kl_coef * kl
         sums.add("kl_loss", kl, mask)
-    ((loss * mask).sum() / tokens).backward()
     sums.add("policy_loss", pg_loss, mask)
     sums.add("clip_frac", clipped.float(), mask)
     sums.add("entropy", entropy, mask)
     sums.add("approx_kl", 0.5 * (logp.detach() - mb.old_logprobs) ** 2, mask)
+    return loss
+
+
+def _value_micro(critic, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.Tensor:
+    v = response_slice(token_values(critic, mb.input_ids, mb.attention_mask), mb)
+    loss, clipped = value_loss(v.float(), mb.values, mb.returns, cfg.value_clip_eps or None)
+    sums.add("value_loss", loss, mb.response_mask)
+    sums.add("value_clip_frac", clipped.float(), mb.response_mask)
+    return loss
 
 
 def train_actor(t: Trainee, exp: Experience, cfg: PPOConfig) -> dict:
     """PPO epochs over ``exp`` for the actor; token-mean metrics over all ranks."""
-    t.model.train()
-    sums, norms, all_tokens = _Sums(), [], 0.0
-    for _ in range(cfg.ppo_epochs):
-        for mini in _mini_batches(exp, cfg):
-            tokens = _global_tokens(mini.response_mask, t.pg.dp)
-            for mb in mini.split(cfg.micro_batch_size):
-                _policy_micro(t.model, mb, cfg, sums, tokens)
-            norms.append(_step(t))
-            all_tokens += float(mini.response_mask.sum())
-    out = sums.means(torch.tensor(all_tokens), t.pg.dp)
-    out["actor_grad_norm"] = sum(norms) / len(norms)
+    out = _ppo_passes(t, exp, cfg, "actor", lambda mb, sums: _policy_micro(t.model, mb, cfg, sums))
     out["actor_lr"] = t.scheduler.current_lr
     return out
 
 
 def train_critic(t: Trainee, exp: Experience, cfg: PPOConfig) -> dict:
     """Clipped value-loss epochs over ``exp`` for the critic."""
-    t.model.train()
-    clip = cfg.value_clip_eps or None
-    sums, norms, all_tokens = _Sums(), [], 0.0
-    for _ in range(cfg.ppo_epochs):
-        for mini in _mini_batches(exp, cfg):
-            tokens = _global_tokens(mini.response_mask, t.pg.dp)
-            for mb in mini.split(cfg.micro_batch_size):
-                v = response_slice(token_values(t.model, mb.input_ids, mb.attention_mask), mb)
-                loss, clipped = value_loss(v.float(), mb.values, mb.returns, clip)
-                ((loss * mb.response_mask).sum() / tokens).backward()
-                sums.add("value_loss", loss, mb.response_mask)
-                sums.add("value_clip_frac", clipped.float(), mb.response_mask)
-            norms.append(_step(t))
-            all_tokens += float(mini.response_mask.sum())
-    out = sums.means(torch.tensor(all_tokens), t.pg.dp)
-    out["critic_grad_norm"] = sum(norms) / len(norms)
-    return out
+    return _ppo_passes(t, exp, cfg, "critic", lambda mb, sums: _value_micro(t.model, mb, cfg, sums))
 
 
 def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk: int) -> dict:
