@@ -212,8 +212,7 @@ def build_trainer(plan: TrainPlan, pg):
         plan.ppo.recompute_logprobs = plan.dtype != torch.float32
     maker = ExperienceMaker(plan.ppo, reference, actor=actor, critic=models.critic and models.critic.model,
                             reward_model=models.reward_model, reward_fn=plan.reward_fn,
-                            tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=pg.dp,
-                            world_group=None)
+                            tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=pg.dp)
     run_info = {"tp": plan.par.tensor_model_parallel_size, "seed": plan.loop.seed,
                 "actor_init": str(plan.paths.actor), "reference": str(plan.infos["reference"].path)}
     return RLHFTrainer(models, generator, maker, plan.ppo, plan.loop, plan.gen, plan.spec,

@@ -54,13 +54,13 @@ class ExperienceMaker:
 
     def __init__(self, cfg: PPOConfig, reference, critic=None, reward_model=None,
                  reward_fn: str | None = None, tokenizer=None, pad_id: int = 0,
-                 eos_id: int | None = None, dp_group=None, world_group=None, actor=None):
+                 eos_id: int | None = None, dp_group=None, actor=None):
         if (reward_model is None) == (reward_fn is None):
             raise ValueError("give exactly one of a reward model and a reward function")
         self.cfg, self.reference, self.critic = cfg, reference, critic
         self.reward_model, self.reward_fn, self.tokenizer = reward_model, reward_fn, tokenizer
         self.pad_id, self.eos_id = pad_id, eos_id
-        self.dp_group, self.world_group = dp_group, world_group
+        self.dp_group = dp_group
         self.actor = actor  # for cfg.recompute_logprobs
         if cfg.recompute_logprobs and actor is None:
             raise ValueError("recompute_logprobs needs the actor")
@@ -113,13 +113,14 @@ class ExperienceMaker:
                 scores = score_samples(self.reward_fn, samples, first_index)
         except RewardError as e:
             error, scores = e, torch.zeros(len(prompts))
-        _stop_together(error, self.world_group)
+        _stop_together(error)
         return scores
 
 
-def _stop_together(error: Exception | None, group) -> None:
-    """Raise on every rank if any rank failed, so none waits forever in a collective."""
-    failed = platform.all_reduce(torch.tensor([0 if error is None else 1]), dist.ReduceOp.MAX, group)
+def _stop_together(error: Exception | None) -> None:
+    """Raise on every rank of the world if any rank failed, so none waits forever in a
+    collective."""
+    failed = platform.all_reduce(torch.tensor([0 if error is None else 1]), dist.ReduceOp.MAX)
     if error is not None:
         raise error
     if failed.item():
