@@ -39,6 +39,6 @@ torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train \
   --reward-fn concise --global-batch-size 8 --rollout-n 2 --micro-batch-size 8 \
   --max-new-tokens 40 --temperature 1.0 \
   --lr 1e-5 --critic-lr 2e-5 --lr-warmup-iters 2 --kl-coef 0.01 --clip-grad 1.0 \
-  --train-iters "$ITERS" --save "$RUN" --save-interval 5 --log-dir "$RUN" "${RESUME[@]}"
+  --train-iters "$ITERS" --save "$RUN" --save-interval 8 --log-dir "$RUN" "${RESUME[@]}"
 python tools/plot_metrics.py "$RUN"
 echo "== [${SECONDS}s] done: metrics in $RUN/metrics.jsonl (TensorBoard: $RUN/tensorboard)"
