@@ -55,6 +55,11 @@ class ModelConfig:
     head_vocab_size: int | None = None
     """Draft models only: an LM head over this many frequent tokens (a multiple of 128)
     instead of the whole vocabulary; other tokens get probability 0. None: full head."""
+    feature_draft: bool = False
+    """Draft models only: the draft reads the target's last hidden state along with each
+    token (EAGLE, Li et al. 2024). Its input at position ``t`` is
+    ``fc([embed(x_t), h_{t-1}])`` with ``h`` the target's final-norm output, so one or two
+    layers predict the target's next token far better than a standalone small model."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",

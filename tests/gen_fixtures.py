@@ -27,3 +27,23 @@ def actor_and_draft(pg, name: str = "tiny-untied", eos: int | None = None, sharp
         for a, d, o in zip(actor.parameters(), draft.parameters(), other.parameters()):
             d.copy_(a + noise * o)
     return actor, draft
+
+
+def feature_draft_for(actor, pg, noise: float = 0.01, seed: int = 3):
+    """A feature (EAGLE) draft that is the actor plus a perturbation through the features.
+
+    It copies the actor's layers, norm and head, and its fusion is ``[I | noise * R]``: with
+    ``noise`` 0 it ignores the features and computes exactly the actor (accepts everything);
+    otherwise the actor's hidden states push its predictions off. ``R`` is seeded on CPU,
+    so the draft is the same at every TP size.
+    """
+    from megatron_rlhf.generation.draft import init_from_target
+
+    cfg = actor.mrlhf_config.replace(feature_draft=True)
+    draft = build_model(cfg, "draft", pg, dtype=torch.float32, seed=seed)
+    init_from_target(draft, actor, list(range(cfg.num_layers)), None)
+    h = cfg.hidden_size
+    r = torch.randn(h, h, generator=torch.Generator().manual_seed(seed)) / h ** 0.5
+    with torch.no_grad():
+        draft.feature_fusion.weight.copy_(torch.cat([torch.eye(h), noise * r], 1))
+    return draft

@@ -16,6 +16,7 @@ SmolLM2-135M the 49152 x 576 LM head is a fifth of the weights, so the draft her
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
@@ -41,10 +42,13 @@ def end_layers(total: int, keep: int) -> list[int]:
     return list(range(head)) + list(range(total - (keep - head), total))
 
 
-def draft_config(target: ModelConfig, num_layers: int, head_vocab_size: int | None) -> ModelConfig:
-    """The draft's architecture: the target's width and tokenizer, fewer layers, small head."""
+def draft_config(target: ModelConfig, num_layers: int, head_vocab_size: int | None,
+                 feature_draft: bool = False) -> ModelConfig:
+    """The draft's architecture: the target's width and tokenizer, fewer layers, small head;
+    a feature draft also reads the target's hidden states."""
     return target.replace(num_layers=num_layers, head_vocab_size=head_vocab_size,
-                          tie_embeddings=False if head_vocab_size else target.tie_embeddings)
+                          tie_embeddings=False if head_vocab_size else target.tie_embeddings,
+                          feature_draft=feature_draft)
 
 
 def frequent_tokens(sequences: list[list[int]], k: int, always: list[int]) -> torch.Tensor:
@@ -129,14 +133,69 @@ def topk_distill_loss(draft_logits: torch.Tensor, mask: torch.Tensor, index: tor
     return (logp.exp() * (logp - logq)).sum(-1).mean()
 
 
-def head_logits(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def target_logits_and_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The target's logits ``[B, T, V]`` and final-norm hidden states ``[B, T, h]`` (what a
+    feature draft reads), from one forward."""
+    from megatron_rlhf.models.forward import lm_logits
+
+    seen = {}
+    hook = target.decoder.final_layernorm.register_forward_hook(lambda m, i, o: seen.update(h=o))
+    try:
+        logits = lm_logits(target, input_ids, attention_mask)
+    finally:
+        hook.remove()
+    return logits, seen["h"].transpose(0, 1)
+
+
+def shifted_features(features: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """What a feature draft reads at each position: the target's ``h_{t-1}``, zero at a
+    sequence's first token (as in generation), for left- or right-padded batches."""
+    prev = torch.cat([torch.zeros_like(attention_mask[:, :1]), attention_mask[:, :-1]], 1)
+    shifted = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)
+    return shifted * prev[..., None].to(shifted.dtype)
+
+
+def head_logits(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                features: torch.Tensor | None = None, return_features: bool = False):
     """The logits a draft trains on: ``[B, T, head_vocab_size]`` over its head tokens (in
     ``token_ids`` order; no full-vocabulary scatter) with a subset head, else ``[B, T, V]`` —
-    the index space of :func:`teacher_topk` given the same head."""
-    from megatron_rlhf.models.forward import lm_logits
+    the index space of :func:`teacher_topk` given the same head.
+
+    A feature draft also reads the target's final-norm hidden states ``features [B, T, h]``
+    (from :func:`target_logits_and_features`; shifted here). ``return_features`` adds the
+    draft's own final-norm hidden states ``[B, T, h]`` (trained towards the target's).
+    """
+    from megatron_rlhf.models.forward import causal_padding_mask, lm_logits, position_ids
     from megatron_rlhf.models.heads import head_logits_only
 
+    fusion = getattr(draft, "feature_fusion", None)
+    seen = {}
+    hook = draft.decoder.final_layernorm.register_forward_hook(lambda m, i, o: seen.update(h=o))
+    head = (head_logits_only(draft) if getattr(draft.output_layer, "token_ids", None) is not None
+            else contextlib.nullcontext())
+    try:
+        with head:
+            if fusion is None:
+                logits = lm_logits(draft, input_ids, attention_mask)
+            else:
+                if features is None:
+                    raise ValueError("a feature draft trains on the target's hidden states: pass features")
+                pos = position_ids(attention_mask)
+                x = fusion(draft.embedding(input_ids=input_ids, position_ids=pos),
+                           shifted_features(features, attention_mask).transpose(0, 1))
+                logits = draft(input_ids, pos, causal_padding_mask(attention_mask), decoder_input=x)
+    finally:
+        hook.remove()
     if getattr(draft.output_layer, "token_ids", None) is None:
-        return lm_logits(draft, input_ids, attention_mask)
-    with head_logits_only(draft):
-        return lm_logits(draft, input_ids, attention_mask)
+        logits = logits[..., : draft.mrlhf_config.vocab_size]
+    if return_features:
+        return logits, seen["h"].transpose(0, 1)
+    return logits
+
+
+def feature_loss(draft_features: torch.Tensor, target_features: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """Smooth-L1 distance of the draft's hidden states to the target's at ``mask``-ed
+    positions (EAGLE's regression term: later draft steps read the draft's own)."""
+    m = mask.bool()
+    return torch.nn.functional.smooth_l1_loss(draft_features[m].float(), target_features[m].float())

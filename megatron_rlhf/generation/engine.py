@@ -5,6 +5,13 @@ sequence except ``pending`` (the newest token, sampled but not yet fed); the dra
 is kept one token further behind, so each speculative round starts by feeding the draft
 the same two tokens for every sample: ``[last_in_cache, pending]``.
 
+A feature draft (EAGLE; :class:`~megatron_rlhf.models.heads.FeatureFusion`) reads at
+position ``t`` the token ``x_t`` and the actor's final hidden state ``h_{t-1}``. Its cache
+holds every token including ``pending``; each round starts by catching up with the
+tokens the last verification emitted, paired with the actor's hidden states from that
+verification (``k + 1`` per sample, padded to ``n + 1``), then drafts on its own predicted
+hidden states; only the caught-up entries (true hidden states) are kept.
+
 A plain step feeds ``pending`` and samples the next token. A speculative round lets the
 draft propose ``n`` tokens, feeds ``[pending, d1..dn]`` to the actor once, accepts a
 prefix per sample (:mod:`megatron_rlhf.generation.speculative`) and rolls both caches
@@ -23,7 +30,7 @@ import torch
 
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import speculative
-from megatron_rlhf.generation.incremental import RopeTable, forward_cached, prefill
+from megatron_rlhf.generation.incremental import RopeTable, forward_cached, pad_right, prefill
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.rollout import GenerationStats, Rollout
 from megatron_rlhf.generation.sampling import (
@@ -71,6 +78,11 @@ def check_draft(actor_cfg, draft_cfg) -> None:
             f"the draft's vocabulary ({draft_cfg.vocab_size} tokens) differs from the actor's "
             f"({actor_cfg.vocab_size}): a draft must share the actor's tokenizer"
         )
+    if draft_cfg.feature_draft and draft_cfg.hidden_size != actor_cfg.hidden_size:
+        raise ValueError(
+            f"the feature draft reads hidden states of width {draft_cfg.hidden_size}, the actor's "
+            f"are {actor_cfg.hidden_size}: distil the draft from this actor (tools/train_draft.py)"
+        )
 
 
 def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig,
@@ -111,6 +123,7 @@ class Generator:
             if draft.pg_collection.tp.size() != actor.pg_collection.tp.size():
                 raise ValueError("draft and actor must run under the same tensor-parallel group")
         self.eos = actor.mrlhf_config.eos_token_id
+        self.feature_draft = draft is not None and draft.mrlhf_config.feature_draft
 
     def check(self, prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig) -> int:
         """Raise before any collective if the request cannot run; returns the cache length."""
@@ -136,7 +149,10 @@ class Generator:
 
         rope = RopeTable(self.actor, max_len)
         cache = KVCache.for_model(self.actor, len(prompts), max_len)
-        logits = prefill(self.actor, cache, prompts, rope, self.pad_id)  # [B, V]
+        feature = bool(n) and self.feature_draft
+        logits = prefill(self.actor, cache, prompts, rope, self.pad_id, return_features=feature)
+        if feature:
+            logits, hidden = logits  # [B, V], [B, P, h]
         first, probs = sample(logits, cfg, gen)
         lp, slp = _logprob_pair(logits, probs, first)
         rows = torch.arange(len(prompts), device=dev)  # original index of each cache row
@@ -148,9 +164,15 @@ class Generator:
         if n:
             d_rope = RopeTable(self.draft, max_len)
             d_cache = KVCache.for_model(self.draft, len(prompts), max_len)
-            prefill(self.draft, d_cache, prompts, d_rope, self.pad_id)
-            d_cache.truncate(d_cache.lengths - 1)
-            state.update(d_cache=d_cache, last=torch.tensor([p[-1] for p in prompts], device=dev))
+            if feature:  # catch up with the prompt and the first token: h_{-1} = 0
+                tokens = pad_right([p + [t] for p, t in zip(prompts, first.tolist())], self.pad_id, dev)
+                feats = torch.cat([torch.zeros_like(hidden[:, :1]), hidden], 1)
+                lens = torch.tensor([len(p) + 1 for p in prompts], device=dev)
+                state.update(d_cache=d_cache, catch_tokens=tokens, catch_features=feats, catch_count=lens)
+            else:
+                prefill(self.draft, d_cache, prompts, d_rope, self.pad_id)
+                d_cache.truncate(d_cache.lengths - 1)
+                state.update(d_cache=d_cache, last=torch.tensor([p[-1] for p in prompts], device=dev))
 
         stats.prefill_s = time.perf_counter() - t0
         while bool(alive.any()):
@@ -189,23 +211,18 @@ class Generator:
         cache.lengths[~alive] = 0
         d_cache.lengths[~alive] = 0
         pending = torch.where(alive, st["pending"], self.pad_id)
-        last = torch.where(alive, st["last"], self.pad_id)
         base = cache.lengths.clone()  # tokens in the actor cache before this round
 
-        # draft: n proposals; the first step catches up with [last_in_cache, pending]
-        feed = torch.stack([last, pending], 1)
-        drafts, q_probs = [], []
-        for _ in range(n):
-            d_logits = forward_cached(self.draft, d_cache, feed, d_rope)[:, -1]
-            tok, q = sample(d_logits, cfg, gen)
-            drafts.append(tok)
-            q_probs.append(q)
-            feed = tok[:, None]
+        propose = self._propose_with_features if self.feature_draft else self._propose
+        drafts, q_probs = propose(st, alive, pending, cfg, n, gen, d_rope)
         stats.draft_steps += n
         drafts_t = torch.stack(drafts, 1)  # [R, n]
 
         # actor: verify all n+1 positions in one forward
-        a_logits = forward_cached(self.actor, cache, torch.cat([pending[:, None], drafts_t], 1), rope)
+        a_logits = forward_cached(self.actor, cache, torch.cat([pending[:, None], drafts_t], 1), rope,
+                                  return_features=self.feature_draft)
+        if self.feature_draft:
+            a_logits, a_hidden = a_logits  # hidden states the draft catches up with next round
         stats.actor_steps += 1
         if cfg.greedy:
             verdict, p_probs = speculative.accept_greedy(drafts_t, a_logits), None
@@ -227,11 +244,52 @@ class Generator:
             if out.emit(origin[r], toks[r][:kr], lp[r][:kr], slp[r][:kr]):
                 alive[r] = False
 
-        # roll back: actor keeps pending + accepted drafts; the draft stays one behind
+        # roll back: actor keeps pending + accepted drafts
         cache.truncate(base + 1 + k)
-        d_cache.truncate(base + k)
-        st["last"] = torch.where(k > 0, drafts_t.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0], pending)
+        if self.feature_draft:  # next round the draft reads d_1..d_k, next with h_base..h_base+k
+            st.update(catch_tokens=emitted, catch_features=a_hidden, catch_count=k + 1)
+        else:  # the draft stays one behind
+            d_cache.truncate(base + k)
+            st["last"] = torch.where(k > 0, drafts_t.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0],
+                                     pending)
         st["pending"] = verdict.next_token
+
+    def _propose(self, st, alive, pending, cfg, n, gen, d_rope):
+        """A standalone draft's ``n`` proposals; the first step catches up with
+        ``[last_in_cache, pending]``. Leaves the draft cache ``n`` tokens ahead."""
+        last = torch.where(alive, st["last"], self.pad_id)
+        feed = torch.stack([last, pending], 1)
+        drafts, q_probs = [], []
+        for _ in range(n):
+            d_logits = forward_cached(self.draft, st["d_cache"], feed, d_rope)[:, -1]
+            tok, q = sample(d_logits, cfg, gen)
+            drafts.append(tok)
+            q_probs.append(q)
+            feed = tok[:, None]
+        return drafts, q_probs
+
+    def _propose_with_features(self, st, alive, pending, cfg, n, gen, d_rope):
+        """A feature draft's ``n`` proposals: catch up with the last verification's tokens
+        and actor hidden states, then draft on its own hidden states. Afterwards the draft
+        cache holds exactly the caught-up tokens (up to and including ``pending``)."""
+        d_cache = st["d_cache"]
+        count = torch.where(alive, st["catch_count"], 1)
+        logits, hidden = forward_cached(self.draft, d_cache, st["catch_tokens"], d_rope,
+                                        last_index=count - 1, features=st["catch_features"],
+                                        return_features=True)
+        d_cache.truncate(d_cache.lengths - st["catch_tokens"].shape[1] + count)
+        caught_up = d_cache.lengths.clone()
+        hidden = hidden[torch.arange(len(count), device=count.device), count - 1][:, None]  # [R, 1, h]
+        drafts, q_probs = [], []
+        for i in range(n):
+            tok, q = sample(logits[:, -1], cfg, gen)
+            drafts.append(tok)
+            q_probs.append(q)
+            if i + 1 < n:
+                logits, hidden = forward_cached(self.draft, d_cache, tok[:, None], d_rope,
+                                                features=hidden, return_features=True)
+        d_cache.truncate(caught_up)
+        return drafts, q_probs
 
     def _rollout(self, prompts, out: _Samples, stats: GenerationStats, dev) -> Rollout:
         b = len(prompts)

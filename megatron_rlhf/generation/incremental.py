@@ -85,12 +85,16 @@ def _layer_step(layer, idx: int, x, cache, rope: RopeTable, pos, mask, k_len: in
 
 
 def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
-                   last_index: torch.Tensor | None = None) -> torch.Tensor:
+                   last_index: torch.Tensor | None = None, features: torch.Tensor | None = None,
+                   return_features: bool = False):
     """Feed ``tokens [B, n]`` after each sample's cached prefix; returns logits.
 
     Logits are ``[B, n, V]`` (vocabulary padding removed, gathered over TP), or ``[B, 1, V]``
     at ``last_index [B]`` (a position in ``0..n-1`` per sample) when given. The cache
-    advances by ``n`` for every sample.
+    advances by ``n`` for every sample. A feature draft also reads the target's features
+    ``[B, n, h]`` (see :class:`~megatron_rlhf.models.heads.FeatureFusion`). With
+    ``return_features`` the result is ``(logits, final-norm hidden states [B, n, h])`` at
+    every fed position (what a feature draft reads next).
     """
     b, n = tokens.shape
     cache.check_room(n)
@@ -98,24 +102,45 @@ def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     k_len = int(cache.lengths.max()) + n
     mask = attention_mask(cache.lengths, n, k_len)
     x = model.embedding(input_ids=tokens, position_ids=pos)  # [n, B, h]
+    if getattr(model, "feature_fusion", None) is not None:
+        if features is None:
+            raise ValueError("a feature draft needs the target's features")
+        x = model.feature_fusion(x, features.transpose(0, 1))
     for i, layer in enumerate(model.decoder.layers):
         x = _layer_step(layer, i, x, cache, rope, pos, mask, k_len)
     cache.advance(n)
+    hidden = None
+    if return_features:
+        x = model.decoder.final_layernorm(x)
+        hidden = x.transpose(0, 1)  # [B, n, h]
     if last_index is not None:
         x = x[last_index, torch.arange(b, device=x.device)][None]  # [1, B, h]
-    x = model.decoder.final_layernorm(x)
+    if not return_features:
+        x = model.decoder.final_layernorm(x)
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     logits, _ = model.output_layer(x, weight=weight)
-    return logits.transpose(0, 1)[..., : model.mrlhf_config.vocab_size]
+    logits = logits.transpose(0, 1)[..., : model.mrlhf_config.vocab_size]
+    return (logits, hidden) if return_features else logits
 
 
-def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int = 0) -> torch.Tensor:
-    """Fill an empty cache with right-padded prompts; returns next-token logits ``[B, V]``."""
+def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int = 0,
+            return_features: bool = False):
+    """Fill an empty cache with right-padded prompts; returns next-token logits ``[B, V]``
+    (and, with ``return_features``, the final-norm hidden states ``[B, max_len, h]``)."""
     dev = cache.lengths.device
     lens = torch.tensor([len(p) for p in prompts], device=dev)
-    tokens = torch.full((len(prompts), int(lens.max())), pad_id, dtype=torch.long, device=dev)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p, device=dev)
-    logits = forward_cached(model, cache, tokens, rope, last_index=lens - 1)
+    out = forward_cached(model, cache, pad_right(prompts, pad_id, dev), rope, last_index=lens - 1,
+                         return_features=return_features)
     cache.truncate(lens)
-    return logits[:, 0]
+    if return_features:
+        return out[0][:, 0], out[1]
+    return out[:, 0]
+
+
+def pad_right(seqs: list[list[int]], pad_id: int, device, width: int | None = None) -> torch.Tensor:
+    """``[B, width]`` (default: the longest) right-padded token ids."""
+    width = width or max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = torch.tensor(s, device=device)
+    return tokens

@@ -123,6 +123,10 @@ def build_model(
             from megatron_rlhf.models.heads import attach_subset_head
 
             attach_subset_head(model)
+        if cfg.feature_draft:
+            from megatron_rlhf.models.heads import attach_feature_fusion
+
+            attach_feature_fusion(model)
     # Like Megatron-LM's Float16Module: every parameter in the model dtype (megatron's torch
     # norms are created in fp32 whatever params_dtype says).
     return model.to(device=platform.device(), dtype=dtype)

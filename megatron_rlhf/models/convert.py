@@ -46,6 +46,9 @@ def mcore_to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = No
     if info.config.head_vocab_size:
         raise ValueError(f"{info.path} has a reduced LM head ({info.config.head_vocab_size} tokens), "
                          "which Hugging Face Llama cannot represent")
+    if info.config.feature_draft:
+        raise ValueError(f"{info.path} is a feature (EAGLE) draft that reads a target's hidden "
+                         "states; Hugging Face Llama cannot represent it")
     pg = _single_process_groups()
     model = build_model(info.config, info.role, pg, dtype=dtype or torch.float32)
     load_checkpoint(model, pg, info.path)

@@ -9,6 +9,10 @@ A draft's ``SubsetLMHead`` scores only ``head_vocab_size`` tokens (a column-para
 linear over TP, gathered) and returns full-vocabulary logits with ``-inf`` elsewhere, so
 every consumer of logits works unchanged; speculative decoding stays lossless because
 the actor's ``p`` decides acceptance.
+
+A feature draft (EAGLE) also gets a :class:`FeatureFusion`: ``fc([embed(x_t), h_{t-1}])``
+replaces the token embedding as the decoder's input, ``h`` being the target's final-norm
+output one position earlier (replicated over TP, like the value head).
 """
 
 from __future__ import annotations
@@ -63,6 +67,25 @@ def attach_subset_head(model) -> None:
     model.output_layer = _subset_head_class()(
         model.config, cfg.padded_vocab_size, cfg.head_vocab_size, model.pg_collection.tp
     )
+
+
+class FeatureFusion(nn.Module):
+    """``(embedded tokens [s, b, h], target features [s, b, h]) -> decoder input [s, b, h]``."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, 2 * hidden_size, dtype=dtype))
+        with torch.no_grad():  # start as "token + feature", the sum of the two inputs
+            eye = torch.eye(hidden_size, dtype=dtype)
+            self.weight.copy_(torch.cat([eye, eye], 1))
+
+    def forward(self, embedded: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(torch.cat([embedded, features.to(embedded.dtype)], -1), self.weight)
+
+
+def attach_feature_fusion(model) -> None:
+    """Give a feature draft its input fusion (``model.feature_fusion``)."""
+    model.feature_fusion = FeatureFusion(model.config.hidden_size, model.config.params_dtype)
 
 
 def attach_value_head(model) -> None:

@@ -122,3 +122,69 @@ def test_topk_distill_loss_matches_full_kl():
     assert index.shape == (5, 8) and torch.allclose(logp.exp().sum(-1), torch.ones(5))
     topk_distill_loss(d, mask, index, logp, head).backward()
     assert d.grad is not None and d.grad[mask == 0].abs().sum() == 0
+
+
+def test_feature_draft_distils_and_checkpoints(world1, tmp_path):
+    """A 1-layer feature draft with a subset head, distilled (top-k KL + hidden-state
+    regression, teacher-forced with shifted features) on the actor's greedy continuations,
+    then accepts far more of them in the engine; a checkpoint restores it exactly. If the
+    training and generation paths read different hidden states, acceptance stays ~1."""
+    from megatron_rlhf.generation.draft import (
+        feature_loss, head_logits, target_logits_and_features, teacher_topk, topk_distill_loss)
+
+    actor, _ = actor_and_draft(world1, sharpness=8.0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 250, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(32)]
+    cfg = GenerationConfig(max_new_tokens=24, temperature=0, stop_on_eos=False)
+    seqs = [p + s for p, s in zip(prompts, Generator(actor).generate(prompts, cfg).responses())]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    mask = torch.zeros_like(att)
+    for b, p in enumerate(prompts):
+        mask[b, len(p) - 1: len(seqs[b]) - 1] = 1
+
+    dcfg = draft_config(actor.mrlhf_config, 1, 128, feature_draft=True)
+    draft = build_model(dcfg, "draft", world1, dtype=torch.float32, seed=2)
+    token_ids = frequent_tokens(seqs, 128, [])
+    init_from_target(draft, actor, [actor.mrlhf_config.num_layers - 1], token_ids)
+
+    def accepted():
+        return Generator(actor, draft).generate(prompts, cfg, SpecConfig(3)).stats.mean_accepted_length
+
+    before = accepted()
+    with torch.no_grad():
+        logits, feats = target_logits_and_features(actor, ids, att)
+        index, logp = teacher_topk(logits, mask, token_ids, 16)
+    for p in draft.embedding.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    draft.train()
+    for _ in range(60):
+        out, hidden = head_logits(draft, ids, att, features=feats, return_features=True)
+        loss = topk_distill_loss(out, mask, index, logp) + feature_loss(hidden, feats, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    draft.eval()
+    after = accepted()
+    assert before < 1.2 and after > 1.6, (before, after)
+
+    save_checkpoint(tmp_path / "fd", 0, draft, world1)
+    back = build_model(dcfg, "draft", world1, dtype=torch.float32, seed=5)
+    load_checkpoint(back, world1, tmp_path / "fd")
+    assert torch.equal(back.feature_fusion.weight, draft.feature_fusion.weight)
+    with torch.no_grad():
+        assert torch.equal(head_logits(back, ids, att, features=feats), head_logits(draft, ids, att, features=feats))
+    with pytest.raises(ValueError, match="pass features"):
+        head_logits(back, ids, att)
+
+
+def test_feature_drafts_do_not_export_to_hf(world1, tmp_path):
+    from megatron_rlhf.models.convert import mcore_to_hf
+
+    cfg = draft_config(preset("tiny"), 1, None, feature_draft=True)
+    save_checkpoint(tmp_path / "fd", 0, build_model(cfg, "draft", world1, dtype=torch.float32), world1)
+    with pytest.raises(ValueError, match="feature \\(EAGLE\\) draft"):
+        mcore_to_hf(tmp_path / "fd", tmp_path / "hf")

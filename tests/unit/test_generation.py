@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gen_fixtures import PROMPTS, actor_and_draft
+from gen_fixtures import PROMPTS, actor_and_draft, feature_draft_for
 from megatron_rlhf.config import GenerationConfig, SpecConfig, preset
 from megatron_rlhf.generation import speculative
 from megatron_rlhf.generation.engine import Generator
@@ -146,3 +146,106 @@ def test_draw_never_picks_zero_probability_tokens():
     counts = torch.bincount(tok, minlength=50).float() / 4000
     assert set(tok.unique().tolist()) == {3, 7, 49}
     assert (counts[[3, 7, 49]] - torch.tensor([0.2, 0.5, 0.3])).abs().max() < 0.03
+
+
+# ---------------------------------------------------------------- feature (EAGLE) drafts
+@pytest.mark.parametrize("n", [1, 3])
+def test_feature_draft_greedy_equals_plain_with_eos_mid_batch(world1, n):
+    actor, _ = actor_and_draft(world1)
+    plain = Generator(actor).generate(PROMPTS, GREEDY)
+    actor.mrlhf_config.eos_token_id = plain.responses()[2][7]
+    plain = Generator(actor).generate(PROMPTS, GREEDY)
+    assert "eos" in plain.finish_reasons and "length" in plain.finish_reasons
+    spec = Generator(actor, feature_draft_for(actor, world1)).generate(PROMPTS, GREEDY, SpecConfig(n))
+    assert spec.responses() == plain.responses()
+    assert spec.finish_reasons == plain.finish_reasons
+    s = spec.stats
+    assert 0 < s.accepted_tokens < s.verifications * n  # partial acceptance, varying per sample
+
+
+def test_feature_draft_that_ignores_features_accepts_everything(world1, pair):
+    actor, _ = pair
+    r = Generator(actor, feature_draft_for(actor, world1, noise=0.0)).generate(PROMPTS, GREEDY, SpecConfig(3))
+    assert r.stats.mean_accepted_length == 4.0
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_feature_draft_reads_the_right_hidden_states(world1, pair, monkeypatch, n):
+    """Every entry the draft keeps in its cache is ``(x_t, h_{t-1})`` of the final sequence:
+    each catch-up call continues where the last one ended, with the sequence's tokens and
+    the actor's true hidden states (from a full recompute) shifted by one."""
+    from megatron_rlhf.generation import engine
+    from megatron_rlhf.generation.draft import shifted_features, target_logits_and_features
+
+    actor, _ = pair
+    draft = feature_draft_for(actor, world1)
+    calls, real = [], engine.forward_cached
+
+    def spy(model, cache, tokens, rope, last_index=None, features=None, return_features=False):
+        if model is draft and last_index is not None:  # a catch-up (not a drafting step)
+            calls.append((int(cache.lengths[0]), int(last_index[0]) + 1, tokens[0], features[0]))
+        return real(model, cache, tokens, rope, last_index, features, return_features)
+
+    monkeypatch.setattr(engine, "forward_cached", spy)
+    cfg = GenerationConfig(max_new_tokens=20, temperature=1.0)
+    for p in PROMPTS[:3]:
+        calls.clear()
+        r = Generator(actor, draft).generate([p], cfg, SpecConfig(n), seed=4)
+        seq = torch.tensor([p + r.responses()[0]])
+        with torch.no_grad():
+            _, feats = target_logits_and_features(actor, seq, torch.ones_like(seq))
+        true = shifted_features(feats, torch.ones_like(seq))[0]
+        end = 0
+        for start, count, tokens, features in calls:
+            assert start == end  # no gap, no overlap
+            assert tokens[:count].tolist() == seq[0, start:start + count].tolist()
+            assert (features[:count] - true[start:start + count]).abs().max() < 1e-4
+            end = start + count
+        assert len(calls) > 1 and end <= seq.shape[1]
+        assert 0 < r.stats.accepted_tokens  # some rounds caught up with more than one token
+
+
+def test_feature_draft_training_forward_equals_incremental(world1, pair):
+    """``head_logits`` (left-padded batch, teacher forcing) equals the engine's cached
+    forward of the same tokens and shifted hidden states."""
+    from megatron_rlhf.generation.draft import (
+        head_logits, shifted_features, target_logits_and_features)
+
+    actor, _ = pair
+    draft = feature_draft_for(actor, world1, noise=0.5)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8, 9, 11]])
+    att = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8])
+    with torch.no_grad():
+        _, feats = target_logits_and_features(actor, ids, att)
+        logits, hidden = head_logits(draft, ids, att, features=feats, return_features=True)
+        for b, start in ((0, 2), (1, 0)):
+            toks = ids[b:b + 1, start:]
+            one = torch.ones_like(toks)
+            _, f = target_logits_and_features(actor, toks, one)
+            cache, rope = KVCache.for_model(draft, 1, 16), RopeTable(draft, 16)
+            out, h = forward_cached(draft, cache, toks, rope, features=shifted_features(f, one),
+                                    return_features=True)
+            assert (out - logits[b:b + 1, start:]).abs().max() < 1e-4 * out.abs().max()
+            assert (h - hidden[b:b + 1, start:]).abs().max() < 1e-4 * h.abs().max()
+    with pytest.raises(ValueError, match="needs the target's features"):
+        forward_cached(draft, KVCache.for_model(draft, 1, 16), ids[:1], RopeTable(draft, 16))
+
+
+def test_feature_draft_logprobs_equal_recompute(world1, pair):
+    actor, _ = pair
+    cfg = GenerationConfig(max_new_tokens=16, temperature=1.0)
+    r = Generator(actor, feature_draft_for(actor, world1)).generate(PROMPTS, cfg, SpecConfig(2), seed=5)
+    for i, p in enumerate(PROMPTS):
+        resp = r.responses()[i]
+        logits = lm_logits(actor, torch.tensor([p + resp]))[0, len(p) - 1: -1]
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(resp)[:, None])[:, 0]
+        assert (r.response_logprobs[i, : len(resp)] - ref).abs().max() < 1e-4
+
+
+def test_feature_draft_width_must_match(world1, pair):
+    from megatron_rlhf.generation.engine import check_draft
+
+    actor, _ = pair
+    other = actor.mrlhf_config.replace(hidden_size=actor.mrlhf_config.hidden_size * 2, feature_draft=True)
+    with pytest.raises(ValueError, match="reads hidden states of width"):
+        check_draft(actor.mrlhf_config, other)

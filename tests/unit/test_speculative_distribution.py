@@ -1,6 +1,7 @@
 """Speculative sampling draws from exactly the actor's distribution (a statistical test).
 
-A tiny-vocabulary actor and a deliberately different draft; 3-token continuations of one
+A tiny-vocabulary actor and a deliberately different draft (a standalone one, and a
+feature draft that reads the actor's hidden states); 3-token continuations of one
 prompt, so all 6^3 sequences have exact probabilities from the actor. Plain and
 speculative sampling must both fit them (chi-square); a broken rule that accepts every
 draft token must not.
@@ -11,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from gen_fixtures import actor_and_draft
+from gen_fixtures import actor_and_draft, feature_draft_for
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import speculative
 from megatron_rlhf.generation.engine import Generator
@@ -22,9 +23,22 @@ V, T, N = 6, 3, 6000
 PROMPT = [1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def models(world1):
-    return actor_and_draft(world1, vocab_size=V, sharpness=25.0, noise=2.0, seed=3)
+@pytest.fixture(scope="module", params=["standalone", "feature"])
+def models(world1, request):
+    actor, draft = actor_and_draft(world1, vocab_size=V, sharpness=25.0, noise=2.0, seed=3)
+    if request.param == "feature":
+        draft = feature_draft_for(actor, world1, noise=3.0)
+    return actor, draft
+
+
+def draft_logits(draft, actor, ids: torch.Tensor) -> torch.Tensor:
+    """The draft's teacher-forced logits (a feature draft reads the actor's hidden states)."""
+    from megatron_rlhf.generation.draft import head_logits, target_logits_and_features
+
+    if not draft.mrlhf_config.feature_draft:
+        return lm_logits(draft, ids)
+    att = torch.ones_like(ids)
+    return head_logits(draft, ids, att, features=target_logits_and_features(actor, ids, att)[1])
 
 
 def exact_probs(actor, cfg) -> torch.Tensor:
@@ -60,7 +74,8 @@ def test_speculative_sampling_is_the_actors_distribution(models, params):
     actor, draft = models
     cfg = GenerationConfig(max_new_tokens=T, stop_on_eos=False, **params)
     p = exact_probs(actor, cfg)
-    q_first = probs_for_sampling(lm_logits(draft, torch.tensor([PROMPT]))[0, -1], cfg)
+    with torch.no_grad():
+        q_first = probs_for_sampling(draft_logits(draft, actor, torch.tensor([PROMPT]))[0, -1], cfg)
     p_first = probs_for_sampling(lm_logits(actor, torch.tensor([PROMPT]))[0, -1], cfg)
     assert (q_first - p_first).abs().sum() > 0.3  # the draft really differs from the actor
 

@@ -1,9 +1,10 @@
 """Under torchrun (2 ranks): greedy generation at TP=2 equals TP=1 (a second layout of the
-same ranks), plain and speculative, on tiny models with EOS mid-batch."""
+same ranks), plain and speculative (standalone and feature drafts), on tiny models with
+EOS mid-batch."""
 
 import torch
 
-from gen_fixtures import PROMPTS, actor_and_draft
+from gen_fixtures import PROMPTS, actor_and_draft, feature_draft_for
 from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation.engine import Generator
@@ -17,6 +18,9 @@ def run(pg, eos):
     out = {"plain": Generator(actor).generate(PROMPTS, cfg)}
     for n in (1, 3):
         out[n] = Generator(actor, draft).generate(PROMPTS, cfg, SpecConfig(n))
+    feature = feature_draft_for(actor, pg)
+    for n in (1, 3):
+        out[f"feature{n}"] = Generator(actor, feature).generate(PROMPTS, cfg, SpecConfig(n))
     sampled = GenerationConfig(max_new_tokens=12, temperature=1.0)
     out["sampled"] = Generator(actor, draft).generate(PROMPTS, sampled, SpecConfig(2), seed=3)
     return out
@@ -31,7 +35,9 @@ def main():
     eos = probe[2][6]
     a, b = run(tp2, eos), run(tp1, eos)
     assert "eos" in a["plain"].finish_reasons
-    for key in ("plain", 1, 3):
+    assert a["feature3"].stats.accepted_tokens > 0
+    assert a["feature3"].stats.accepted_tokens == b["feature3"].stats.accepted_tokens
+    for key in ("plain", 1, 3, "feature1", "feature3"):
         assert a[key].responses() == a["plain"].responses(), f"TP=2 {key} != TP=2 plain"
         assert a[key].responses() == b[key].responses(), f"TP=2 {key} != TP=1 {key}"
     # every rank of the TP group drew the same sampled tokens
