@@ -138,24 +138,38 @@ def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk:
     """One distillation step of the draft towards the (updated) actor on fresh rollouts.
 
     The teacher is the actor's top-``topk`` distribution at each response position; the
-    loss is the forward KL to the draft (:mod:`megatron_rlhf.generation.draft`).
+    loss is the forward KL to the draft (:mod:`megatron_rlhf.generation.draft`). A feature
+    draft reads the actor's hidden states from the same forward and also regresses its own
+    hidden states onto them.
     """
-    from megatron_rlhf.generation.draft import head_logits, teacher_topk, topk_distill_loss
+    from megatron_rlhf.generation.draft import (
+        feature_loss, head_logits, target_logits_and_features, teacher_topk, topk_distill_loss)
 
     head = getattr(t.model.output_layer, "token_ids", None)
+    feature = t.model.mrlhf_config.feature_draft
     t.model.train()
     tokens = _global_tokens(exp.response_mask, t.pg.dp)
-    total = torch.zeros((), dtype=torch.float64)
+    sums = torch.zeros(2, dtype=torch.float64)  # KL, hidden-state regression
     for mb in exp.split(micro_batch_size):
         mask = mb.response_mask
         with torch.no_grad():
-            teacher = response_slice(lm_logits(actor, mb.input_ids, mb.attention_mask), mb)
-            index, logp = teacher_topk(teacher, mask, head, topk)
-        logits = response_slice(head_logits(t.model, mb.input_ids, mb.attention_mask), mb)
-        n = mask.sum()
-        loss = topk_distill_loss(logits, mask, index, logp) * n / tokens  # token-mean overall
-        loss.backward()
-        total += loss.detach().double().cpu()
+            full, feats = target_logits_and_features(actor, mb.input_ids, mb.attention_mask)
+            index, logp = teacher_topk(response_slice(full, mb), mask, head, topk)
+            del full
+        share = mask.sum() / tokens  # token-mean over the whole batch on all ranks
+        if feature:
+            logits, hidden = head_logits(t.model, mb.input_ids, mb.attention_mask, features=feats,
+                                         return_features=True)
+            reg = feature_loss(response_slice(hidden, mb), response_slice(feats, mb), mask) * share
+        else:
+            logits = head_logits(t.model, mb.input_ids, mb.attention_mask)
+            reg = torch.zeros(())
+        kl = topk_distill_loss(response_slice(logits, mb), mask, index, logp) * share
+        (kl + reg).backward()
+        sums += torch.stack([kl.detach(), reg.detach()]).double().cpu()
     _step(t)
-    total = platform.all_reduce(total, group=t.pg.dp)
-    return {"draft_kl": float(total)}
+    kl, reg = platform.all_reduce(sums, group=t.pg.dp).tolist()
+    out = {"draft_kl": kl}
+    if feature:
+        out["draft_feature_loss"] = reg
+    return out

@@ -167,9 +167,11 @@ def test_recomputed_old_logprobs_match_generation(tiny, tmp_path):
 
 
 # ---------------------------------------------------------------------------- draft in the loop
-def test_draft_distilled_in_the_loop(world1, tiny, tmp_path):
-    """Speculative rollouts with a draft that is distilled every iteration: the draft's
-    distillation loss is logged and the saved draft differs from the initial one."""
+@pytest.mark.parametrize("feature", [False, True])
+def test_draft_distilled_in_the_loop(world1, tiny, tmp_path, feature):
+    """Speculative rollouts with a draft (standalone, or a feature draft reading the actor's
+    hidden states) that is distilled every iteration: the draft's distillation loss is
+    logged and the saved draft differs from the initial one."""
     import torch
 
     from megatron_rlhf.config import preset
@@ -177,7 +179,7 @@ def test_draft_distilled_in_the_loop(world1, tiny, tmp_path):
     from megatron_rlhf.models.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = preset("tiny", vocab_size=F.VOCAB, max_position_embeddings=F.POSITIONS,
-                 num_layers=1)
+                 num_layers=1, feature_draft=feature)
     draft = build_model(cfg, "draft", world1, dtype=torch.float32, seed=3)
     save_checkpoint(tmp_path / "draft", 0, draft, world1)
     args = F.train_args(tiny.actor, tiny.prompts, tmp_path, draft_load=str(tmp_path / "draft"),
@@ -185,6 +187,7 @@ def test_draft_distilled_in_the_loop(world1, tiny, tmp_path):
     F.check_ok(F.run_train(args))
     rows = F.read_metrics(tmp_path / "log")
     assert all(m["draft_kl"] > 0 and "time_draft_s" in m for m in rows), rows
+    assert all(("draft_feature_loss" in m) == feature for m in rows)
     assert all(m["accepted_length"] >= 1.0 for m in rows)
     trained = build_model(cfg, "draft", world1, dtype=torch.float32, seed=4)
     load_checkpoint(trained, world1, tmp_path / "save" / "iter_0000002" / "draft")
