@@ -184,6 +184,9 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=20, help="RLHF iterations")
     g.add_argument("--save-interval", type=int, default=0,
                    help="save every N iterations (0: at the end only; needs --save)")
+    g.add_argument("--keep-last-checkpoints", type=int, default=0,
+                   help="keep only the newest N checkpoints under --save, deleting older ones "
+                        "after each save (0: keep all)")
     g.add_argument("--log-dir", default=None, help="metrics.jsonl and TensorBoard go here")
     g.add_argument("--draft-distill", action="store_true",
                    help="distil the draft towards the actor on every iteration's rollouts")

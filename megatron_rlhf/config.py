@@ -342,6 +342,8 @@ class LoopConfig:
     """RLHF iterations (rollout + experience + PPO update each)."""
     save_interval: int = 0
     """Save a resumable checkpoint every this many iterations (0: only at the end)."""
+    keep_last_checkpoints: int = 0
+    """Keep only the newest this many checkpoints under --save (0: keep every one)."""
     seed: int = 1234
     """Seeds the prompt order, the sampling of every iteration and the initialisations."""
     max_prompt_length: int = 256
@@ -359,6 +361,8 @@ class LoopConfig:
         _positive("draft_distill_topk", self.draft_distill_topk)
         if self.save_interval < 0:
             raise ValueError("save_interval must be >= 0")
+        if self.keep_last_checkpoints < 0:
+            raise ValueError("keep_last_checkpoints must be >= 0 (0 keeps every checkpoint)")
 
 
 PRESETS: dict[str, ModelConfig] = {

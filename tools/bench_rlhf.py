@@ -26,8 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_FLAGS = ["--reward-fn", "concise", "--global-batch-size", "8", "--rollout-n", "2",
-              "--micro-batch-size", "4", "--max-new-tokens", "40", "--temperature", "1.0",
-              "--lr", "1e-5", "--critic-lr", "2e-5", "--kl-coef", "0.01"]
+              "--micro-batch-size", "8", "--max-new-tokens", "40", "--temperature", "1.0",
+              "--lr", "1e-5", "--critic-lr", "2e-5", "--lr-warmup-iters", "2", "--kl-coef", "0.01",
+              "--clip-grad", "1.0"]  # examples/cpu_demo.sh
 STAGES = ("time_rollout_s", "time_experience_s", "time_train_s", "time_draft_s")
 
 

@@ -1,17 +1,22 @@
 """Draft models for speculative decoding: shape, initialisation from the target, distillation.
 
 A fast draft for a small target must read far fewer bytes per token than the target. For
-SmolLM2-135M the 49152 x 576 LM head is a fifth of the weights, so the draft here is:
+SmolLM2-135M the 49152 x 576 LM head is a fifth of the weights, so a draft here has:
 
-- a few of the target's own layers (evenly spaced, first and last included), its input
-  embedding and final norm, so it starts close to the target;
 - an LM head over the ``head_vocab_size`` most frequent tokens of the target's responses
   (:class:`~megatron_rlhf.models.heads`'s subset head), initialised from the target's
   output rows; other tokens get probability 0 from the draft, which keeps speculation
   lossless (the actor's ``p`` still decides) at the price of rejecting rare tokens;
-- distilled on the target's own responses: forward KL from the target's distribution,
-  restricted to the head's tokens, to the draft's. The target's distribution is computed
-  once and kept as its top-k (:func:`teacher_topk`), so each epoch costs only the draft.
+- either a few of the target's own layers (a *standalone* draft: evenly spaced, first and
+  last included, with its input embedding and final norm), or
+- one layer that also reads the target's final hidden state ``h_{t-1}`` with each token
+  ``x_t`` (a *feature* draft, EAGLE: Li et al. 2024): the target has already computed what
+  it knows about the context, so one layer need only advance it by a token. It costs about
+  a thirtieth of the target per token and learns far more from the same data;
+- distillation on the target's own responses: forward KL from the target's distribution,
+  restricted to the head's tokens, to the draft's (plus, for a feature draft, a smooth-L1
+  pull of its hidden states towards the target's, which later draft steps read). The
+  target's distribution is computed once and kept as its top-k (:func:`teacher_topk`).
 """
 
 from __future__ import annotations

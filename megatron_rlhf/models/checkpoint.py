@@ -156,6 +156,24 @@ def commit_iteration(root: str | os.PathLike, step: int) -> Path:
     return final
 
 
+def prune_iterations(root: str | os.PathLike, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` committed ``iter_*`` directories under ``root``
+    (never the tracked one); returns the deleted steps. Each is renamed out of the
+    ``iter_*`` namespace before it is deleted, so a crash mid-delete leaves nothing that
+    looks like a checkpoint. Rank 0 only; no collectives."""
+    root = Path(root)
+    tracked = tracked_iteration(root)
+    steps = sorted(int(p.name[5:]) for p in root.glob("iter_*")
+                   if p.is_dir() and p.name[5:].isdigit())
+    doomed = [s for s in steps[:-keep] if tracked is None or s != tracked[0]] if keep > 0 else []
+    for s in doomed:
+        d = iteration_dir(root, s)
+        gone = d.with_name(d.name + ".deleting")
+        os.replace(d, gone)
+        shutil.rmtree(gone)
+    return doomed
+
+
 def write_model(directory: Path, step: int, model, pg_collection, tokenizer=None,
                 extra: dict | None = None) -> None:
     """Write ``model`` into an existing ``directory`` (weights + metadata); collective.

@@ -7,11 +7,16 @@ Layout (one atomic iteration, Megatron's tracker convention)::
         actor/  critic/  draft/       model checkpoints (layout-free; load any one with
                                       --actor-load SAVE/iter_0000010/actor, or generate)
         trainer/state.json            iteration, data position, layout, file manifest
-        trainer/rank_00000.pt ...     per rank: optimizers, LR schedules, RNG states
+        trainer/optim_tp000.pt ...    per tensor-parallel rank: optimizers (fp32 masters
+                                      included) and LR schedules, written by data-parallel
+                                      rank 0 (DP replicas hold identical states)
+        trainer/rng_00000.pt ...      per rank: RNG states
 
 Everything is written under ``iter_X.tmp`` and renamed when complete; the tracker moves
-last. Optimizer states are per rank, so a resume needs the same world size and TP size
-(the message says so); the model checkpoints themselves load under any layout.
+last; with ``keep_last`` only the newest checkpoints stay. Optimizer states are per TP
+shard, so a resume needs the same world size and TP size (the message says so); the model
+checkpoints themselves load under any layout. Checkpoints of earlier versions (one
+``rank_00000.pt`` per rank with everything) still load.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from megatron_rlhf.models.checkpoint import (
     file_manifest,
     tracked_iteration,
     verify_manifest,
+    prune_iterations,
     write_model,
 )
 
@@ -60,11 +66,16 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _optim_file(tp_rank: int) -> str:
+    return f"optim_tp{tp_rank:03d}.pt"
+
+
 def save_training(root: str | os.PathLike, iteration: int, models: dict, trainees: dict,
-                  state: dict, tokenizer=None) -> Path:
+                  state: dict, tokenizer=None, keep_last: int = 0) -> Path:
     """Save a resumable checkpoint; collective over the world. ``models``: name -> (model,
-    pg); ``trainees``: name -> :class:`~megatron_rlhf.rlhf.update.Trainee`; ``state``:
-    JSON-able loop state (data position, layout, ...)."""
+    pg); ``trainees``: name -> :class:`~megatron_rlhf.rlhf.update.Trainee` (all under one
+    layout); ``state``: JSON-able loop state (data position, layout, ...). ``keep_last`` > 0
+    deletes older checkpoints once this one is committed."""
     tmp = begin_iteration(root, iteration)
     for name, (model, pg) in models.items():
         write_model(tmp / name, iteration, model, pg, tokenizer if name == "actor" else None)
@@ -72,12 +83,12 @@ def save_training(root: str | os.PathLike, iteration: int, models: dict, trainee
     if rank == 0:
         (tmp / "trainer").mkdir()
     dist.barrier()
-    per_rank = {
-        "optimizers": {n: t.optimizer.state_dict() for n, t in trainees.items()},
-        "schedulers": {n: t.scheduler.state_dict() for n, t in trainees.items()},
-        "rng": rng_state(),
-    }
-    torch.save(per_rank, tmp / "trainer" / f"rank_{rank:05d}.pt")
+    pg = next(iter(trainees.values())).pg
+    if pg.dp.rank() == 0:  # data-parallel replicas step identically: one copy per TP shard
+        torch.save({"optimizers": {n: t.optimizer.state_dict() for n, t in trainees.items()},
+                    "schedulers": {n: t.scheduler.state_dict() for n, t in trainees.items()}},
+                   tmp / "trainer" / _optim_file(pg.tp.rank()))
+    torch.save(rng_state(), tmp / "trainer" / f"rng_{rank:05d}.pt")
     dist.barrier()
     if os.environ.get(KILL_IN_SAVE_ENV) == str(iteration):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -85,7 +96,11 @@ def save_training(root: str | os.PathLike, iteration: int, models: dict, trainee
         meta = dict(state, iteration=iteration, world_size=dist.get_world_size(),
                     files=file_manifest(tmp / "trainer"))
         (tmp / "trainer" / STATE_FILE).write_text(json.dumps(meta, indent=1))
-    return commit_iteration(root, iteration)
+    final = commit_iteration(root, iteration)
+    if rank == 0 and keep_last > 0:
+        prune_iterations(root, keep_last)
+    dist.barrier()
+    return final
 
 
 def find_training_checkpoint(root: str | os.PathLike) -> Path:
@@ -113,7 +128,13 @@ def read_training_state(d: Path) -> dict:
 
 def load_trainer_states(d: Path, trainees: dict) -> None:
     """Restore this rank's optimizers, LR schedules and RNG states."""
-    state = torch.load(d / "trainer" / f"rank_{dist.get_rank():05d}.pt", weights_only=False)
+    legacy = d / "trainer" / f"rank_{dist.get_rank():05d}.pt"
+    if legacy.is_file():  # written before optimizer states were saved once per TP shard
+        state = torch.load(legacy, weights_only=False)
+    else:
+        pg = next(iter(trainees.values())).pg
+        state = torch.load(d / "trainer" / _optim_file(pg.tp.rank()), weights_only=False)
+        state["rng"] = torch.load(d / "trainer" / f"rng_{dist.get_rank():05d}.pt", weights_only=False)
     for name, t in trainees.items():
         t.optimizer.load_state_dict(state["optimizers"][name])
         t.scheduler.load_state_dict(state["schedulers"][name])

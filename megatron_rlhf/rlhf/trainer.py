@@ -164,4 +164,5 @@ class RLHFTrainer:
             trainees["draft"] = m.draft_trainee
         state = dict(self.run_info, consumed_prompts=it * self.ppo.global_batch_size,
                      ppo=asdict(self.ppo), loop=asdict(self.loop))
-        save_training(self.save_dir, it, models, trainees, state, self.tokenizer)
+        save_training(self.save_dir, it, models, trainees, state, self.tokenizer,
+                      keep_last=self.loop.keep_last_checkpoints)

@@ -80,6 +80,10 @@ def test_dp2_equals_dp1_and_resumes(world1, tmp_path):
         assert dp1.returncode == 0, log1.read()[-6000:]
     init = _load(actor, "actor", world1)
     _compare(run1, run2, 2, init, world1)
+    # DP replicas hold identical optimizer states: one copy (TP shard 0), RNG per rank
+    trainer = run2 / "save" / "iter_0000002" / "trainer"
+    assert sorted(p.name for p in trainer.iterdir()) == [
+        "optim_tp000.pt", "rng_00000.pt", "rng_00001.pt", "state.json"]
 
     torchrun(2, [*args2, "--train-iters", "3", "--load", str(run2 / "save")])
     _compare(run1, run2, 3, init, world1)

@@ -77,12 +77,34 @@ def test_resume_repeats_the_uninterrupted_run(tiny, tmp_path, uninterrupted):
     assert bad[1]["code"] == 2, bad[1]
     assert "is at iteration 2: raise --train-iters" in bad[1]["output"], bad[1]
 
+    # one copy of the optimizer states per TP shard, RNG states per rank
+    trainer = save / "iter_0000002" / "trainer"
+    assert sorted(p.name for p in trainer.iterdir()) == ["optim_tp000.pt", "rng_00000.pt", "state.json"]
+    _to_legacy_layout(trainer)  # and checkpoints of the earlier per-rank layout still resume
+
     F.check_ok(F.run_train(args + ["--train-iters", "4", "--load", str(save)]))
     rows = F.read_metrics(tmp_path / "log")
     assert _iterations(rows) == [1, 2, 3, 4]
     for m in rows:
         F.assert_metrics_equal(m, uninterrupted[m["iteration"]])
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+
+def _to_legacy_layout(trainer):
+    """Rewrite a trainer directory as the previous version wrote it: rank_00000.pt with
+    optimizers, schedulers and RNG together."""
+    import json
+
+    import torch
+
+    state = torch.load(trainer / "optim_tp000.pt", weights_only=False)
+    state["rng"] = torch.load(trainer / "rng_00000.pt", weights_only=False)
+    torch.save(state, trainer / "rank_00000.pt")
+    (trainer / "optim_tp000.pt").unlink()
+    (trainer / "rng_00000.pt").unlink()
+    meta = json.loads((trainer / "state.json").read_text())
+    meta["files"] = {"rank_00000.pt": (trainer / "rank_00000.pt").stat().st_size}
+    (trainer / "state.json").write_text(json.dumps(meta))
 
 
 def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tiny, tmp_path, uninterrupted):
@@ -96,7 +118,7 @@ def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tiny, tmp_pat
     assert not (save / "iter_0000002").exists() and (save / "iter_0000002.tmp").is_dir()
     assert _iterations(F.read_metrics(tmp_path / "log")) == [1, 2]  # 2 was logged, not saved
 
-    F.check_ok(F.run_train(args + ["--load", str(save)]))
+    F.check_ok(F.run_train(args + ["--load", str(save), "--keep-last-checkpoints", "2"]))
     rows = F.read_metrics(tmp_path / "log")
     assert _iterations(rows) == [1, 2, 3]
     for m in rows:
@@ -104,6 +126,8 @@ def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tiny, tmp_pat
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert (save / "iter_0000002" / "trainer" / "state.json").is_file()
     assert not (save / "iter_0000002.tmp").exists()  # the torn save was redone
+    # --keep-last-checkpoints 2: iteration 1 went once 3 was committed
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000002", "iter_0000003"]
 
 
 # ---------------------------------------------------------------------------- reward errors

@@ -127,3 +127,20 @@ def test_converter_refuses_value_model_export(world1, tmp_path):
     ckpt.save_checkpoint(tmp_path / "critic", 0, model, world1)
     with pytest.raises(ValueError, match="is a critic model; only LM-head models export"):
         convert.mcore_to_hf(tmp_path / "critic", tmp_path / "hf")
+
+
+def test_prune_iterations_keeps_the_newest_and_the_tracked(tmp_path):
+    from megatron_rlhf.models.checkpoint import TRACKER_FILE, iteration_dir, prune_iterations
+
+    for s in (1, 2, 3, 5):
+        iteration_dir(tmp_path, s).mkdir()
+        (iteration_dir(tmp_path, s) / "x").write_text("x")
+    (tmp_path / "iter_0000007.tmp").mkdir()  # a torn save is not a checkpoint
+    (tmp_path / TRACKER_FILE).write_text("2\n")  # e.g. a newer save failed after its rename
+    assert prune_iterations(tmp_path, 2) == [1]  # 2 is tracked: kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000002", "iter_0000003", "iter_0000005", "iter_0000007.tmp", TRACKER_FILE]
+    (tmp_path / TRACKER_FILE).write_text("5\n")
+    assert prune_iterations(tmp_path, 1) == [2, 3]
+    assert prune_iterations(tmp_path, 0) == []  # 0 keeps everything
+    assert (tmp_path / "iter_0000005" / "x").is_file()
