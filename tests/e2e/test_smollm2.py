@@ -103,14 +103,34 @@ def smol_draft(smol, tmp_path_factory):
     return out
 
 
-def test_speculative_greedy_equals_plain(world1, smol, smol_draft):
+@pytest.fixture(scope="module")
+def smol_feature_draft(smol, tmp_path_factory):
+    """A feature (EAGLE-style) draft made by tools/train_draft.py on a small budget."""
+    out = tmp_path_factory.mktemp("fdraft") / "ckpt"
+    r = subprocess.run(
+        [sys.executable, "tools/train_draft.py", "--target", str(smol[0]), "--save", str(out),
+         "--feature-draft", "--num-layers", "1", "--limit", "16", "--epochs", "2",
+         "--max-new-tokens", "16", "--eval-prompts", "4", "--gen-batch-size", "16", "--bf16"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "held-out mean accepted length after distillation" in r.stderr
+    return out
+
+
+@pytest.mark.parametrize("kind", ["standalone", "feature"])
+def test_speculative_greedy_equals_plain(world1, smol, request, kind):
     ckpt, _, ids = smol
     actor = build_model(read_checkpoint(ckpt).config, "actor", world1, dtype=torch.float32)
     load_checkpoint(actor, world1, ckpt)
-    info = read_checkpoint(smol_draft)
-    assert info.role == "draft" and info.config.num_layers == 4 and info.config.head_vocab_size == 8064
+    path = request.getfixturevalue("smol_draft" if kind == "standalone" else "smol_feature_draft")
+    info = read_checkpoint(path)
+    layers = 4 if kind == "standalone" else 1
+    assert info.role == "draft" and info.config.num_layers == layers and info.config.head_vocab_size == 8064
+    assert info.config.feature_draft == (kind == "feature")
     draft = build_model(info.config, "draft", world1, dtype=torch.float32)
-    load_checkpoint(draft, world1, smol_draft)
+    load_checkpoint(draft, world1, path)
     cfg = GenerationConfig(max_new_tokens=NEW, temperature=0, stop_on_eos=False)
     prompts = [ids, ids[:-6] + ids[-5:]]  # two prompts of different lengths
     plain = Generator(actor).generate(prompts, cfg)
