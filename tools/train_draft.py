@@ -2,16 +2,21 @@
 """Distill a small draft model for speculative decoding from a target, on the target's own
 responses to the prompt set, and save it as a megatron_rlhf checkpoint (role ``draft``).
 
-    python tools/train_draft.py --target ckpt/smollm2 --save ckpt/smollm2-draft \\
+    python tools/train_draft.py --target ckpt/smollm2 --save ckpt/smollm2-draft \
         --num-layers 4 --head-vocab-size 8064 --epochs 2 --bf16
+    python tools/train_draft.py --target ckpt/smollm2 --save ckpt/smollm2-fdraft \
+        --feature-draft --num-layers 1 --epochs 8 --lr 3e-3 --bf16      # EAGLE-style
 
 Steps: (1) the target answers the train split of the prompts (sampling at --temperature);
-(2) the draft takes the target's embedding, --num-layers of its layers (evenly spaced)
-and final norm, and an LM head over the --head-vocab-size most frequent response tokens;
+(2) the draft takes the target's embedding, --num-layers of its layers (evenly spaced;
+the last ones for a feature draft, which also gets an input fusion of token and target
+hidden state) and final norm, and an LM head over the --head-vocab-size most frequent
+response tokens;
 (3) it is trained with forward KL to the target's distribution on those responses (the
-target's top-k, computed once);
+target's top-k, computed once), plus for a feature draft a smooth-L1 pull of its hidden
+states towards the target's (kept from the same forward);
 (4) mean accepted length with --eval-draft-tokens is measured on held-out prompts.
-See megatron_rlhf/generation/draft.py for why this shape is fast. Runs under torchrun
+See megatron_rlhf/generation/draft.py for why these shapes are fast. Runs under torchrun
 with tensor parallelism (world size = TP size).
 """
 
@@ -196,17 +201,17 @@ def train(draft, teacher, prompts, responses, args, held=None):
             sched.step()
             step += 1
             if step % 20 == 0 or step == steps:
-                log(f"epoch {epoch} step {step}/{steps} KL(top-{args.teacher_topk}) {loss.item():.3f} "
+                log(f"epoch {epoch} step {step}/{steps} loss {loss.item():.3f} "
                     f"({time.perf_counter() - t0:.0f}s)")
         if held is not None:
             kl = validation_kl(draft, *held, args)
-            log(f"epoch {epoch}: validation KL {kl:.3f}")
+            log(f"epoch {epoch}: validation loss {kl:.3f}")
             if kl < best[0]:
                 best = (kl, {k: v.detach().clone() for k, v in draft.state_dict().items()
                              if isinstance(v, torch.Tensor)})
     if best[1] is not None:
         draft.load_state_dict(best[1], strict=False)
-        log(f"kept the epoch with validation KL {best[0]:.3f}")
+        log(f"kept the epoch with validation loss {best[0]:.3f}")
     draft.eval()
 
 
