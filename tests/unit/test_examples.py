@@ -1,0 +1,48 @@
+"""The launch scripts under examples/ pass only flags the entry points accept (values that
+come from shell variables are replaced by 1, array expansions dropped)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def entry_point_args(script: Path, module: str) -> list[list[str]]:
+    """The arguments after ``-m module`` (or ``module`` when it is a path) of each invocation
+    in ``script`` (continuations joined)."""
+    text = script.read_text().replace("\\\n", " ")
+    marker = module if module.endswith(".py") else f"-m {module}"
+    calls = []
+    for line in text.splitlines():
+        if marker not in line:
+            continue
+        args = line.split(marker, 1)[1].split()
+        args = [a for a in args if not a.startswith('"${') or not a.endswith('[@]}"')]
+        calls.append([("1" if re.fullmatch(r'"?\$[{]?\w+[}]?"?', a) else a) for a in args])
+    return calls
+
+
+@pytest.mark.parametrize("script,module", [
+    ("examples/cpu_demo.sh", "megatron_rlhf.train"),
+    ("examples/llama2/ppo.sbatch", "megatron_rlhf.train"),
+    ("examples/llama2/generate.sbatch", "megatron_rlhf.generate"),
+    ("examples/cpu_generate.sh", "megatron_rlhf.generate"),
+    ("examples/cpu_demo.sh", "tools/train_draft.py"),
+])
+def test_example_flags_parse(script, module):
+    import importlib
+    import importlib.util
+
+    calls = entry_point_args(ROOT / script, module)
+    assert calls, f"{script} does not run {module}"
+    if module.endswith(".py"):
+        spec = importlib.util.spec_from_file_location("example_tool", ROOT / module)
+        tool = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tool)
+        parse = tool.parse_args
+    else:
+        parse = importlib.import_module(module).parse_args
+    for args in calls:
+        parse(args)  # argparse exits (SystemExit) on an unknown flag or a bad value
