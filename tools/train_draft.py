@@ -2,9 +2,9 @@
 """Distill a small draft model for speculative decoding from a target, on the target's own
 responses to the prompt set, and save it as a megatron_rlhf checkpoint (role ``draft``).
 
-    python tools/train_draft.py --target ckpt/smollm2 --save ckpt/smollm2-draft \
+    python tools/train_draft.py --target ckpt/smollm2 --save ckpt/smollm2-draft \\
         --num-layers 4 --head-vocab-size 8064 --epochs 2 --bf16
-    python tools/train_draft.py --target ckpt/smollm2 --save ckpt/smollm2-fdraft \
+    python tools/train_draft.py --target ckpt/smollm2 --save ckpt/smollm2-fdraft \\
         --feature-draft --num-layers 1 --epochs 8 --lr 3e-3 --bf16      # EAGLE-style
 
 Steps: (1) the target answers the train split of the prompts (sampling at --temperature);
@@ -163,7 +163,7 @@ def draft_loss(draft, teacher, idx, ids, att, mask, args):
 
 
 @torch.no_grad()
-def validation_kl(draft, teacher, prompts, responses, args) -> float:
+def validation_loss(draft, teacher, prompts, responses, args) -> float:
     draft.eval()
     total, n = 0.0, 0
     for idx, ids, att, mask in batches(prompts, responses, list(range(len(prompts))),
@@ -176,7 +176,7 @@ def validation_kl(draft, teacher, prompts, responses, args) -> float:
 
 def train(draft, teacher, prompts, responses, args, held=None):
     """AdamW with warmup and cosine decay; keeps the weights of the epoch with the lowest
-    KL on validation responses (``held = (teacher, prompts, responses)``)."""
+    loss on validation responses (``held = (teacher, prompts, responses)``)."""
 
     params = [p for n, p in draft.named_parameters() if not n.startswith("embedding.")]
     for p in draft.embedding.parameters():
@@ -204,7 +204,7 @@ def train(draft, teacher, prompts, responses, args, held=None):
                 log(f"epoch {epoch} step {step}/{steps} loss {loss.item():.3f} "
                     f"({time.perf_counter() - t0:.0f}s)")
         if held is not None:
-            kl = validation_kl(draft, *held, args)
+            kl = validation_loss(draft, *held, args)
             log(f"epoch {epoch}: validation loss {kl:.3f}")
             if kl < best[0]:
                 best = (kl, {k: v.detach().clone() for k, v in draft.state_dict().items()

@@ -138,18 +138,30 @@ def topk_distill_loss(draft_logits: torch.Tensor, mask: torch.Tensor, index: tor
     return (logp.exp() * (logp - logq)).sum(-1).mean()
 
 
+@contextlib.contextmanager
+def final_hidden_states(model, enabled: bool = True):
+    """Within the block, ``seen["h"]`` (the yielded dict) becomes the batch-first output
+    ``[B, T, h]`` of ``model``'s final norm in its latest forward."""
+    seen = {}
+    if not enabled:
+        yield seen
+        return
+    hook = model.decoder.final_layernorm.register_forward_hook(
+        lambda m, i, o: seen.update(h=o.transpose(0, 1)))
+    try:
+        yield seen
+    finally:
+        hook.remove()
+
+
 def target_logits_and_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """The target's logits ``[B, T, V]`` and final-norm hidden states ``[B, T, h]`` (what a
     feature draft reads), from one forward."""
     from megatron_rlhf.models.forward import lm_logits
 
-    seen = {}
-    hook = target.decoder.final_layernorm.register_forward_hook(lambda m, i, o: seen.update(h=o))
-    try:
+    with final_hidden_states(target) as seen:
         logits = lm_logits(target, input_ids, attention_mask)
-    finally:
-        hook.remove()
-    return logits, seen["h"].transpose(0, 1)
+    return logits, seen["h"]
 
 
 def shifted_features(features: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -174,28 +186,21 @@ def head_logits(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     from megatron_rlhf.models.heads import head_logits_only
 
     fusion = getattr(draft, "feature_fusion", None)
-    seen = {}
-    hook = draft.decoder.final_layernorm.register_forward_hook(lambda m, i, o: seen.update(h=o))
-    head = (head_logits_only(draft) if getattr(draft.output_layer, "token_ids", None) is not None
-            else contextlib.nullcontext())
-    try:
-        with head:
-            if fusion is None:
-                logits = lm_logits(draft, input_ids, attention_mask)
-            else:
-                if features is None:
-                    raise ValueError("a feature draft trains on the target's hidden states: pass features")
-                pos = position_ids(attention_mask)
-                x = fusion(draft.embedding(input_ids=input_ids, position_ids=pos),
-                           shifted_features(features, attention_mask).transpose(0, 1))
-                logits = draft(input_ids, pos, causal_padding_mask(attention_mask), decoder_input=x)
-    finally:
-        hook.remove()
-    if getattr(draft.output_layer, "token_ids", None) is None:
+    if fusion is not None and features is None:
+        raise ValueError("a feature draft trains on the target's hidden states: pass features")
+    subset = getattr(draft.output_layer, "token_ids", None) is not None
+    with final_hidden_states(draft, enabled=return_features) as seen, \
+            (head_logits_only(draft) if subset else contextlib.nullcontext()):
+        if fusion is None:
+            logits = lm_logits(draft, input_ids, attention_mask)
+        else:
+            pos = position_ids(attention_mask)
+            x = fusion(draft.embedding(input_ids=input_ids, position_ids=pos),
+                       shifted_features(features, attention_mask).transpose(0, 1))
+            logits = draft(input_ids, pos, causal_padding_mask(attention_mask), decoder_input=x)
+    if not subset:
         logits = logits[..., : draft.mrlhf_config.vocab_size]
-    if return_features:
-        return logits, seen["h"].transpose(0, 1)
-    return logits
+    return (logits, seen["h"]) if return_features else logits
 
 
 def feature_loss(draft_features: torch.Tensor, target_features: torch.Tensor,

@@ -137,10 +137,10 @@ def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int
     return out[:, 0]
 
 
-def pad_right(seqs: list[list[int]], pad_id: int, device, width: int | None = None) -> torch.Tensor:
-    """``[B, width]`` (default: the longest) right-padded token ids."""
-    width = width or max(len(s) for s in seqs)
-    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+def pad_right(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
+    """``[B, longest]`` right-padded token ids."""
+    tokens = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long,
+                        device=device)
     for i, s in enumerate(seqs):
         tokens[i, : len(s)] = torch.tensor(s, device=device)
     return tokens

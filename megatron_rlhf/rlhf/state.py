@@ -37,9 +37,9 @@ from megatron_rlhf.models.checkpoint import (
     begin_iteration,
     commit_iteration,
     file_manifest,
+    prune_iterations,
     tracked_iteration,
     verify_manifest,
-    prune_iterations,
     write_model,
 )
 

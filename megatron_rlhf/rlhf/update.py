@@ -157,14 +157,12 @@ def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk:
             index, logp = teacher_topk(response_slice(full, mb), mask, head, topk)
             del full
         share = mask.sum() / tokens  # token-mean over the whole batch on all ranks
-        if feature:
-            logits, hidden = head_logits(t.model, mb.input_ids, mb.attention_mask, features=feats,
-                                         return_features=True)
-            reg = feature_loss(response_slice(hidden, mb), response_slice(feats, mb), mask) * share
-        else:
-            logits = head_logits(t.model, mb.input_ids, mb.attention_mask)
-            reg = torch.zeros(())
+        out = head_logits(t.model, mb.input_ids, mb.attention_mask, features=feats if feature else None,
+                          return_features=feature)
+        logits, hidden = out if feature else (out, None)
         kl = topk_distill_loss(response_slice(logits, mb), mask, index, logp) * share
+        reg = (feature_loss(response_slice(hidden, mb), response_slice(feats, mb), mask) * share
+               if feature else torch.zeros_like(kl))  # on kl's device: both are stacked below
         (kl + reg).backward()
         sums += torch.stack([kl.detach(), reg.detach()]).double().cpu()
     _step(t)
