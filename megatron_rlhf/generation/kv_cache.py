@@ -65,18 +65,22 @@ class KVCache:
         if need > self.max_len:
             raise ValueError(f"KV cache overflow: {need} tokens needed, the cache holds {self.max_len}")
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def slots(self, n: int) -> torch.Tensor:
+        """``[B, kv_heads, n, head_dim]`` positions ``lengths .. lengths+n-1`` per sample, as
+        :meth:`write` scatters them (one index for every layer of a forward)."""
+        b, h, _, d = self.keys[0].shape
+        pos = self.lengths[:, None] + torch.arange(n, device=self.lengths.device)  # [B, n]
+        return pos[:, None, :, None].expand(b, h, n, d)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None = None) -> None:
         """Store ``k, v [B, kv_heads, n, head_dim]`` at positions ``lengths .. lengths+n-1``.
 
         Does not advance ``lengths`` (every layer writes at the same offsets; call
-        :meth:`advance` once after the last layer).
+        :meth:`advance` once after the last layer). ``slots`` is :meth:`slots` ``(n)``.
         """
-        b, h, n, _ = k.shape
-        pos = self.lengths[:, None] + torch.arange(n, device=k.device)  # [B, n]
-        bi = torch.arange(b, device=k.device)[:, None, None]
-        hi = torch.arange(h, device=k.device)[None, :, None]
-        self.keys[layer][bi, hi, pos[:, None, :]] = k.to(self.keys[layer].dtype)
-        self.values[layer][bi, hi, pos[:, None, :]] = v.to(self.values[layer].dtype)
+        slots = self.slots(k.shape[2]) if slots is None else slots
+        self.keys[layer].scatter_(2, slots, k.to(self.keys[layer].dtype))
+        self.values[layer].scatter_(2, slots, v.to(self.values[layer].dtype))
 
     def advance(self, n: int | torch.Tensor) -> None:
         self.lengths += n
