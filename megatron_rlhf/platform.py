@@ -99,11 +99,14 @@ def serial_helper_threads() -> bool:
     takes torch's thread count when it first runs a parallel op, so: set torch's count to
     1 (what helper threads will take), then give the main thread its count back directly
     in OpenMP and MKL. Does nothing with one thread (torchrun sets OMP_NUM_THREADS=1 for
-    several ranks per node) or when the OpenMP/MKL symbols are not found.
+    several ranks per node), when the OpenMP/MKL symbols are not found, or with
+    ``MRLHF_SERIAL_HELPER_THREADS=0``.
     """
     import ctypes
 
     n = torch.get_num_threads()  # also completes the main thread's lazy thread setup
+    if os.environ.get("MRLHF_SERIAL_HELPER_THREADS", "1") == "0":
+        return False
     if n <= 1 or "OpenMP" not in torch.__config__.parallel_info():
         return False
     libs = [ctypes.CDLL(None)] + [ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", name))

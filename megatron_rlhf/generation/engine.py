@@ -147,32 +147,36 @@ class Generator:
         out = _Samples(len(prompts), cfg, self.eos)
         stats = GenerationStats(num_draft_tokens=n, accepted_per_position=[0] * n)
 
+        # cache rows in prompt-length order (prefill pads each run of rows to its own longest);
+        # ``rows`` maps a cache row to its sample's index in ``prompts``
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        ordered = [prompts[i] for i in order]
         rope = RopeTable(self.actor, max_len)
         cache = KVCache.for_model(self.actor, len(prompts), max_len)
         feature = bool(n) and self.feature_draft
-        logits = prefill(self.actor, cache, prompts, rope, self.pad_id, return_features=feature)
+        logits = prefill(self.actor, cache, ordered, rope, self.pad_id, return_features=feature)
         if feature:
             logits, hidden = logits  # [B, V], [B, P, h]
         first, probs = sample(logits, cfg, gen)
         lp, slp = _logprob_pair(logits, probs, first)
-        rows = torch.arange(len(prompts), device=dev)  # original index of each cache row
+        rows = torch.tensor(order, device=dev)
         alive = torch.ones(len(prompts), dtype=torch.bool, device=dev)
         for r, tok in enumerate(first.tolist()):
-            if out.emit(r, [tok], [lp[r]], [slp[r]]):
+            if out.emit(order[r], [tok], [lp[r]], [slp[r]]):
                 alive[r] = False
         state = {"cache": cache, "pending": first}
         if n:
             d_rope = RopeTable(self.draft, max_len)
             d_cache = KVCache.for_model(self.draft, len(prompts), max_len)
             if feature:  # catch up with the prompt and the first token: h_{-1} = 0
-                tokens = pad_right([p + [t] for p, t in zip(prompts, first.tolist())], self.pad_id, dev)
+                tokens = pad_right([p + [t] for p, t in zip(ordered, first.tolist())], self.pad_id, dev)
                 feats = torch.cat([torch.zeros_like(hidden[:, :1]), hidden], 1)
-                lens = torch.tensor([len(p) + 1 for p in prompts], device=dev)
+                lens = torch.tensor([len(p) + 1 for p in ordered], device=dev)
                 state.update(d_cache=d_cache, catch_tokens=tokens, catch_features=feats, catch_count=lens)
             else:
-                prefill(self.draft, d_cache, prompts, d_rope, self.pad_id)
+                prefill(self.draft, d_cache, ordered, d_rope, self.pad_id)
                 d_cache.truncate(d_cache.lengths - 1)
-                state.update(d_cache=d_cache, last=torch.tensor([p[-1] for p in prompts], device=dev))
+                state.update(d_cache=d_cache, last=torch.tensor([p[-1] for p in ordered], device=dev))
 
         stats.prefill_s = time.perf_counter() - t0
         while bool(alive.any()):

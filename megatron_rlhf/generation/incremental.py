@@ -158,17 +158,35 @@ def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
 
 
 def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int = 0,
-            return_features: bool = False):
-    """Fill an empty cache with right-padded prompts; returns next-token logits ``[B, V]``
-    (and, with ``return_features``, the final-norm hidden states ``[B, max_len, h]``)."""
+            return_features: bool = False, chunk_tokens: int = 2048):
+    """Fill an empty cache with the prompts; returns next-token logits ``[B, V]`` (and, with
+    ``return_features``, the final-norm hidden states ``[B, longest, h]``; positions past a
+    prompt's end hold padding).
+
+    Runs of consecutive rows are prefilled together, each run right-padded only to its own
+    longest prompt and holding about ``chunk_tokens`` padded tokens: with prompts sorted by
+    length (as the generator orders them) little compute goes to padding.
+    """
     dev = cache.lengths.device
-    lens = torch.tensor([len(p) for p in prompts], device=dev)
-    out = forward_cached(model, cache, pad_right(prompts, pad_id, dev), rope, last_index=lens - 1,
-                         return_features=return_features)
-    cache.truncate(lens)
-    if return_features:
-        return out[0][:, 0], out[1]
-    return out[:, 0]
+    lens = [len(p) for p in prompts]
+    logits, hidden = [], []
+    start = 0
+    while start < len(prompts):
+        end = start + 1
+        while end < len(prompts) and (end + 1 - start) * max(lens[start:end + 1]) <= chunk_tokens:
+            end += 1
+        sub = cache.view_rows(start, end)
+        last = torch.tensor(lens[start:end], device=dev) - 1
+        out = forward_cached(model, sub, pad_right(prompts[start:end], pad_id, dev), rope,
+                             last_index=last, return_features=return_features)
+        if return_features:
+            out, h = out
+            hidden.append(F.pad(h, (0, 0, 0, max(lens) - h.shape[1])))
+        logits.append(out[:, 0])
+        start = end
+    cache.lengths = torch.tensor(lens, device=dev, dtype=cache.lengths.dtype)
+    logits = torch.cat(logits)
+    return (logits, torch.cat(hidden)) if return_features else logits
 
 
 def pad_right(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:

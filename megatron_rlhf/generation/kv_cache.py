@@ -109,6 +109,16 @@ class KVCache:
             dst[rows, :, :n] = src
         self.lengths[rows] = data.lengths.to(self.lengths)
 
+    def view_rows(self, start: int, end: int) -> "KVCache":
+        """A cache over rows ``start:end`` that shares this one's storage (writes land here);
+        its lengths are its own: set this cache's lengths after using it."""
+        sub = KVCache.__new__(KVCache)
+        sub.keys = [k[start:end] for k in self.keys]
+        sub.values = [v[start:end] for v in self.values]
+        sub.lengths = self.lengths[start:end].clone()
+        sub.max_len = self.max_len
+        return sub
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (in that order), shrinking the batch: drops finished samples."""
         self.keys = [k[rows] for k in self.keys]

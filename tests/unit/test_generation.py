@@ -22,13 +22,16 @@ def pair(world1):
     return actor_and_draft(world1)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-untied", "tiny-mha"])
-def test_incremental_forward_equals_full_recompute(world1, name):
+@pytest.mark.parametrize("name,chunk", [("tiny", 2048), ("tiny-untied", 2048), ("tiny-mha", 2048),
+                                        ("tiny", 1), ("tiny", 12)])
+def test_incremental_forward_equals_full_recompute(world1, name, chunk):
+    """chunk: prefill's padded tokens per run of rows (1: one prompt per run; 12: runs of
+    1-3 prompts padded to their own longest)."""
     model = build_model(preset(name), "actor", world1, dtype=torch.float32, seed=2).eval()
     cache, rope = KVCache.for_model(model, len(PROMPTS), 64), RopeTable(model, 64)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        last = prefill(model, cache, PROMPTS, rope)
+        last = prefill(model, cache, PROMPTS, rope, chunk_tokens=chunk)
         ref = torch.stack([lm_logits(model, torch.tensor([p]))[0, -1] for p in PROMPTS])
         assert (last - ref).abs().max() < 1e-4 * ref.abs().max()
         seqs = [list(p) for p in PROMPTS]
