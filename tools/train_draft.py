@@ -13,8 +13,9 @@ the last ones for a feature draft, which also gets an input fusion of token and 
 hidden state) and final norm, and an LM head over the --head-vocab-size most frequent
 response tokens;
 (3) it is trained with forward KL to the target's distribution on those responses (the
-target's top-k, computed once), plus for a feature draft a smooth-L1 pull of its hidden
-states towards the target's (kept from the same forward);
+target's top-k, computed once; --tv-weight adds the top-k total variation, which is the
+rejection probability of speculative sampling), plus for a feature draft a smooth-L1 pull
+of its hidden states towards the target's (kept from the same forward);
 (4) mean accepted length with --eval-draft-tokens is measured on held-out prompts.
 See megatron_rlhf/generation/draft.py for why these shapes are fast. Runs under torchrun
 with tensor parallelism (world size = TP size).
@@ -48,6 +49,9 @@ def parse_args(argv=None):
                         "last for a feature draft, else spread)")
     p.add_argument("--feature-weight", type=float, default=1.0,
                    help="feature draft: weight of the hidden-state regression term in the loss")
+    p.add_argument("--tv-weight", type=float, default=0.0,
+                   help="add this weight times the top-k total variation (the rejection "
+                        "probability of speculative sampling) to the KL loss")
     p.add_argument("--head-vocab-size", type=int, default=8064,
                    help="LM head over this many frequent tokens (multiple of 128 that TP divides; 0: full head)")
     p.add_argument("--prompts", default=None, help="prompt jsonl (default: the shipped set)")
@@ -87,6 +91,8 @@ def validate(args):
     cfg = draft_config(info.config, args.num_layers, args.head_vocab_size or None,
                        feature_draft=args.feature_draft)
     cfg.check_tensor_parallel(par.tensor_model_parallel_size)
+    if args.tv_weight < 0 or args.feature_weight < 0:
+        raise ValueError("--tv-weight and --feature-weight must be >= 0")
     if args.num_layers > info.config.num_layers:
         raise ValueError(f"--num-layers {args.num_layers} exceeds the target's {info.config.num_layers}")
     tok = load_tokenizer(info.tokenizer_dir)
@@ -146,20 +152,27 @@ def teacher_targets(target, prompts, responses, token_ids, args):
 
 
 def draft_loss(draft, teacher, idx, ids, att, mask, args):
-    """Top-k KL of the draft against the cached target distributions of sequences ``idx``
-    (plus, for a feature draft, the regression of its hidden states to the target's)."""
-    from megatron_rlhf.generation.draft import feature_loss, head_logits, topk_distill_loss
+    """Top-k KL (plus ``--tv-weight`` times the top-k total variation) of the draft against
+    the cached target distributions of sequences ``idx`` (plus, for a feature draft, the
+    regression of its hidden states to the target's)."""
+    from megatron_rlhf.generation.draft import feature_loss, head_logits, topk_distill_loss, topk_tv_loss
 
     index = torch.cat([teacher[j][0] for j in idx])
     logp = torch.cat([teacher[j][1] for j in idx])
+
+    def token_loss(logits):
+        loss = topk_distill_loss(logits, mask, index, logp)
+        if args.tv_weight:
+            loss = loss + args.tv_weight * topk_tv_loss(logits, mask, index, logp)
+        return loss
+
     if not args.feature_draft:
-        return topk_distill_loss(head_logits(draft, ids, att), mask, index, logp)
+        return token_loss(head_logits(draft, ids, att))
     feats = torch.zeros(*ids.shape, teacher[idx[0]][2].shape[-1])
     for b, j in enumerate(idx):
         feats[b, : len(teacher[j][2])] = teacher[j][2].float()
     logits, hidden = head_logits(draft, ids, att, features=feats, return_features=True)
-    return (topk_distill_loss(logits, mask, index, logp)
-            + args.feature_weight * feature_loss(hidden, feats, mask))
+    return token_loss(logits) + args.feature_weight * feature_loss(hidden, feats, mask)
 
 
 @torch.no_grad()

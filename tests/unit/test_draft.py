@@ -188,3 +188,23 @@ def test_feature_drafts_do_not_export_to_hf(world1, tmp_path):
     save_checkpoint(tmp_path / "fd", 0, build_model(cfg, "draft", world1, dtype=torch.float32), world1)
     with pytest.raises(ValueError, match="feature \\(EAGLE\\) draft"):
         mcore_to_hf(tmp_path / "fd", tmp_path / "hf")
+
+
+def test_topk_tv_loss_is_half_l1_distance():
+    """With k = the whole head, the top-k TV is 0.5 * sum |p - q| over the head (the
+    probability that speculative sampling rejects the draft's token)."""
+    from megatron_rlhf.generation.draft import teacher_topk, topk_tv_loss
+
+    t, d = torch.randn(2, 4, 300) * 3, torch.randn(2, 4, 300, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]])
+    head = torch.arange(0, 300, 2)
+    index, logp = teacher_topk(t, mask, head, k=150)
+    ref = []
+    for b, j in mask.nonzero().tolist():
+        p = torch.softmax(t[b, j, head], -1)
+        q = torch.softmax(d[b, j, head].detach(), -1)
+        ref.append(0.5 * (p - q).abs().sum())
+    loss = topk_tv_loss(d, mask, index, logp, head)
+    assert torch.allclose(loss, torch.stack(ref).mean(), atol=1e-5)
+    loss.backward()
+    assert d.grad[mask == 0].abs().sum() == 0 and d.grad[mask == 1].abs().sum() > 0
