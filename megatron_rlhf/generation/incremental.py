@@ -91,7 +91,7 @@ class _Step:
     sin: torch.Tensor
     mask: torch.Tensor  # [B, 1, n, k_len] bool
     bias: torch.Tensor | None  # group_bias(mask) on CPU
-    index: torch.Tensor  # [B, KV, n, d] cache slots of the fed positions (KVCache.slots)
+    slots: torch.Tensor  # [B, KV, n, d] cache slots of the fed positions (KVCache.slots)
     k_len: int
 
 
@@ -102,7 +102,7 @@ def _layer_step(layer, idx: int, x, cache, s: _Step):
     h = layer.input_layernorm(x)
     q, k, v = attn.get_query_key_value_tensors(h, None)  # [n, B, heads_local, d]
     q, k = rotate(q, s.cos, s.sin), rotate(k, s.cos, s.sin)
-    cache.write(idx, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), s.index)
+    cache.write(idx, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), s.slots)
     keys, values = cache.keys[idx][:, :, :s.k_len], cache.values[idx][:, :, :s.k_len]
     ctx = attention(q.permute(1, 2, 0, 3).to(keys.dtype), keys, values, s.mask, s.bias)  # [B, heads, n, d]
     n, b = x.shape[0], x.shape[1]
@@ -168,6 +168,8 @@ def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int
     length (as the generator orders them) little compute goes to padding.
     """
     dev = cache.lengths.device
+    if bool(cache.lengths.any()):
+        raise ValueError("prefill fills an empty cache")
     lens = [len(p) for p in prompts]
     logits, hidden = [], []
     start = 0
