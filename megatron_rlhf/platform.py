@@ -109,9 +109,12 @@ def serial_helper_threads() -> bool:
         return False
     if n <= 1 or "OpenMP" not in torch.__config__.parallel_info():
         return False
-    libs = [ctypes.CDLL(None)] + [ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", name))
-                                  for name in ("libgomp.so.1", "libtorch_cpu.so")
-                                  if os.path.exists(os.path.join(os.path.dirname(torch.__file__), "lib", name))]
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    try:  # the OpenMP runtime and MKL torch ships, then the process's global symbols
+        libs = [ctypes.CDLL(os.path.join(torch_lib, name)) for name in ("libgomp.so.1", "libtorch_cpu.so")
+                if os.path.exists(os.path.join(torch_lib, name))] + [ctypes.CDLL(None)]
+    except (OSError, TypeError):  # no dlopen of the process itself (Windows)
+        return False
 
     def symbol(name):
         return next((getattr(lib, name) for lib in libs if hasattr(lib, name)), None)
