@@ -110,6 +110,15 @@ def distill_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: 
     return (kl * mask).sum() / mask.sum().clamp(min=1)
 
 
+def _masked_head_rows(logits: torch.Tensor, mask: torch.Tensor,
+                      token_ids: torch.Tensor | None) -> torch.Tensor:
+    """``[N, head]`` fp32 rows of ``logits [B, T, V]`` at the ``mask``-ed positions (row-major),
+    restricted to ``token_ids`` (a subset head) when given: the target's and the draft's
+    rows line up in both order and index space."""
+    rows = logits[mask.bool()].float()
+    return rows if token_ids is None else rows[:, token_ids]
+
+
 def teacher_topk(target_logits: torch.Tensor, mask: torch.Tensor, token_ids: torch.Tensor | None,
                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's top-``k`` tokens and renormalised log-probs at ``mask``-ed positions.
@@ -117,9 +126,7 @@ def teacher_topk(target_logits: torch.Tensor, mask: torch.Tensor, token_ids: tor
     ``target_logits [B, T, V]``, ``mask [B, T]``; returns ``(index [N, k], logp [N, k])`` in
     row-major order of the mask, indices into ``token_ids`` (the head) when given.
     """
-    logits = target_logits[mask.bool()].float()  # [N, V]
-    if token_ids is not None:
-        logits = logits[:, token_ids]
+    logits = _masked_head_rows(target_logits, mask, token_ids)  # [N, head]
     top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
     return top.indices, torch.log_softmax(top.values, -1)
 
@@ -131,10 +138,7 @@ def topk_distill_loss(draft_logits: torch.Tensor, mask: torch.Tensor, index: tor
     Up to the target's (constant) entropy this is the cross-entropy
     ``-sum_k p_k log q(x_k)``, with ``q`` the draft's distribution over its head.
     """
-    logits = draft_logits[mask.bool()].float()
-    if token_ids is not None:
-        logits = logits[:, token_ids]
-    logq = torch.log_softmax(logits, -1).gather(-1, index)
+    logq = torch.log_softmax(_masked_head_rows(draft_logits, mask, token_ids), -1).gather(-1, index)
     return (logp.exp() * (logp - logq)).sum(-1).mean()
 
 
@@ -146,10 +150,7 @@ def topk_tv_loss(draft_logits: torch.Tensor, mask: torch.Tensor, index: torch.Te
     draft's token when the target's distribution is its top-k (DistillSpec, Zhou et al.
     2023, finds this objective raises acceptance at temperature 1 more than KL does).
     """
-    logits = draft_logits[mask.bool()].float()
-    if token_ids is not None:
-        logits = logits[:, token_ids]
-    q = torch.softmax(logits, -1).gather(-1, index)
+    q = torch.softmax(_masked_head_rows(draft_logits, mask, token_ids), -1).gather(-1, index)
     return (1 - torch.minimum(logp.exp(), q).sum(-1)).mean()
 
 
