@@ -72,6 +72,13 @@ def parse_args(argv=None):
                    help="keep the target's distribution as its top-k tokens (computed once)")
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for acceptance")
     p.add_argument("--eval-draft-tokens", type=int, default=4, help="n for the acceptance check")
+    p.add_argument("--freeze-head", action="store_true",
+                   help="keep the draft's LM head rows as the target's (EAGLE freezes the head; "
+                        "fewer trained weights generalise better from little data)")
+    p.add_argument("--responses-cache", default=None,
+                   help="JSON file of the target's responses: read when it exists and matches "
+                        "this run's target, prompts and sampling flags, else written after "
+                        "generation (reuse the expensive step across draft runs)")
     p.add_argument("--seed", type=int, default=1234, help="random seed")
     p.add_argument("--bf16", action="store_true", help="run the target in bf16 (draft trains in fp32)")
     return p.parse_args(argv)
@@ -115,6 +122,34 @@ def generate_responses(target, prompts, args):
         r = gen.generate(prompts[i: i + args.gen_batch_size], cfg, seed=args.seed + i)
         out += r.responses()
         log(f"generated {len(out)}/{len(prompts)} responses ({r.stats.tokens_per_s:.0f} tok/s)")
+    return out
+
+
+def cached_responses(target, prompts, args, what: str):
+    """:func:`generate_responses`, through ``--responses-cache`` when given: entries are keyed
+    by everything that decides the responses (target, prompts, sampling flags, seed)."""
+    import hashlib
+    import json
+
+    if not args.responses_cache:
+        return generate_responses(target, prompts, args)
+    key = hashlib.sha256(json.dumps([os.path.abspath(args.target), prompts, args.max_new_tokens,
+                                     args.temperature, args.gen_batch_size, args.seed,
+                                     args.bf16, what]).encode()).hexdigest()
+    store = {}
+    if os.path.exists(args.responses_cache):
+        with open(args.responses_cache) as f:
+            store = json.load(f)
+        if key in store:
+            log(f"{what}: {len(store[key])} responses from {args.responses_cache}")
+            return store[key]
+    out = generate_responses(target, prompts, args)
+    if os.environ.get("RANK", "0") == "0":  # every TP rank drew the same responses
+        store[key] = out
+        tmp = f"{args.responses_cache}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(store, f)
+        os.replace(tmp, args.responses_cache)
     return out
 
 
@@ -191,9 +226,11 @@ def train(draft, teacher, prompts, responses, args, held=None):
     """AdamW with warmup and cosine decay; keeps the weights of the epoch with the lowest
     loss on validation responses (``held = (teacher, prompts, responses)``)."""
 
-    params = [p for n, p in draft.named_parameters() if not n.startswith("embedding.")]
-    for p in draft.embedding.parameters():
-        p.requires_grad_(False)  # the input embedding stays the target's
+    frozen = ("embedding.",) + (("output_layer.",) if args.freeze_head else ())
+    params = [p for n, p in draft.named_parameters() if not n.startswith(frozen)]
+    for n, p in draft.named_parameters():
+        if n.startswith(frozen):
+            p.requires_grad_(False)  # the input embedding (and with --freeze-head the head) stay the target's
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     steps = args.epochs * math.ceil(len(prompts) / args.micro_batch_size)
     warm = max(1, steps // 20)
@@ -267,8 +304,8 @@ def main(argv=None) -> int:
     nv = min(args.valid_prompts, max(1, len(train_prompts) // 5))
     valid, train_prompts = train_prompts[-nv:], train_prompts[:-nv]
     train_prompts = [p for p in train_prompts for _ in range(args.samples_per_prompt)]
-    responses = generate_responses(target, train_prompts, args)
-    valid_responses = generate_responses(target, valid, args)
+    responses = cached_responses(target, train_prompts, args, "train")
+    valid_responses = cached_responses(target, valid, args, "validation")
     token_ids = None
     if cfg.head_vocab_size:
         token_ids = frequent_tokens(responses + train_prompts, cfg.head_vocab_size,

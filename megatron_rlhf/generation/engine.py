@@ -33,12 +33,7 @@ from megatron_rlhf.generation import speculative
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, pad_right, prefill
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.rollout import GenerationStats, Rollout
-from megatron_rlhf.generation.sampling import (
-    probs_for_sampling,
-    sample,
-    sampling_logprobs,
-    token_logprobs,
-)
+from megatron_rlhf.generation.sampling import logprob_pair, probs_for_sampling, sample
 
 
 class _Samples:
@@ -66,9 +61,12 @@ class _Samples:
         return False
 
 
-def _logprob_pair(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor):
+def _logprob_pair(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor,
+                  cfg: GenerationConfig):
     """(log pi at T=1, log of the sampling distribution) of ``tokens [...]``; lists per row."""
-    return token_logprobs(logits, tokens).tolist(), sampling_logprobs(probs, tokens).tolist()
+    lp, slp = logprob_pair(logits, probs, tokens, cfg)
+    lps = lp.tolist()
+    return lps, (lps if slp is lp else slp.tolist())
 
 
 def check_draft(actor_cfg, draft_cfg) -> None:
@@ -158,7 +156,7 @@ class Generator:
         if feature:
             logits, hidden = logits  # [B, V], [B, P, h]
         first, probs = sample(logits, cfg, gen)
-        lp, slp = _logprob_pair(logits, probs, first)
+        lp, slp = _logprob_pair(logits, probs, first, cfg)
         rows = torch.tensor(order, device=dev)
         alive = torch.ones(len(prompts), dtype=torch.bool, device=dev)
         for r, tok in enumerate(first.tolist()):
@@ -203,7 +201,7 @@ class Generator:
         logits = forward_cached(self.actor, cache, feed, rope)[:, 0]  # [R, V]
         stats.actor_steps += 1
         tok, probs = sample(logits, cfg, gen)
-        lp, slp = _logprob_pair(logits, probs, tok)
+        lp, slp = _logprob_pair(logits, probs, tok, cfg)
         toks, origin = tok.tolist(), rows.tolist()
         for r in alive.nonzero()[:, 0].tolist():
             if out.emit(origin[r], [toks[r]], [lp[r]], [slp[r]]):
@@ -236,7 +234,7 @@ class Generator:
         k = verdict.accepted  # [R]
         emitted = torch.cat([drafts_t, drafts_t[:, :1]], 1)  # [R, n+1]; slot k <- next token
         emitted.scatter_(1, k[:, None], verdict.next_token[:, None])
-        lp, slp = _logprob_pair(a_logits, p_probs, emitted)  # lists of [n+1]
+        lp, slp = _logprob_pair(a_logits, p_probs, emitted, cfg)  # lists of [n+1]
 
         live = alive.nonzero()[:, 0]
         stats.verifications += len(live)

@@ -14,9 +14,11 @@ from megatron_rlhf.config import GenerationConfig
 
 def probs_for_sampling(logits: torch.Tensor, params: GenerationConfig) -> torch.Tensor:
     """The distribution tokens are drawn from, ``[..., V]`` in fp32 (one-hot when greedy)."""
-    logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    if samples_actor(params, logits.shape[-1]):  # one pass: no fp32 copy of the logits first
+        return torch.softmax(logits, -1, dtype=torch.float32)
+    logits = logits.float()
     if params.temperature != 1.0:
         logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
@@ -29,6 +31,13 @@ def probs_for_sampling(logits: torch.Tensor, params: GenerationConfig) -> torch.
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
+
+
+def samples_actor(params: GenerationConfig, vocab: int) -> bool:
+    """True when the sampling distribution is the actor's own (temperature 1, no top-k or
+    top-p truncation): then a token's sampling log-prob is its log-prob under the actor."""
+    return (not params.greedy and params.temperature == 1.0 and params.top_p >= 1.0
+            and not (params.top_k and params.top_k < vocab))
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -60,6 +69,17 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``log pi(token)`` under the unmodified distribution at temperature 1 (what PPO uses)."""
     logits = logits.float()
     return logits.gather(-1, tokens[..., None])[..., 0] - torch.logsumexp(logits, -1)
+
+
+def logprob_pair(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor,
+                 params: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token_logprobs, sampling_logprobs)`` of ``tokens``. When the tokens were drawn from
+    the actor's own distribution (:func:`samples_actor`), both are ``log probs[token]``:
+    no second pass over the vocabulary."""
+    if probs is not None and samples_actor(params, logits.shape[-1]):
+        lp = probs.gather(-1, tokens[..., None])[..., 0].clamp(min=1e-30).log()
+        return lp, lp
+    return token_logprobs(logits, tokens), sampling_logprobs(probs, tokens)
 
 
 def sampling_logprobs(probs: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ from megatron_rlhf.config import GenerationConfig, SpecConfig, preset
 from megatron_rlhf.generation import speculative
 from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.generation.greedy import greedy_generate
-from megatron_rlhf.generation.incremental import RopeTable, forward_cached, prefill
-from megatron_rlhf.generation.kv_cache import KVCache
+from megatron_rlhf.generation.incremental import RopeTable, forward_cached, plain_layers, prefill
+from megatron_rlhf.generation.kv_cache import CPU_HALF_CACHE_MIN_BATCH, KVCache, cache_dtype
 from megatron_rlhf.generation.sampling import probs_for_sampling
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.forward import lm_logits
@@ -43,6 +43,64 @@ def test_incremental_forward_equals_full_recompute(world1, name, chunk):
                 ref = lm_logits(model, torch.tensor([s]))[0, -n:]
                 assert (out[b] - ref).abs().max() < 1e-4 * ref.abs().max()
         assert cache.lengths.tolist() == [len(s) for s in seqs]
+
+
+@pytest.mark.parametrize("name,dtype", [("tiny", torch.float32), ("tiny-mha", torch.float32),
+                                        ("tiny", torch.bfloat16)])
+def test_plain_layer_path_equals_the_modules(world1, name, dtype):
+    """Our presets' layers take the wrapper-free path, and it computes exactly what the
+    layers' own modules compute (prefill, decode, verification)."""
+    model = build_model(preset(name), "actor", world1, dtype=dtype, seed=2).eval()
+    assert plain_layers(model)
+    outs = []
+    for plain in (True, False):
+        model._mrlhf_plain_layers = plain
+        cache, rope = KVCache.for_model(model, len(PROMPTS), 64), RopeTable(model, 64)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            outs.append([prefill(model, cache, PROMPTS, rope)] +
+                        [forward_cached(model, cache, torch.randint(2, 200, (len(PROMPTS), n), generator=g),
+                                        rope) for n in (1, 3)])
+    model._mrlhf_plain_layers = None
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_bf16_model_uses_a_bf16_cache_from_large_batches_on(world1):
+    """A bf16 model keeps an fp32 cache below CPU_HALF_CACHE_MIN_BATCH samples and a bf16
+    one from there on (attention through k @ q^T, softmax in fp32): both give the logits of
+    a full bf16 recompute, through prefill, decode steps and verifications."""
+    model = build_model(preset("tiny"), "actor", world1, dtype=torch.bfloat16, seed=2).eval()
+    cfg = model.mrlhf_config
+    prompts = PROMPTS * 4
+    assert len(prompts) >= CPU_HALF_CACHE_MIN_BATCH
+    w = model.embedding.word_embeddings.weight
+    assert cache_dtype(w, len(prompts)) == torch.bfloat16
+    assert cache_dtype(w, CPU_HALF_CACHE_MIN_BATCH - 1) == torch.float32
+    assert cache_dtype(w.float(), len(prompts)) == torch.float32
+    caches = [KVCache.for_model(model, len(prompts), 64),
+              KVCache(cfg.num_layers, len(prompts), 64, cfg.num_query_groups, cfg.kv_channels,
+                      torch.float32)]
+    assert caches[0].keys[0].dtype == torch.bfloat16
+    rope, g = RopeTable(model, 64), torch.Generator().manual_seed(0)
+    steps = [torch.randint(2, 200, (len(prompts), n), generator=g) for n in (1, 3, 1)]
+    with torch.no_grad():
+        outs = []
+        for cache in caches:
+            outs.append([prefill(model, cache, prompts, rope, chunk_tokens=12).float()] +
+                        [forward_cached(model, cache, t, rope).float() for t in steps])
+        seqs = [list(p) + [int(x) for t in steps for x in t[b]] for b, p in enumerate(prompts)]
+        ref = [lm_logits(model, torch.tensor([s])).float()[0] for s in seqs]
+    scale = max(r.abs().max() for r in ref)
+    for out in outs:
+        for b in range(len(prompts)):
+            full = torch.cat([x[b].reshape(-1, x.shape[-1]) for x in out])  # last prompt + 5 fed
+            want = ref[b][len(prompts[b]) - 1:]
+            assert (full - want).abs().max() < 0.02 * scale
+    # the two caches differ by bf16 rounding of the scores and probabilities only (measured:
+    # 0.005 of the largest logit; the bf16 path without its attention mask: 0.058)
+    for a, b in zip(*outs):
+        assert (a - b).abs().max() < 0.02 * scale
 
 
 def test_cache_rows_and_bounds():

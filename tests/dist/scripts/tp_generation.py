@@ -1,6 +1,6 @@
 """Under torchrun (2 ranks): greedy generation at TP=2 equals TP=1 (a second layout of the
 same ranks), plain and speculative (standalone and feature drafts), on tiny models with
-EOS mid-batch."""
+EOS mid-batch; the modules' own forward equals the plain-layer path at both TP sizes."""
 
 import torch
 
@@ -8,6 +8,7 @@ from gen_fixtures import PROMPTS, actor_and_draft, feature_draft_for
 from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation.incremental import plain_layers
 from megatron_rlhf.parallel.groups import build_process_groups
 from megatron_rlhf.parallel.layout import Layout
 
@@ -21,6 +22,10 @@ def run(pg, eos):
     feature = feature_draft_for(actor, pg)
     for n in (1, 3):
         out[f"feature{n}"] = Generator(actor, feature).generate(PROMPTS, cfg, SpecConfig(n))
+    assert plain_layers(actor)
+    actor._mrlhf_plain_layers = False  # the modules' own forward (any layer spec)
+    out["modules"] = Generator(actor).generate(PROMPTS, cfg)
+    actor._mrlhf_plain_layers = True
     sampled = GenerationConfig(max_new_tokens=12, temperature=1.0)
     out["sampled"] = Generator(actor, draft).generate(PROMPTS, sampled, SpecConfig(2), seed=3)
     return out
@@ -37,7 +42,7 @@ def main():
     assert "eos" in a["plain"].finish_reasons
     assert a["feature3"].stats.accepted_tokens > 0
     assert a["feature3"].stats.accepted_tokens == b["feature3"].stats.accepted_tokens
-    for key in ("plain", 1, 3, "feature1", "feature3"):
+    for key in ("plain", "modules", 1, 3, "feature1", "feature3"):
         assert a[key].responses() == a["plain"].responses(), f"TP=2 {key} != TP=2 plain"
         assert a[key].responses() == b[key].responses(), f"TP=2 {key} != TP=1 {key}"
     # every rank of the TP group drew the same sampled tokens
