@@ -72,7 +72,7 @@ def test_bf16_model_uses_a_bf16_cache_from_large_batches_on(world1):
     a full bf16 recompute, through prefill, decode steps and verifications."""
     model = build_model(preset("tiny"), "actor", world1, dtype=torch.bfloat16, seed=2).eval()
     cfg = model.mrlhf_config
-    prompts = PROMPTS * 4
+    prompts = PROMPTS * 7
     assert len(prompts) >= CPU_HALF_CACHE_MIN_BATCH
     w = model.embedding.word_embeddings.weight
     assert cache_dtype(w, len(prompts)) == torch.bfloat16
