@@ -16,10 +16,13 @@ Every sample feeds the same number of tokens ``n`` per call, each at its own off
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from megatron_rlhf.generation.kv_cache import KVCache
 
 
 class RopeTable:
@@ -244,38 +247,86 @@ def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     return (logits, hidden) if return_features else logits
 
 
+# A prefix shared by all distinct prompts of a batch (a chat template's system turn: 24
+# tokens of SmolLM2's) is computed once when it is at least this long.
+MIN_SHARED_PREFIX = 8
+
+
 def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int = 0,
-            return_features: bool = False, chunk_tokens: int = 2048):
+            return_features: bool = False, chunk_tokens: int = 2048, share_prefix: bool = True):
     """Fill an empty cache with the prompts; returns next-token logits ``[B, V]`` (and, with
     ``return_features``, the final-norm hidden states ``[B, longest, h]``; positions past a
     prompt's end hold padding).
 
-    Runs of consecutive rows are prefilled together, each run right-padded only to its own
-    longest prompt and holding about ``chunk_tokens`` padded tokens: with prompts sorted by
-    length (as the generator orders them) little compute goes to padding.
+    With ``share_prefix``, work common to several prompts is done once: identical prompts
+    (a GRPO group, ``--rollout-n`` samples) are prefilled once and their cache rows copied,
+    and the longest prefix all distinct prompts share (at least :data:`MIN_SHARED_PREFIX`
+    tokens, each prompt keeping one token of its own) is computed once and copied into
+    every row before the rest is prefilled. Runs of consecutive rows are prefilled
+    together, each run right-padded only to its own longest and holding about
+    ``chunk_tokens`` padded tokens: with prompts sorted by length (as the generator orders
+    them) little compute goes to padding.
     """
     dev = cache.lengths.device
     if bool(cache.lengths.any()):
         raise ValueError("prefill fills an empty cache")
-    lens = [len(p) for p in prompts]
+    index: dict[tuple, int] = {}
+    rep = [index.setdefault(tuple(p), len(index)) for p in prompts] if share_prefix else None
+    distinct = [list(p) for p in index] if share_prefix else prompts
+    longest = max(len(p) for p in prompts)
+    target = cache if len(distinct) == len(prompts) else KVCache.like(cache, len(distinct), longest)
+    shared = len(os.path.commonprefix(distinct)) if share_prefix and len(distinct) > 1 else 0
+    shared = min(shared, min(len(p) for p in distinct) - 1)
+    prefix_hidden = None
+    if shared >= MIN_SHARED_PREFIX:
+        one = KVCache.like(cache, 1, shared)
+        out = forward_cached(model, one, torch.tensor([distinct[0][:shared]], device=dev), rope,
+                             last_index=torch.tensor([shared - 1], device=dev),
+                             return_features=return_features)
+        prefix_hidden = out[1] if return_features else None  # [1, shared, h]
+        for dst, src in zip(target.keys + target.values, one.keys + one.values):
+            dst[:, :, :shared] = src[:, :, :shared]
+        target.lengths.fill_(shared)
+    else:
+        shared = 0
+    logits, hidden = _prefill_rows(model, target, [p[shared:] for p in distinct], rope, pad_id,
+                                   return_features, chunk_tokens)
+    target.lengths = torch.tensor([len(p) for p in distinct], device=dev, dtype=cache.lengths.dtype)
+    if return_features and prefix_hidden is not None:
+        hidden = torch.cat([prefix_hidden.expand(len(distinct), -1, -1), hidden], 1)
+    if target is not cache:  # copy each distinct prompt's rows to its duplicates
+        rows = torch.tensor(rep, device=dev)
+        for dst, src in zip(cache.keys + cache.values, target.keys + target.values):
+            dst[:, :, :longest] = src.index_select(0, rows)
+        cache.lengths = target.lengths[rows]
+        logits = logits[rows]
+        hidden = hidden[rows] if return_features else None
+    return (logits, hidden) if return_features else logits
+
+
+def _prefill_rows(model, cache, suffixes: list[list[int]], rope: RopeTable, pad_id: int,
+                  return_features: bool, chunk_tokens: int):
+    """Feed ``suffixes`` (one per row, after each row's cached tokens) in runs of rows;
+    returns last-token logits ``[B, V]`` and hidden states ``[B, longest suffix, h]`` (or
+    None). The cache's lengths are left for the caller to set."""
+    dev = cache.lengths.device
+    lens = [len(p) for p in suffixes]
     logits, hidden = [], []
     start = 0
-    while start < len(prompts):
+    while start < len(suffixes):
         end = start + 1
-        while end < len(prompts) and (end + 1 - start) * max(lens[start:end + 1]) <= chunk_tokens:
+        while end < len(suffixes) and (end + 1 - start) * max(lens[start:end + 1]) <= chunk_tokens:
             end += 1
         sub = cache.view_rows(start, end)
         last = torch.tensor(lens[start:end], device=dev) - 1
-        out = forward_cached(model, sub, pad_right(prompts[start:end], pad_id, dev), rope,
+        out = forward_cached(model, sub, pad_right(suffixes[start:end], pad_id, dev), rope,
                              last_index=last, return_features=return_features)
         if return_features:
             out, h = out
             hidden.append(F.pad(h, (0, 0, 0, max(lens) - h.shape[1])))
         logits.append(out[:, 0])
         start = end
-    cache.lengths = torch.tensor(lens, device=dev, dtype=cache.lengths.dtype)
-    logits = torch.cat(logits)
-    return (logits, torch.cat(hidden)) if return_features else logits
+    return torch.cat(logits), (torch.cat(hidden) if return_features else None)
 
 
 def pad_right(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:

@@ -68,6 +68,13 @@ class KVCache:
         return cls(cfg.num_layers, batch, max_len, cfg.num_query_groups // tp, cfg.kv_channels,
                    cache_dtype(weight, batch), weight.device)
 
+    @classmethod
+    def like(cls, other: "KVCache", batch: int, max_len: int) -> "KVCache":
+        """An empty cache with ``other``'s layers, heads, dtype and device."""
+        _, heads, _, dim = other.keys[0].shape
+        return cls(len(other.keys), batch, max_len, heads, dim, other.keys[0].dtype,
+                   other.keys[0].device)
+
     @property
     def batch(self) -> int:
         return self.lengths.shape[0]

@@ -103,6 +103,49 @@ def test_bf16_model_uses_a_bf16_cache_from_large_batches_on(world1):
         assert (a - b).abs().max() < 0.02 * scale
 
 
+def test_prefill_shares_prefixes_and_duplicates(world1):
+    """Identical prompts are prefilled once and a prefix shared by all distinct prompts is
+    computed once: logits and hidden states equal a full recompute per prompt, and decoding
+    continues from the right cache rows."""
+    from megatron_rlhf.generation.draft import target_logits_and_features
+
+    model = build_model(preset("tiny"), "actor", world1, dtype=torch.float32, seed=2).eval()
+    head = list(range(20, 32))  # 12 shared tokens (>= MIN_SHARED_PREFIX)
+    tails = [[40, 41, 42], [50], [60, 61, 62, 63, 64, 65], [40, 41, 42], [70, 71]]
+    prompts = [head + t for t in tails]  # prompts 0 and 3 are identical
+    rope, g = RopeTable(model, 64), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        ref = [target_logits_and_features(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
+               for p in prompts]
+        caches = []
+        for share in (True, False):
+            cache = KVCache.for_model(model, len(prompts), 64)
+            logits, hidden = prefill(model, cache, prompts, rope, return_features=True, chunk_tokens=12,
+                                     share_prefix=share)
+            assert cache.lengths.tolist() == [len(p) for p in prompts]
+            for b, (ref_logits, ref_hidden) in enumerate(ref):
+                n = len(prompts[b])
+                assert (logits[b] - ref_logits[0, -1]).abs().max() < 1e-4 * ref_logits.abs().max()
+                assert (hidden[b, :n] - ref_hidden[0]).abs().max() < 1e-4 * ref_hidden.abs().max()
+            caches.append(cache)
+        seqs = [list(p) for p in prompts]
+        for n in (1, 3):
+            toks = torch.randint(2, 200, (len(prompts), n), generator=g)
+            outs = [forward_cached(model, c, toks, rope) for c in caches]
+            for b, s in enumerate(seqs):
+                s += toks[b].tolist()
+                want = lm_logits(model, torch.tensor([s]))[0, -n:]
+                for out in outs:
+                    assert (out[b] - want).abs().max() < 1e-4 * want.abs().max()
+        # a prefix shorter than MIN_SHARED_PREFIX is not split off; each prompt keeps a token
+        short = [[1, 2, 3, 9], [1, 2, 3, 8, 7]]
+        cache = KVCache.for_model(model, 2, 16)
+        got = prefill(model, cache, short, rope)
+        for b, p in enumerate(short):
+            want = lm_logits(model, torch.tensor([p]))[0, -1]
+            assert (got[b] - want).abs().max() < 1e-4 * want.abs().max()
+
+
 def test_cache_rows_and_bounds():
     c = KVCache(num_layers=2, batch=3, max_len=8, kv_heads=2, head_dim=4, dtype=torch.float32)
     k = torch.randn(3, 2, 5, 4)
