@@ -105,12 +105,14 @@ def smol_draft(smol, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smol_feature_draft(smol, tmp_path_factory):
-    """A feature (EAGLE-style) draft made by tools/train_draft.py on a small budget."""
+    """A feature (EAGLE-style) draft made by tools/train_draft.py on a small budget, its
+    head frozen at the target's rows (--freeze-head)."""
     out = tmp_path_factory.mktemp("fdraft") / "ckpt"
     r = subprocess.run(
         [sys.executable, "tools/train_draft.py", "--target", str(smol[0]), "--save", str(out),
          "--feature-draft", "--num-layers", "1", "--limit", "16", "--epochs", "2",
-         "--max-new-tokens", "16", "--eval-prompts", "4", "--gen-batch-size", "16", "--bf16"],
+         "--max-new-tokens", "16", "--eval-prompts", "4", "--gen-batch-size", "16", "--bf16",
+         "--freeze-head"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONWARNINGS="ignore"),
     )
@@ -131,6 +133,10 @@ def test_speculative_greedy_equals_plain(world1, smol, request, kind):
     assert info.config.feature_draft == (kind == "feature")
     draft = build_model(info.config, "draft", world1, dtype=torch.float32)
     load_checkpoint(draft, world1, path)
+    if kind == "feature":  # --freeze-head: the head rows are still the (bf16) target's
+        full = actor.shared_embedding_or_output_weight()
+        head = draft.output_layer
+        assert torch.equal(head.weight, full[head.token_ids].bfloat16().float())
     cfg = GenerationConfig(max_new_tokens=NEW, temperature=0, stop_on_eos=False)
     prompts = [ids, ids[:-6] + ids[-5:]]  # two prompts of different lengths
     plain = Generator(actor).generate(prompts, cfg)

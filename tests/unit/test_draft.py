@@ -208,3 +208,39 @@ def test_topk_tv_loss_is_half_l1_distance():
     assert torch.allclose(loss, torch.stack(ref).mean(), atol=1e-5)
     loss.backward()
     assert d.grad[mask == 0].abs().sum() == 0 and d.grad[mask == 1].abs().sum() > 0
+
+
+def _train_draft_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "train_draft.py"
+    spec = importlib.util.spec_from_file_location("train_draft_tool", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_responses_cache_reuses_only_matching_runs(tmp_path, monkeypatch):
+    """--responses-cache: the second run with the same target, prompts and sampling flags
+    reads the responses back; any change to them generates anew (and both are kept)."""
+    tool = _train_draft_module()
+    calls = []
+
+    def fake_generate(target, prompts, args):
+        calls.append([list(p) for p in prompts])
+        return [[len(calls), *p] for p in prompts]
+
+    monkeypatch.setattr(tool, "generate_responses", fake_generate)
+    cache = tmp_path / "responses.json"
+    args = tool.parse_args(["--target", str(tmp_path / "t"), "--save", str(tmp_path / "d"),
+                            "--responses-cache", str(cache)])
+    first = tool.cached_responses(None, [[1, 2], [3]], args, "train")
+    assert cache.exists() and len(calls) == 1
+    assert tool.cached_responses(None, [[1, 2], [3]], args, "train") == first and len(calls) == 1
+    args.temperature = 0.7  # another sampling setting: new responses
+    other = tool.cached_responses(None, [[1, 2], [3]], args, "train")
+    assert len(calls) == 2 and other != first
+    args.temperature = 1.0
+    assert tool.cached_responses(None, [[1, 2], [3]], args, "train") == first and len(calls) == 2
+    assert tool.cached_responses(None, [[1, 2]], args, "validation") and len(calls) == 3
