@@ -226,11 +226,14 @@ def train(draft, teacher, prompts, responses, args, held=None):
     """AdamW with warmup and cosine decay; keeps the weights of the epoch with the lowest
     loss on validation responses (``held = (teacher, prompts, responses)``)."""
 
+    # the input embedding (and with --freeze-head the head) stay the target's
     frozen = ("embedding.",) + (("output_layer.",) if args.freeze_head else ())
-    params = [p for n, p in draft.named_parameters() if not n.startswith(frozen)]
+    params = []
     for n, p in draft.named_parameters():
         if n.startswith(frozen):
-            p.requires_grad_(False)  # the input embedding (and with --freeze-head the head) stay the target's
+            p.requires_grad_(False)
+        else:
+            params.append(p)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     steps = args.epochs * math.ceil(len(prompts) / args.micro_batch_size)
     warm = max(1, steps // 20)
