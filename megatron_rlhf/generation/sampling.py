@@ -40,6 +40,13 @@ def samples_actor(params: GenerationConfig, vocab: int) -> bool:
             and not (params.top_k and params.top_k < vocab))
 
 
+# draw() finds a token in two levels: the block (of this many tokens) that holds it, then
+# the token inside that block. One cumsum over the whole vocabulary is sequential per row
+# (3.9 ms of a 108 ms batch-64 bf16 decode step of SmolLM2 on CPU); a block-sum pass and two
+# short cumsums are not.
+DRAW_BLOCK = 256
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of ``probs [..., V]`` by inverse CDF (one uniform per row).
 
@@ -48,13 +55,29 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     token is never drawn (float rounding at the top end falls back to the argmax).
     """
     flat = probs.reshape(-1, probs.shape[-1]).float()
-    cdf = flat.cumsum(-1)
     u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device)
-    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=flat.shape[-1] - 1)
+    idx = inverse_cdf(flat, u)
     bad = flat.gather(-1, idx) <= 0
     if bool(bad.any()):
         idx = torch.where(bad, flat.argmax(-1, keepdim=True), idx)
     return idx.reshape(probs.shape[:-1])
+
+
+def inverse_cdf(flat: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``[R, 1]``: per row of unnormalised ``flat [R, V]`` the first token whose cumulative
+    mass exceeds ``u [R, 1]`` (in [0, 1)) times the row's total, found block by block
+    (:data:`DRAW_BLOCK`)."""
+    rows, vocab = flat.shape
+    pad = (-vocab) % DRAW_BLOCK
+    blocks = torch.nn.functional.pad(flat, (0, pad)) if pad else flat
+    blocks = blocks.view(rows, -1, DRAW_BLOCK)  # [R, nb, block]
+    upto = blocks.sum(-1).cumsum(-1)  # [R, nb] mass up to the end of each block
+    target = u * upto[:, -1:]
+    blk = torch.searchsorted(upto, target, right=True).clamp(max=upto.shape[1] - 1)  # [R, 1]
+    before = torch.where(blk > 0, upto.gather(-1, (blk - 1).clamp(min=0)), 0.0)
+    inside = blocks.gather(1, blk[:, :, None].expand(rows, 1, DRAW_BLOCK))[:, 0].cumsum(-1)
+    pos = torch.searchsorted(inside, target - before, right=True).clamp(max=DRAW_BLOCK - 1)
+    return (blk * DRAW_BLOCK + pos).clamp(max=vocab - 1)
 
 
 def sample(logits: torch.Tensor, params: GenerationConfig, generator: torch.Generator | None):

@@ -8,7 +8,9 @@ from megatron_rlhf.config import GenerationConfig, SpecConfig, preset
 from megatron_rlhf.generation import speculative
 from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.generation.greedy import greedy_generate
-from megatron_rlhf.generation.incremental import RopeTable, forward_cached, plain_layers, prefill
+from megatron_rlhf.generation.incremental import (
+    RopeTable, attended_length, forward_cached, plain_layers, prefill,
+)
 from megatron_rlhf.generation.kv_cache import CPU_HALF_CACHE_MIN_BATCH, KVCache, cache_dtype
 from megatron_rlhf.generation.sampling import probs_for_sampling
 from megatron_rlhf.models.builder import build_model
@@ -25,8 +27,8 @@ def pair(world1):
 @pytest.mark.parametrize("name,chunk", [("tiny", 2048), ("tiny-untied", 2048), ("tiny-mha", 2048),
                                         ("tiny", 1), ("tiny", 12)])
 def test_incremental_forward_equals_full_recompute(world1, name, chunk):
-    """chunk: prefill's padded tokens per run of rows (1: one prompt per run; 12: runs of
-    1-3 prompts padded to their own longest)."""
+    """chunk: prefill's real tokens per run of rows (1: one prompt per run; 12: runs of 1-3
+    prompts, the layers computing their real tokens only, the attention padded)."""
     model = build_model(preset(name), "actor", world1, dtype=torch.float32, seed=2).eval()
     cache, rope = KVCache.for_model(model, len(PROMPTS), 64), RopeTable(model, 64)
     g = torch.Generator().manual_seed(0)
@@ -78,10 +80,17 @@ def test_bf16_model_uses_a_bf16_cache_from_large_batches_on(world1):
     assert cache_dtype(w, len(prompts)) == torch.bfloat16
     assert cache_dtype(w, CPU_HALF_CACHE_MIN_BATCH - 1) == torch.float32
     assert cache_dtype(w.float(), len(prompts)) == torch.float32
+    longest = max(map(len, prompts))
     caches = [KVCache.for_model(model, len(prompts), 64),
+              KVCache.for_model(model, len(prompts), longest + 5),  # exactly what is fed
               KVCache(cfg.num_layers, len(prompts), 64, cfg.num_query_groups, cfg.kv_channels,
                       torch.float32)]
-    assert caches[0].keys[0].dtype == torch.bfloat16
+    assert caches[0].keys[0].dtype == caches[1].keys[0].dtype == torch.bfloat16
+    # sliced keys from the roomy bf16 cache; the tight one is read whole (past the lengths
+    # masked) from prefill on; the fp32 cache is always sliced
+    assert attended_length(caches[0], longest + 5) == longest + 5
+    assert attended_length(caches[1], longest) == longest + 5
+    assert attended_length(caches[2], 64) == 64 and attended_length(caches[2], 40) == 40
     rope, g = RopeTable(model, 64), torch.Generator().manual_seed(0)
     steps = [torch.randint(2, 200, (len(prompts), n), generator=g) for n in (1, 3, 1)]
     with torch.no_grad():
@@ -97,10 +106,50 @@ def test_bf16_model_uses_a_bf16_cache_from_large_batches_on(world1):
             full = torch.cat([x[b].reshape(-1, x.shape[-1]) for x in out])  # last prompt + 5 fed
             want = ref[b][len(prompts[b]) - 1:]
             assert (full - want).abs().max() < 0.02 * scale
-    # the two caches differ by bf16 rounding of the scores and probabilities only (measured:
-    # 0.005 of the largest logit; the bf16 path without its attention mask: 0.058)
-    for a, b in zip(*outs):
-        assert (a - b).abs().max() < 0.02 * scale
+    # the bf16 caches differ from the fp32 one by bf16 rounding of the scores and
+    # probabilities only (measured: 0.005 of the largest logit; the bf16 path without its
+    # attention mask: 0.058)
+    for out in outs[:2]:
+        for a, b in zip(out, outs[2]):
+            assert (a - b).abs().max() < 0.02 * scale
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_padded_rows_compute_only_their_real_tokens(world1, monkeypatch, plain):
+    """With ``valid``, the layers (plain path and modules) run on the real tokens only and
+    give what the padded forward gives at those positions; the cache holds the same keys."""
+    import megatron_rlhf.generation.incremental as inc
+
+    model = build_model(preset("tiny"), "actor", world1, dtype=torch.float32, seed=2).eval()
+    model._mrlhf_plain_layers = plain
+    valid = torch.tensor([len(p) for p in PROMPTS])
+    tokens = inc.pad_right(PROMPTS, 0, "cpu")
+    rows = []
+    real = torch.nn.functional.linear
+
+    def spy(x, w, *a, **k):
+        rows.append(x.shape[:-1].numel())
+        return real(x, w, *a, **k)
+
+    outs, caches = [], []
+    with torch.no_grad():
+        for given in (None, valid):
+            cache, rope = KVCache.for_model(model, len(PROMPTS), 32), RopeTable(model, 32)
+            rows.clear()
+            monkeypatch.setattr(torch.nn.functional, "linear", spy)
+            out, hidden = forward_cached(model, cache, tokens, rope, valid=given, return_features=True)
+            monkeypatch.undo()
+            outs.append((out, hidden, set(rows) if plain else None))
+            caches.append(cache)
+    model._mrlhf_plain_layers = None
+    (ref, ref_h, ref_rows), (got, got_h, got_rows) = outs
+    if plain:
+        assert ref_rows == {tokens.numel()} and got_rows == {int(valid.sum())}
+    for b, n in enumerate(valid.tolist()):
+        assert (got[b, :n] - ref[b, :n]).abs().max() < 1e-5 * ref.abs().max()
+        assert (got_h[b, :n] - ref_h[b, :n]).abs().max() < 1e-5 * ref_h.abs().max()
+        for a, c in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+            assert (a[b, :, :n] - c[b, :, :n]).abs().max() < 1e-5 * a.abs().max()
 
 
 def test_prefill_shares_prefixes_and_duplicates(world1):
@@ -250,6 +299,24 @@ def test_draw_never_picks_zero_probability_tokens():
     counts = torch.bincount(tok, minlength=50).float() / 4000
     assert set(tok.unique().tolist()) == {3, 7, 49}
     assert (counts[[3, 7, 49]] - torch.tensor([0.2, 0.5, 0.3])).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("vocab", [1000, 49152])
+def test_blockwise_inverse_cdf_equals_full_cdf(vocab):
+    """The two-level search finds the token a float64 cumsum over the whole row finds (up to
+    rounding at a boundary), across blocks, a padded last block and empty blocks."""
+    from megatron_rlhf.generation.sampling import inverse_cdf
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(2000, vocab, generator=g) ** 8  # peaked rows
+    probs[:, 300:700] = 0  # whole empty blocks in the middle
+    probs[::7, :-3] = 0  # rows whose mass sits in the last (padded) block
+    u = torch.rand(2000, 1, generator=g)
+    got = inverse_cdf(probs, u)
+    cdf = probs.double().cumsum(-1)
+    want = torch.searchsorted(cdf, u.double() * cdf[:, -1:], right=True)
+    assert (got == want).float().mean() > 0.995
+    assert bool((probs.gather(-1, got) > 0).all())
 
 
 # ---------------------------------------------------------------- feature (EAGLE) drafts
