@@ -10,7 +10,7 @@ line per measurement on stdout (and appended to --out), after a header line that
 the machine, the model and the settings:
 
 - ``floor``: one bare megatron-core forward for one new token per sample, no KV cache
-  (``model(ids [B,1], pos [B,1], mask [B,1,1,1])``), median of >= 5 after 2 warm-ups.
+  (``model(ids [B,1], pos [B,1], mask [B,1,1,1])``), median of 5 after 2 warm-ups.
   No decoder can step faster than this.
 - ``plain``: our engine (``Generator``) writing exactly ``--max-new-tokens`` per sample
   (EOS ignored). Decode ``ms_per_step`` excludes prefill; goal ``step_vs_floor`` <= 1.15.
@@ -19,8 +19,13 @@ the machine, the model and the settings:
 - ``spec`` (with --draft-load): speculative decoding with each --num-draft-tokens n:
   acceptance statistics and ``speedup_vs_plain`` at the same dtype and batch.
 
-tokens/s always counts new tokens over the whole call, prefill included. A summary table
-goes to stderr at the end. Runs as one process; the torch thread count is left as is.
+The variants are interleaved: each of the --repeats rounds times the floor, our engine
+and HF back to back (our engine and HF in alternating order), and a ratio is the median
+over rounds of that round's ratio, so a drift of the machine's speed between measurements
+(several tens of percent within minutes on a shared 2-core VM) cancels out; each round's
+numbers are kept in the record. tokens/s always counts new tokens over the whole call,
+prefill included. A summary table goes to stderr at the end. Runs as one process; the
+torch thread count is left as is.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from megatron_rlhf.config import GenerationConfig, SpecConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -133,7 +140,8 @@ def timed_runs(fn, repeats: int) -> tuple[float, object]:
     return runs[len(runs) // 2]
 
 
-def measure_floor(model, batch: int, position: int, repeats: int) -> dict:
+def floor_ms(model, batch: int, position: int) -> float:
+    """Median ms of 5 bare forwards (one new token per sample, no cache) after 2 warm-ups."""
     ids = torch.full((batch, 1), 1, dtype=torch.long)
     pos = torch.full((batch, 1), position, dtype=torch.long)
     mask = torch.zeros(batch, 1, 1, 1, dtype=torch.bool)  # nothing blocked
@@ -141,12 +149,11 @@ def measure_floor(model, batch: int, position: int, repeats: int) -> dict:
         for _ in range(2):
             model(ids, pos, mask)
         times = []
-        for _ in range(max(5, repeats)):
+        for _ in range(5):
             t0 = time.perf_counter()
             model(ids, pos, mask)
             times.append(time.perf_counter() - t0)
-    step = statistics.median(times)
-    return {"ms_per_step": step * 1e3, "tokens_per_s": batch / step}
+    return statistics.median(times) * 1e3
 
 
 def measure_engine(engine, prompts, cfg, spec, seed: int, repeats: int):
@@ -167,21 +174,43 @@ def load_hf(dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
 
 
-def measure_hf(model, tokenizer, prompts, max_new: int, temperature: float, seed: int, repeats: int) -> dict:
+def hf_runner(model, tokenizer, prompts, max_new: int, temperature: float, seed: int):
+    """A function ``run(n)`` -> HF record of one ``generate`` call writing ``n`` new tokens."""
     batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} \
         if temperature > 0 else {"do_sample": False}
 
-    def run(n):
+    def run(n=max_new):
         torch.manual_seed(seed)
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            return model.generate(**batch, max_new_tokens=n, min_new_tokens=n,
-                                  pad_token_id=tokenizer.pad_token_id, **sampling)
+            out = model.generate(**batch, max_new_tokens=n, min_new_tokens=n,
+                                 pad_token_id=tokenizer.pad_token_id, **sampling)
+        elapsed = time.perf_counter() - t0
+        new = (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts)
+        return {"tokens_per_s": new / elapsed, "elapsed_s": elapsed, "new_tokens": new}
 
-    run(min(4, max_new))
-    elapsed, out = timed_runs(lambda: run(max_new), repeats)
-    new = (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts)
-    return {"tokens_per_s": new / elapsed, "elapsed_s": elapsed, "new_tokens": new}
+    return run
+
+
+def interleaved(engine, prompts, cfg, seed: int, repeats: int, floor_at: int | None, hf_run):
+    """``repeats`` rounds of (floor, our engine, HF), our engine and HF in alternating
+    order; per round ``{"floor_ms", "stats", "hf"}`` (None where skipped). Both warm up first."""
+    engine.generate(prompts, dataclasses.replace(cfg, max_new_tokens=min(4, cfg.max_new_tokens)),
+                    SpecConfig(), seed)
+    if hf_run is not None:
+        hf_run(min(4, cfg.max_new_tokens))
+    rounds = []
+    for r in range(repeats):
+        row = {"floor_ms": None if floor_at is None else floor_ms(engine.actor, len(prompts), floor_at),
+               "hf": None}
+        for who in (("ours", "hf") if r % 2 == 0 else ("hf", "ours")):
+            if who == "ours":
+                row["stats"] = engine.generate(prompts, cfg, SpecConfig(), seed).stats
+            elif hf_run is not None:
+                row["hf"] = hf_run()
+        rounds.append(row)
+    return rounds
 
 
 def summary(rows: list[dict]) -> str:
@@ -211,7 +240,6 @@ def main(argv=None) -> int:
 
     platform.quiet_third_party_warnings()
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's per-tensor progress bar
-    from megatron_rlhf.config import GenerationConfig, SpecConfig
     from megatron_rlhf.data.prompts import load_prompts
     from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
     from megatron_rlhf.generation.engine import Generator
@@ -259,22 +287,32 @@ def main(argv=None) -> int:
             mean_len = sum(map(len, prompts)) / b
             base = {"dtype": name, "batch": b, "max_new_tokens": args.max_new_tokens,
                     "prompt_tokens_mean": round(mean_len, 1), "temperature": args.temperature}
-            floor = None
+            hf_run = None if hf is None else hf_runner(hf, tokenizer, prompts, args.max_new_tokens,
+                                                       args.temperature, args.seed)
+            rounds = interleaved(Generator(actor, pad_id=pad_id), prompts, cfg, args.seed, args.repeats,
+                                 None if args.skip_floor else round(mean_len), hf_run)
+            med = statistics.median
+            runs = [r["stats"] for r in rounds]
+            st = sorted(runs, key=lambda x: x.elapsed_s)[len(runs) // 2]
+            steps = [decode_ms(x) for x in runs]
             if not args.skip_floor:
-                floor = report.emit({"kind": "floor", **base,
-                                     **measure_floor(actor, b, round(mean_len), args.repeats)})
-            st = measure_engine(Generator(actor, pad_id=pad_id), prompts, cfg, SpecConfig(), args.seed,
-                                args.repeats)
-            plain = {"kind": "plain", **base, "tokens_per_s": st.tokens_per_s, "ms_per_step": decode_ms(st),
+                floors = [r["floor_ms"] for r in rounds]
+                report.emit({"kind": "floor", **base, "ms_per_step": med(floors),
+                             "tokens_per_s": b / med(floors) * 1e3, "rounds_ms": floors})
+            plain = {"kind": "plain", **base, "tokens_per_s": med([x.tokens_per_s for x in runs]),
+                     "ms_per_step": med(steps),
                      "prefill_s": st.prefill_s, "elapsed_s": st.elapsed_s, "actor_steps": st.actor_steps,
-                     "new_tokens": st.new_tokens}
-            if floor:
-                plain["step_vs_floor"] = plain["ms_per_step"] / floor["ms_per_step"]
+                     "new_tokens": st.new_tokens, "rounds_tokens_per_s": [x.tokens_per_s for x in runs],
+                     "rounds_ms_per_step": steps}
+            if not args.skip_floor:
+                plain["step_vs_floor"] = med([s_ / r["floor_ms"] for s_, r in zip(steps, rounds)])
             if hf is not None:
-                h = measure_hf(hf, tokenizer, prompts, args.max_new_tokens, args.temperature, args.seed,
-                               args.repeats)
-                plain["ours_vs_hf"] = plain["tokens_per_s"] / h["tokens_per_s"]
-                report.emit({"kind": "hf", **base, **h, "ours_vs_hf": plain["ours_vs_hf"]})
+                hfs = [r["hf"] for r in rounds]
+                plain["ours_vs_hf"] = med([x.tokens_per_s / h["tokens_per_s"] for x, h in zip(runs, hfs)])
+                h = sorted(hfs, key=lambda x: x["elapsed_s"])[len(hfs) // 2]
+                report.emit({"kind": "hf", **base, **h, "tokens_per_s": med([x["tokens_per_s"] for x in hfs]),
+                             "rounds_tokens_per_s": [x["tokens_per_s"] for x in hfs],
+                             "ours_vs_hf": plain["ours_vs_hf"]})
             report.emit(plain)
             for n in args.num_draft_tokens if draft is not None else []:
                 s = measure_engine(Generator(actor, draft, pad_id=pad_id), prompts, cfg, SpecConfig(n),

@@ -157,3 +157,27 @@ def test_tp3_speculative_equals_tp1(smol, smol_draft):
     tp1 = json.loads(torchrun(1, args).stdout.strip().splitlines()[-1])
     assert tp3["output_ids"] == tp1["output_ids"]
     assert len(tp1["output_ids"]) == NEW
+
+
+def test_generation_benchmark_runs_interleaved_rounds(smol, smol_feature_draft, tmp_path):
+    """tools/bench_generation.py on a tiny budget: every kind of record, one value per round
+    for floor, engine and HF, and ratios that are the medians of the rounds' ratios."""
+    out = tmp_path / "bench.jsonl"
+    r = subprocess.run(
+        [sys.executable, "tools/bench_generation.py", "--load", str(smol[0]), "--draft-load",
+         str(smol_feature_draft), "--batch-sizes", "2", "--dtypes", "bf16", "--max-new-tokens", "4",
+         "--num-draft-tokens", "2", "--repeats", "3", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {x["kind"]: x for x in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"header", "floor", "plain", "hf", "spec"}
+    floor, plain, hf = rows["floor"], rows["plain"], rows["hf"]
+    assert len(floor["rounds_ms"]) == len(plain["rounds_ms_per_step"]) == len(hf["rounds_tokens_per_s"]) == 3
+    ratios = sorted(a / b for a, b in zip(plain["rounds_tokens_per_s"], hf["rounds_tokens_per_s"]))
+    assert plain["ours_vs_hf"] == pytest.approx(ratios[1])
+    steps = sorted(a / b for a, b in zip(plain["rounds_ms_per_step"], floor["rounds_ms"]))
+    assert plain["step_vs_floor"] == pytest.approx(steps[1])
+    assert plain["new_tokens"] == 8 and rows["spec"]["new_tokens"] == 8
+    assert "ours/hf" in r.stderr  # the summary table

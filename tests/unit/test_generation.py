@@ -68,6 +68,54 @@ def test_plain_layer_path_equals_the_modules(world1, name, dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_few_row_fp32_gemms_match_the_modules(world1, monkeypatch, batch):
+    """Decode steps and verifications with at most SWAPPED_GEMM_MAX_ROWS rows run every fp32
+    linear of the plain path (and the head) as ``(w @ x^T)^T``, not through ``F.linear``;
+    they give the modules' logits up to float rounding."""
+    import megatron_rlhf.generation.incremental as inc
+
+    model = build_model(preset("tiny"), "actor", world1, dtype=torch.float32, seed=2).eval()
+    prompts = PROMPTS[:batch]
+    feeds = [n for n in (1, 2, 1, 4) if batch * n <= inc.SWAPPED_GEMM_MAX_ROWS]
+    g = torch.Generator().manual_seed(0)
+    toks = [torch.randint(2, 200, (batch, n), generator=g) for n in feeds]
+    outs = []
+    for plain in (True, False):
+        model._mrlhf_plain_layers = plain
+        cache, rope = KVCache.for_model(model, batch, 64), RopeTable(model, 64)
+        with torch.no_grad():
+            out = [prefill(model, cache, prompts, rope)]
+            calls = []
+            real = torch.nn.functional.linear
+            monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+            out += [forward_cached(model, cache, t, rope) for t in toks]
+            monkeypatch.undo()
+        if plain:
+            assert not calls  # every product of the steps took the swapped form
+        outs.append(out)
+    model._mrlhf_plain_layers = None
+    for a, b in zip(*outs):
+        assert (a - b).abs().max() < 1e-5 * b.abs().max()
+
+
+def test_swapped_gemm_is_linear_up_to_rounding():
+    from megatron_rlhf.generation.incremental import SWAPPED_GEMM_MAX_ROWS, _linear
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 40, generator=g)
+    for rows in range(1, SWAPPED_GEMM_MAX_ROWS + 2):
+        x = torch.randn(rows, 1, 40, generator=g)
+        want = torch.nn.functional.linear(x, w)
+        got = _linear(x, w)
+        assert got.shape == want.shape == (rows, 1, 96)
+        assert (got - want).abs().max() < 1e-5 * want.abs().max()
+        if rows > SWAPPED_GEMM_MAX_ROWS:
+            assert torch.equal(got, want)
+    xb, wb = torch.randn(2, 40, dtype=torch.bfloat16), w.bfloat16()
+    assert torch.equal(_linear(xb, wb), torch.nn.functional.linear(xb, wb))  # bf16: F.linear
+
+
 def test_bf16_model_uses_a_bf16_cache_from_large_batches_on(world1):
     """A bf16 model keeps an fp32 cache below CPU_HALF_CACHE_MIN_BATCH samples and a bf16
     one from there on (attention through k @ q^T, softmax in fp32): both give the logits of
@@ -139,12 +187,14 @@ def test_padded_rows_compute_only_their_real_tokens(world1, monkeypatch, plain):
             monkeypatch.setattr(torch.nn.functional, "linear", spy)
             out, hidden = forward_cached(model, cache, tokens, rope, valid=given, return_features=True)
             monkeypatch.undo()
-            outs.append((out, hidden, set(rows) if plain else None))
+            outs.append((out, hidden, rows[:]))
             caches.append(cache)
     model._mrlhf_plain_layers = None
     (ref, ref_h, ref_rows), (got, got_h, got_rows) = outs
-    if plain:
-        assert ref_rows == {tokens.numel()} and got_rows == {int(valid.sum())}
+    if plain:  # 4 linears per layer, then the head (logits at every fed position)
+        layers = 4 * model.mrlhf_config.num_layers
+        assert ref_rows == [tokens.numel()] * (layers + 1)
+        assert got_rows == [int(valid.sum())] * layers + [tokens.numel()]
     for b, n in enumerate(valid.tolist()):
         assert (got[b, :n] - ref[b, :n]).abs().max() < 1e-5 * ref.abs().max()
         assert (got_h[b, :n] - ref_h[b, :n]).abs().max() < 1e-5 * ref_h.abs().max()

@@ -1,6 +1,7 @@
 """Under torchrun (2 ranks): greedy generation at TP=2 equals TP=1 (a second layout of the
 same ranks), plain and speculative (standalone and feature drafts), on tiny models with
-EOS mid-batch; the modules' own forward equals the plain-layer path at both TP sizes."""
+EOS mid-batch, one prompt at a time as in a batch; the modules' own forward equals the
+plain-layer path at both TP sizes."""
 
 import torch
 
@@ -26,6 +27,11 @@ def run(pg, eos):
     actor._mrlhf_plain_layers = False  # the modules' own forward (any layer spec)
     out["modules"] = Generator(actor).generate(PROMPTS, cfg)
     actor._mrlhf_plain_layers = True
+    # one prompt at a time: decode steps and n=1 verifications of <= SWAPPED_GEMM_MAX_ROWS
+    # rows take the swapped fp32 GEMMs, whose row-parallel outputs are all-reduced
+    out["single"] = [Generator(actor).generate([p], cfg).responses()[0] for p in PROMPTS]
+    out["single1"] = [Generator(actor, draft).generate([p], cfg, SpecConfig(1)).responses()[0]
+                      for p in PROMPTS]
     sampled = GenerationConfig(max_new_tokens=12, temperature=1.0)
     out["sampled"] = Generator(actor, draft).generate(PROMPTS, sampled, SpecConfig(2), seed=3)
     return out
@@ -45,6 +51,9 @@ def main():
     for key in ("plain", "modules", 1, 3, "feature1", "feature3"):
         assert a[key].responses() == a["plain"].responses(), f"TP=2 {key} != TP=2 plain"
         assert a[key].responses() == b[key].responses(), f"TP=2 {key} != TP=1 {key}"
+    for key in ("single", "single1"):
+        assert a[key] == a["plain"].responses(), f"TP=2 {key} != TP=2 plain"
+        assert a[key] == b[key], f"TP=2 {key} != TP=1 {key}"
     # every rank of the TP group drew the same sampled tokens
     mine = a["sampled"].response_ids
     other = [torch.zeros_like(mine) for _ in range(2)]
