@@ -202,18 +202,26 @@ def _plain_layer_step(layer, idx: int, x, cache, s: _Step):
 # fp32 GEMMs with a few rows on CPU: ``x @ w^T`` (``F.linear``, MKL's transposed-weight path)
 # streams the weight at ~11 GB/s for one row and takes twice that for two, while ``(w @ x^T)^T``
 # (same weight, read in place) streams it at ~30 GB/s from two rows on. Measured on the 2-core
-# EPYC, SmolLM2's four layer shapes and its head: 2.3-2.7x faster at one row (padded to two),
-# 4-6x at two, ~2x at four; from ~16 rows on (one thread) or ~512 (two) F.linear is as fast
-# or faster. bf16 is unaffected (F.linear is the faster form there at every row count).
+# EPYC on SmolLM2's four layer shapes and its head: 2.3-2.7x faster at one row (padded to
+# two), 4-6x at two, ~2x at four, with one thread or two; at 5-8 rows faster with two threads
+# (a batch-4 verification of 2 tokens: 97 -> 82 ms) but slower with one (a batch-8 step:
+# 97 -> 106 ms); from ~16 rows on about even. bf16 is unaffected (F.linear is the faster
+# form there at every row count).
 SWAPPED_GEMM_MAX_ROWS = 4
+SWAPPED_GEMM_MAX_ROWS_THREADED = 8  # with two or more intra-op threads
+
+
+def swapped_gemm_max_rows() -> int:
+    """Rows up to which an fp32 CPU linear runs as ``(w @ x^T)^T`` (see the comment above)."""
+    return SWAPPED_GEMM_MAX_ROWS_THREADED if torch.get_num_threads() >= 2 else SWAPPED_GEMM_MAX_ROWS
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` without bias, as ``(weight @ x^T)^T`` for fp32 on CPU with at
-    most :data:`SWAPPED_GEMM_MAX_ROWS` rows (:data:`SWAPPED_GEMM_MAX_ROWS`' comment); the
-    same product up to float rounding (a different summation order)."""
+    most :func:`swapped_gemm_max_rows` rows; the same product up to float rounding (a
+    different summation order)."""
     rows = x.numel() // x.shape[-1]
-    if weight.dtype != torch.float32 or weight.is_cuda or rows > SWAPPED_GEMM_MAX_ROWS:
+    if weight.dtype != torch.float32 or weight.is_cuda or rows > swapped_gemm_max_rows():
         return F.linear(x, weight)
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:  # a matrix-vector product takes the slow path; two rows do not
@@ -264,22 +272,27 @@ def plain_layers(model) -> bool:
     return model._mrlhf_plain_layers
 
 
-def _plain_head(model) -> bool:
-    """True when the LM head is a plain megatron column-parallel linear without bias at TP 1
-    (and the layers take the plain path, :func:`plain_layers`): then the engine applies its
-    weight itself (:func:`_linear`). Drafts' subset heads, value heads and TP-sharded heads
-    (their outputs are gathered) go through the module."""
+def _plain_head(model) -> str | None:
+    """``"full"`` when the LM head is a plain megatron column-parallel linear without bias,
+    ``"subset"`` for a draft's subset head (:class:`~megatron_rlhf.models.heads` ``SubsetLMHead``
+    returning the full vocabulary), both at TP 1 and only when the layers take the plain
+    path (:func:`plain_layers`): then the engine applies the head's weight itself
+    (:func:`_linear`). Value heads and TP-sharded heads (gathered) go through the module."""
     if not plain_layers(model):
-        return False
-    known = getattr(model, "_mrlhf_plain_head", None)
-    if known is None:
+        return None
+    head = model.output_layer
+    known = getattr(model, "_mrlhf_plain_head", False)
+    if known is False:
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-        head = model.output_layer
-        known = (type(head) is ColumnParallelLinear and head.bias is None
-                 and model.pg_collection.tp.size() == 1)
+        known = None
+        if model.pg_collection.tp.size() == 1 and getattr(head, "bias", None) is None:
+            if type(head) is ColumnParallelLinear:
+                known = "full"
+            elif isinstance(head, ColumnParallelLinear) and hasattr(head, "to_vocab"):
+                known = "subset"
         model._mrlhf_plain_head = known
-    return known
+    return None if known == "subset" and head.head_only else known
 
 
 def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
@@ -332,8 +345,11 @@ def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     if not return_features:
         x = model.decoder.final_layernorm(x)
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    if _plain_head(model):
+    head = _plain_head(model)
+    if head == "full":
         logits = _linear(x, model.output_layer.weight if weight is None else weight)
+    elif head == "subset":
+        logits = model.output_layer.to_vocab(_linear(x, model.output_layer.weight))
     else:
         logits, _ = model.output_layer(x, weight=weight)
     logits = logits.transpose(0, 1)[..., : model.mrlhf_config.vocab_size]

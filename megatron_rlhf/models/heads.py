@@ -53,10 +53,12 @@ def _subset_head_class():
 
         def forward(self, hidden, weight=None, runtime_gather_output=None):
             logits, _ = super().forward(hidden)
-            if self.head_only:
-                return logits, None
+            return (logits if self.head_only else self.to_vocab(logits)), None
+
+        def to_vocab(self, logits):
+            """Head logits ``[..., head_size]`` -> ``[..., vocab]`` (-inf off the head)."""
             full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-            return full.index_copy_(-1, self.token_ids, logits), None
+            return full.index_copy_(-1, self.token_ids, logits)
 
     return SubsetLMHead
 

@@ -49,9 +49,13 @@ def test_incremental_forward_equals_full_recompute(world1, name, chunk):
 
 @pytest.mark.parametrize("name,dtype", [("tiny", torch.float32), ("tiny-mha", torch.float32),
                                         ("tiny", torch.bfloat16)])
-def test_plain_layer_path_equals_the_modules(world1, name, dtype):
+def test_plain_layer_path_equals_the_modules(world1, monkeypatch, name, dtype):
     """Our presets' layers take the wrapper-free path, and it computes exactly what the
-    layers' own modules compute (prefill, decode, verification)."""
+    layers' own modules compute (prefill, decode, verification). Few-row fp32 products,
+    which the plain path computes in another order, are tested below."""
+    import megatron_rlhf.generation.incremental as inc
+
+    monkeypatch.setattr(inc, "swapped_gemm_max_rows", lambda: 0)
     model = build_model(preset(name), "actor", world1, dtype=dtype, seed=2).eval()
     assert plain_layers(model)
     outs = []
@@ -68,16 +72,17 @@ def test_plain_layer_path_equals_the_modules(world1, name, dtype):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("batch", [1, 2, 4])
-def test_few_row_fp32_gemms_match_the_modules(world1, monkeypatch, batch):
-    """Decode steps and verifications with at most SWAPPED_GEMM_MAX_ROWS rows run every fp32
-    linear of the plain path (and the head) as ``(w @ x^T)^T``, not through ``F.linear``;
-    they give the modules' logits up to float rounding."""
+@pytest.mark.parametrize("batch,limit", [(1, 4), (2, 4), (4, 4), (4, 8)])
+def test_few_row_fp32_gemms_match_the_modules(world1, monkeypatch, batch, limit):
+    """Decode steps and verifications with at most ``swapped_gemm_max_rows()`` rows run
+    every fp32 linear of the plain path (and the head) as ``(w @ x^T)^T``, not through
+    ``F.linear``; they give the modules' logits up to float rounding."""
     import megatron_rlhf.generation.incremental as inc
 
+    monkeypatch.setattr(inc, "swapped_gemm_max_rows", lambda: limit)
     model = build_model(preset("tiny"), "actor", world1, dtype=torch.float32, seed=2).eval()
     prompts = PROMPTS[:batch]
-    feeds = [n for n in (1, 2, 1, 4) if batch * n <= inc.SWAPPED_GEMM_MAX_ROWS]
+    feeds = [n for n in (1, 2, 1, 4) if batch * n <= limit]
     g = torch.Generator().manual_seed(0)
     toks = [torch.randint(2, 200, (batch, n), generator=g) for n in feeds]
     outs = []
@@ -90,7 +95,7 @@ def test_few_row_fp32_gemms_match_the_modules(world1, monkeypatch, batch):
             real = torch.nn.functional.linear
             monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
             out += [forward_cached(model, cache, t, rope) for t in toks]
-            monkeypatch.undo()
+            monkeypatch.setattr(torch.nn.functional, "linear", real)
         if plain:
             assert not calls  # every product of the steps took the swapped form
         outs.append(out)
@@ -100,17 +105,18 @@ def test_few_row_fp32_gemms_match_the_modules(world1, monkeypatch, batch):
 
 
 def test_swapped_gemm_is_linear_up_to_rounding():
-    from megatron_rlhf.generation.incremental import SWAPPED_GEMM_MAX_ROWS, _linear
+    from megatron_rlhf.generation.incremental import _linear, swapped_gemm_max_rows
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 40, generator=g)
-    for rows in range(1, SWAPPED_GEMM_MAX_ROWS + 2):
+    limit = swapped_gemm_max_rows()
+    for rows in range(1, limit + 2):
         x = torch.randn(rows, 1, 40, generator=g)
         want = torch.nn.functional.linear(x, w)
         got = _linear(x, w)
         assert got.shape == want.shape == (rows, 1, 96)
         assert (got - want).abs().max() < 1e-5 * want.abs().max()
-        if rows > SWAPPED_GEMM_MAX_ROWS:
+        if rows > limit:
             assert torch.equal(got, want)
     xb, wb = torch.randn(2, 40, dtype=torch.bfloat16), w.bfloat16()
     assert torch.equal(_linear(xb, wb), torch.nn.functional.linear(xb, wb))  # bf16: F.linear
@@ -432,8 +438,12 @@ def test_feature_draft_training_forward_equals_incremental(world1, pair):
     from megatron_rlhf.generation.draft import (
         head_logits, shifted_features, target_logits_and_features)
 
+    from megatron_rlhf.generation.incremental import _plain_head
+
     actor, _ = pair
     draft = feature_draft_for(actor, world1, noise=0.5)
+    # the engine applies both heads' weights itself; head_logits goes through the modules
+    assert _plain_head(draft) == "subset" and _plain_head(actor) == "full"
     ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8, 9, 11]])
     att = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8])
     with torch.no_grad():
