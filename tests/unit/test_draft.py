@@ -83,6 +83,17 @@ def test_subset_head_init_and_checkpoint(world1, subset_pair, tmp_path):
     load_checkpoint(back, world1, tmp_path / "d")
     assert torch.equal(back.output_layer.token_ids, ids)
     assert torch.equal(lm_logits(back, x), logits)
+    # the engine applies the subset head's weight itself: the same logits, -inf off the head
+    from megatron_rlhf.generation.incremental import RopeTable, _plain_head, forward_cached
+    from megatron_rlhf.generation.kv_cache import KVCache
+
+    assert _plain_head(draft) == "subset"
+    with torch.no_grad():
+        for n in (x.shape[1], 1):  # a prefill and a one-row step (the few-row product)
+            cached = forward_cached(draft, KVCache.for_model(draft, 1, 16), x[:, :n], RopeTable(draft, 16))
+            want = logits[:, :n] if n > 1 else lm_logits(draft, x[:, :1])
+            assert torch.equal(torch.isinf(cached), torch.isinf(want))
+            assert (cached[..., ids] - want[..., ids]).abs().max() < 1e-5 * want[..., ids].abs().max()
 
 
 def test_subset_head_draft_keeps_outputs_exact(subset_pair):
