@@ -136,8 +136,12 @@ def timed_runs(fn, repeats: int) -> tuple[float, object]:
         t0 = time.perf_counter()
         result = fn()
         runs.append((time.perf_counter() - t0, result))
-    runs.sort(key=lambda r: r[0])
-    return runs[len(runs) // 2]
+    return median_by(runs, lambda r: r[0])
+
+
+def median_by(items: list, key):
+    """The item at the median of ``key`` (the upper one of an even count)."""
+    return sorted(items, key=key)[len(items) // 2]
 
 
 def floor_ms(model, batch: int, position: int) -> float:
@@ -156,9 +160,14 @@ def floor_ms(model, batch: int, position: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def warm_up(engine, prompts, cfg, spec, seed: int) -> None:
+    """One call of the engine writing at most 4 tokens per sample."""
+    engine.generate(prompts, dataclasses.replace(cfg, max_new_tokens=min(4, cfg.max_new_tokens)), spec, seed)
+
+
 def measure_engine(engine, prompts, cfg, spec, seed: int, repeats: int):
     """Warm up with 4 tokens, then the median run's ``GenerationStats``."""
-    engine.generate(prompts, dataclasses.replace(cfg, max_new_tokens=min(4, cfg.max_new_tokens)), spec, seed)
+    warm_up(engine, prompts, cfg, spec, seed)
     _, rollout = timed_runs(lambda: engine.generate(prompts, cfg, spec, seed), repeats)
     return rollout.stats
 
@@ -196,8 +205,7 @@ def hf_runner(model, tokenizer, prompts, max_new: int, temperature: float, seed:
 def interleaved(engine, prompts, cfg, seed: int, repeats: int, floor_at: int | None, hf_run):
     """``repeats`` rounds of (floor, our engine, HF), our engine and HF in alternating
     order; per round ``{"floor_ms", "stats", "hf"}`` (None where skipped). Both warm up first."""
-    engine.generate(prompts, dataclasses.replace(cfg, max_new_tokens=min(4, cfg.max_new_tokens)),
-                    SpecConfig(), seed)
+    warm_up(engine, prompts, cfg, SpecConfig(), seed)
     if hf_run is not None:
         hf_run(min(4, cfg.max_new_tokens))
     rounds = []
@@ -293,7 +301,7 @@ def main(argv=None) -> int:
                                  None if args.skip_floor else round(mean_len), hf_run)
             med = statistics.median
             runs = [r["stats"] for r in rounds]
-            st = sorted(runs, key=lambda x: x.elapsed_s)[len(runs) // 2]
+            st = median_by(runs, lambda x: x.elapsed_s)
             steps = [decode_ms(x) for x in runs]
             if not args.skip_floor:
                 floors = [r["floor_ms"] for r in rounds]
@@ -309,7 +317,7 @@ def main(argv=None) -> int:
             if hf is not None:
                 hfs = [r["hf"] for r in rounds]
                 plain["ours_vs_hf"] = med([x.tokens_per_s / h["tokens_per_s"] for x, h in zip(runs, hfs)])
-                h = sorted(hfs, key=lambda x: x["elapsed_s"])[len(hfs) // 2]
+                h = median_by(hfs, lambda x: x["elapsed_s"])
                 report.emit({"kind": "hf", **base, **h, "tokens_per_s": med([x["tokens_per_s"] for x in hfs]),
                              "rounds_tokens_per_s": [x["tokens_per_s"] for x in hfs],
                              "ours_vs_hf": plain["ours_vs_hf"]})
