@@ -203,15 +203,62 @@ class GenerationConfig:
 class SpecConfig:
     """Speculative decoding with a draft model."""
 
-    num_draft_tokens: int = 0
-    """Tokens the draft proposes per verification (0: plain decoding)."""
+    num_draft_tokens: int | str = "auto"
+    """Draft tokens per verification: a fixed ``n >= 0`` (0: plain decoding), or ``"auto"``:
+    before every round the selector (:mod:`megatron_rlhf.generation.strategy`) picks plain
+    decoding or ``n`` in ``1..max_draft_tokens`` for the live batch. Without a draft model
+    ``auto`` is plain decoding."""
+    max_draft_tokens: int = 4
+    """Largest ``n`` the ``auto`` selector considers."""
+    cost_profile: str | None = None
+    """``auto``: a JSON file of measured step latencies, loaded when it exists, else
+    written after the engine profiles itself (a few seconds at the first call)."""
+    acceptance_decay: float = 0.98
+    """``auto``: weight the acceptance estimate keeps per verified round; older rounds fade
+    so the estimate follows the actor as it trains."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
-            raise ValueError(
-                f"--num-draft-tokens must be an integer >= 0, got {self.num_draft_tokens!r}"
-            )
+        n = self.num_draft_tokens
+        if isinstance(n, str) and n.strip().isdigit():
+            n = self.num_draft_tokens = int(n)
+        if n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise ValueError(f"--num-draft-tokens must be an integer >= 0 or 'auto', got {n!r}")
+        _positive("max_draft_tokens", self.max_draft_tokens)
+        if not 0 < self.acceptance_decay <= 1:
+            raise ValueError(f"acceptance_decay must lie in (0, 1], got {self.acceptance_decay}")
 
+    @property
+    def auto(self) -> bool:
+        return self.num_draft_tokens == "auto"
+
+    def max_tokens(self, has_draft: bool) -> int:
+        """The most draft tokens one verification can take (0: plain decoding only)."""
+        if not has_draft:
+            return 0 if self.auto else self.num_draft_tokens
+        return self.max_draft_tokens if self.auto else self.num_draft_tokens
+
+
+@dataclass
+class MigrationConfig:
+    """Sample reallocation between data-parallel ranks during generation (RLHFSpec)."""
+
+    sample_migration: bool | None = None
+    """Move unfinished samples (KV cache included) from busy to idle data-parallel ranks;
+    None: on when there is more than one data-parallel rank."""
+    migration_interval: int = 4
+    """Rounds between exchanges of the ranks' live-sample counts (one small all-gather)."""
+    migration_threshold: float = 0.25
+    """Migrate when the busiest rank holds more than ``1 + threshold`` times the mean live
+    count and at least 2 samples more than the idlest; samples then move until every rank
+    is within one of the mean."""
+
+    def __post_init__(self) -> None:
+        _positive("migration_interval", self.migration_interval)
+        if self.migration_threshold < 0:
+            raise ValueError(f"migration_threshold must be >= 0, got {self.migration_threshold}")
+
+    def enabled(self, dp: int) -> bool:
+        return dp > 1 and self.sample_migration is not False
 
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo")
@@ -429,7 +476,7 @@ def dataclass_from_namespace(cls, namespace, **extra):
 
 
 __all__ = [
-    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerationConfig", "SpecConfig", "PPOConfig", "OptimConfig", "LoopConfig",
+    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerationConfig", "SpecConfig", "MigrationConfig", "PPOConfig", "OptimConfig", "LoopConfig",
     "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "PRESETS", "ROLES",
     "preset", "check_role", "dataclass_from_namespace",
 ]

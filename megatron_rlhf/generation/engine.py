@@ -1,25 +1,34 @@
-"""The batched, tensor-parallel generator with optional lossless speculative decoding.
+"""The batched, tensor-parallel generator with lossless speculative decoding, a
+workload-aware drafting selector and sample migration between data-parallel ranks.
 
-State per live sample (a row of the caches): the actor cache holds every token of the
-sequence except ``pending`` (the newest token, sampled but not yet fed); the draft cache
-is kept one token further behind, so each speculative round starts by feeding the draft
-the same two tokens for every sample: ``[last_in_cache, pending]``.
+State per live sample is a row of :class:`~megatron_rlhf.generation.state.Rows`: the
+actor cache holds every token of the sequence except ``pending`` (the newest token,
+sampled but not yet fed). The draft cache lags behind: the tokens it lacks wait in a
+per-row catch-up buffer (``pending`` last) and are fed at the start of the next round
+that drafts, in one forward of variable length per row. A feature draft (EAGLE;
+:class:`~megatron_rlhf.models.heads.FeatureFusion`) reads at position ``t`` the token
+``x_t`` and the actor's final hidden state ``h_{t-1}``, so its buffer also holds the
+actor's hidden state paired with each token.
 
-A feature draft (EAGLE; :class:`~megatron_rlhf.models.heads.FeatureFusion`) reads at
-position ``t`` the token ``x_t`` and the actor's final hidden state ``h_{t-1}``. Its cache
-holds every token including ``pending``; each round starts by catching up with the
-tokens the last verification emitted, paired with the actor's hidden states from that
-verification (``k + 1`` per sample, padded to ``n + 1``), then drafts on its own predicted
-hidden states; only the caught-up entries (true hidden states) are kept.
+Each round is either a plain step (feed ``pending``, sample the next token) or a
+speculative round of ``n`` draft tokens: the draft catches up and proposes ``n`` tokens,
+the actor verifies ``[pending, d1..dn]`` in one forward, a prefix is accepted per sample
+(:mod:`megatron_rlhf.generation.speculative`), the actor cache is rolled back to what was
+accepted and the emitted tokens (with their actor hidden states) become the draft's next
+catch-up. ``n`` is fixed (``--num-draft-tokens N``) or chosen before every round by the
+selector (:mod:`megatron_rlhf.generation.strategy`, ``auto``) from the live batch size,
+the measured step latencies and the observed acceptance. Every choice is lossless.
 
-A plain step feeds ``pending`` and samples the next token. A speculative round lets the
-draft propose ``n`` tokens, feeds ``[pending, d1..dn]`` to the actor once, accepts a
-prefix per sample (:mod:`megatron_rlhf.generation.speculative`) and rolls both caches
-back to what was accepted. Finished rows stay in the batch (fed a pad token, results
-ignored) until a quarter of the batch is dead, then the caches are compacted.
+Random numbers are keyed per sample (:mod:`megatron_rlhf.generation.rng`): with a fixed
+``n`` a sample's tokens do not depend on its batch, its rank, the data-parallel size or
+migration. With a :class:`~megatron_rlhf.generation.migration.Migrator`, the ranks of a
+data-parallel group exchange live counts every few rounds and move unfinished samples,
+caches included, from busy ranks to idle ones; results return to their owners at the end.
 
-Under TP every rank of the group runs this loop on the same prompts with the same
-generator seed; logits are gathered over TP, so every rank draws the same tokens.
+Finished rows stay in the batch (fed a pad token, results ignored) until a quarter of the
+batch is dead, then the rows are compacted. Under TP every rank of the group runs this
+loop on the same samples; logits are gathered over TP and the selector's choice is
+broadcast from the group's first rank, so every rank draws the same tokens.
 """
 
 from __future__ import annotations
@@ -27,38 +36,19 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 from megatron_rlhf.config import GenerationConfig, SpecConfig
-from megatron_rlhf.generation import speculative
+from megatron_rlhf.generation import rng, speculative
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, pad_right, prefill
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.rollout import GenerationStats, Rollout
 from megatron_rlhf.generation.sampling import logprob_pair, probs_for_sampling, sample
+from megatron_rlhf.generation.state import Outputs, Rows
 
-
-class _Samples:
-    """Per-sample outputs, indexed by the sample's original position in the batch."""
-
-    def __init__(self, batch: int, cfg: GenerationConfig, eos: int | None):
-        self.tokens: list[list[int]] = [[] for _ in range(batch)]
-        self.logprobs: list[list[float]] = [[] for _ in range(batch)]
-        self.sampling_logprobs: list[list[float]] = [[] for _ in range(batch)]
-        self.reasons: list[str | None] = [None] * batch
-        self.cfg, self.eos = cfg, eos
-
-    def emit(self, i: int, tokens: list[int], lps: list[float], slps: list[float]) -> bool:
-        """Append tokens to sample ``i`` up to EOS or the budget; True if it finished."""
-        for t, lp, slp in zip(tokens, lps, slps):
-            self.tokens[i].append(t)
-            self.logprobs[i].append(lp)
-            self.sampling_logprobs[i].append(slp)
-            if self.cfg.stop_on_eos and t == self.eos:
-                self.reasons[i] = "eos"
-                return True
-            if len(self.tokens[i]) >= self.cfg.max_new_tokens:
-                self.reasons[i] = "length"
-                return True
-        return False
+CATCH_UP_MAX = 32
+"""A run of plain steps lets the draft's catch-up buffer grow; at this width the draft is
+fed all but each row's last buffered token (keeps the buffer's memory bounded)."""
 
 
 def _logprob_pair(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor,
@@ -84,21 +74,21 @@ def check_draft(actor_cfg, draft_cfg) -> None:
 
 
 def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig,
-                  actor_cfg, draft_cfg=None) -> int:
+                  actor_cfg, draft_cfg=None, allow_empty: bool = False) -> int:
     """Validate a request against the model configs (no models, no collectives needed).
 
     Returns the KV-cache length the request needs.
     """
-    if not prompts:
+    if not prompts and not allow_empty:
         raise ValueError("no prompts to generate from")
-    if spec.num_draft_tokens and draft_cfg is None:
+    if not spec.auto and spec.num_draft_tokens and draft_cfg is None:
         raise ValueError("--num-draft-tokens > 0 needs a draft model (--draft-load)")
     if draft_cfg is not None:
         check_draft(actor_cfg, draft_cfg)
     limit = actor_cfg.max_position_embeddings
     if draft_cfg is not None:
         limit = min(limit, draft_cfg.max_position_embeddings)
-    extra = spec.num_draft_tokens + 1
+    extra = spec.max_tokens(draft_cfg is not None) + 1
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty")
@@ -108,13 +98,17 @@ def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecCon
                 f"(+{extra} for verification) it exceeds the cache of {limit} positions; "
                 "shorten the prompt or lower --max-new-tokens"
             )
-    return max(len(p) for p in prompts) + cfg.max_new_tokens + extra
+    return max((len(p) for p in prompts), default=0) + cfg.max_new_tokens + extra
 
 
 class Generator:
-    """Generates with ``actor`` (and ``draft``, when given) over their shared TP group."""
+    """Generates with ``actor`` (and ``draft``, when given) over their shared TP group.
 
-    def __init__(self, actor, draft=None, pad_id: int = 0):
+    The ``auto`` selector (and its cost profile and acceptance estimate) lives as long as
+    the generator: across the calls of an RLHF run it keeps following the actor.
+    """
+
+    def __init__(self, actor, draft=None, pad_id: int = 0, selector=None):
         self.actor, self.draft, self.pad_id = actor, draft, pad_id
         if draft is not None:
             check_draft(actor.mrlhf_config, draft.mrlhf_config)
@@ -122,101 +116,225 @@ class Generator:
                 raise ValueError("draft and actor must run under the same tensor-parallel group")
         self.eos = actor.mrlhf_config.eos_token_id
         self.feature_draft = draft is not None and draft.mrlhf_config.feature_draft
+        self.selector = selector
 
-    def check(self, prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig) -> int:
+    def check(self, prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig,
+              allow_empty: bool = False) -> int:
         """Raise before any collective if the request cannot run; returns the cache length."""
         return check_request(prompts, cfg, spec, self.actor.mrlhf_config,
-                             None if self.draft is None else self.draft.mrlhf_config)
+                             None if self.draft is None else self.draft.mrlhf_config, allow_empty)
+
+    def selector_for(self, spec: SpecConfig, batch: int, max_len: int):
+        """The ``auto`` selector, built at the first call: its cost table is loaded from
+        ``spec.cost_profile`` or profiled now (and saved there)."""
+        from megatron_rlhf.generation import strategy
+
+        if self.selector is None or self.selector.max_n != spec.max_draft_tokens:
+            costs = strategy.load_or_profile(self.actor, self.draft, spec, batch, max_len)
+            self.selector = strategy.Selector(costs, spec.max_draft_tokens,
+                                              strategy.Acceptance(spec.max_draft_tokens,
+                                                                  spec.acceptance_decay))
+        return self.selector
 
     # ------------------------------------------------------------------ main loop
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], cfg: GenerationConfig,
                  spec: SpecConfig | None = None, seed: int = 0,
+                 sample_ids: list[int] | None = None, migrator=None,
                  accept_rule=speculative.accept_sampling) -> Rollout:
+        """Responses to ``prompts``; ``sample_ids``: each prompt's global sample index (the
+        key of its random numbers; default ``0..B-1``). With ``migrator`` every rank of its
+        data-parallel group must call this together (it may hold no prompts)."""
         spec = spec or SpecConfig()
-        max_len = self.check(prompts, cfg, spec)
+        max_len = self.check(prompts, cfg, spec, allow_empty=migrator is not None)
         t0 = time.perf_counter()
+        big_n = spec.max_tokens(self.draft is not None)
+        if big_n:  # room for a padded catch-up of the draft past the longest sample
+            max_len += CATCH_UP_MAX
+        if migrator is not None:
+            max_len = migrator.agree_max_len(max_len)
         for m in (self.actor, self.draft):
             if m is not None:
                 m.eval()
         dev = self.actor.embedding.word_embeddings.weight.device
-        gen = torch.Generator(device=dev).manual_seed(seed)
-        n = spec.num_draft_tokens
-        out = _Samples(len(prompts), cfg, self.eos)
-        stats = GenerationStats(num_draft_tokens=n, accepted_per_position=[0] * n)
-
-        # cache rows in prompt-length order (prefill pads each run of rows to its own longest);
-        # ``rows`` maps a cache row to its sample's index in ``prompts``
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        ordered = [prompts[i] for i in order]
+        sids = list(range(len(prompts))) if sample_ids is None else [int(i) for i in sample_ids]
+        if len(sids) != len(prompts) or len(set(sids)) != len(sids):
+            raise ValueError("sample_ids must give one distinct index per prompt")
+        selector = self.selector_for(spec, max(len(prompts), 1), max_len) if spec.auto and big_n else None
+        stats = GenerationStats(num_draft_tokens=big_n,
+                                mode="auto" if selector else ("fixed" if big_n else "plain"),
+                                accepted_per_position=[0] * big_n, drafted_per_position=[0] * big_n,
+                                rounds_by_draft_len=[0] * (big_n + 1))
+        out = Outputs(cfg.max_new_tokens, cfg.stop_on_eos, self.eos)
+        key = rng.seed_key(seed)
         rope = RopeTable(self.actor, max_len)
-        cache = KVCache.for_model(self.actor, len(prompts), max_len)
-        feature = bool(n) and self.feature_draft
-        logits = prefill(self.actor, cache, ordered, rope, self.pad_id, return_features=feature)
+        d_rope = RopeTable(self.draft, max_len) if big_n else None
+        rows = self._prefill(prompts, sids, cfg, key, max_len, big_n, out, dev)
+        stats.prefill_s = time.perf_counter() - t0
+
+        since_exchange = 0
+        while True:
+            live = int(rows["alive"].sum())
+            if migrator is not None and (live == 0 or since_exchange >= migrator.interval):
+                rows.compact()
+                if migrator.exchange(rows, out, stats, idle=live == 0):
+                    break
+                since_exchange = 0
+                continue
+            if live == 0:
+                break
+            dead = len(rows) - live
+            if dead and dead * 4 >= len(rows):
+                rows.compact()
+            n = self._choose(selector, spec, live, big_n)
+            start = time.perf_counter()
+            if n:
+                k = self._spec_round(rows, out, cfg, n, key, rope, d_rope, stats, accept_rule)
+            else:
+                self._plain_step(rows, out, cfg, key, rope, d_rope, big_n > 0)
+                k = None
+            stats.actor_steps += 1
+            stats.rounds_by_draft_len[n] += 1
+            if selector is not None:
+                selector.observe(live, n, time.perf_counter() - start, k)
+            since_exchange += 1
+        if migrator is not None:
+            migrator.return_results(out, sids)
+        stats.elapsed_s = time.perf_counter() - t0
+        return self._rollout(prompts, sids, out, stats, dev)
+
+    def _choose(self, selector, spec: SpecConfig, live: int, big_n: int) -> int:
+        """This round's draft length: fixed, or the selector's (the same on every TP rank)."""
+        if selector is None:
+            return big_n
+        n = selector.choose(live)
+        tp = self.actor.pg_collection.tp
+        if tp.size() > 1:
+            t = torch.tensor([n], device=self.actor.embedding.word_embeddings.weight.device)
+            dist.broadcast(t, src=dist.get_global_rank(tp, 0), group=tp)
+            n = int(t)
+        return n
+
+    def _prefill(self, prompts, sids, cfg, key, max_len, big_n, out: Outputs, dev) -> Rows:
+        """Prefill the actor (and draft) caches; emit every sample's first token."""
+        b = len(prompts)
+        # cache rows in prompt-length order (prefill pads each run of rows to its own longest)
+        order = sorted(range(b), key=lambda i: len(prompts[i]))
+        ordered = [prompts[i] for i in order]
+        sid = torch.tensor([sids[i] for i in order], dtype=torch.long, device=dev)
+        cache = KVCache.for_model(self.actor, b, max_len)
+        feature = bool(big_n) and self.feature_draft
+        fields = {"sid": sid, "emitted": torch.zeros(b, dtype=torch.long, device=dev),
+                  "alive": torch.ones(b, dtype=torch.bool, device=dev)}
+        caches = {"actor": cache}
+        if big_n:
+            caches["draft"] = KVCache.for_model(self.draft, b, max_len)
+        for s in sids:
+            out.open(s)
+        if not b:
+            fields["pending"] = torch.zeros(0, dtype=torch.long, device=dev)
+            if big_n:
+                fields.update(catch_tokens=torch.zeros(0, 0, dtype=torch.long, device=dev),
+                              catch_count=torch.zeros(0, dtype=torch.long, device=dev))
+                if feature:
+                    h = self.actor.mrlhf_config.hidden_size
+                    fields["catch_features"] = torch.zeros(0, 0, h, device=dev,
+                                                           dtype=self.actor.embedding.word_embeddings.weight.dtype)
+            return Rows(fields, caches)
+        logits = prefill(self.actor, cache, ordered, RopeTable(self.actor, max_len), self.pad_id,
+                         return_features=feature)
         if feature:
             logits, hidden = logits  # [B, V], [B, P, h]
-        first, probs = sample(logits, cfg, gen)
+        first, probs = sample(logits, cfg, rng.uniform(key, sid, fields["emitted"], rng.NEXT))
         lp, slp = _logprob_pair(logits, probs, first, cfg)
-        rows = torch.tensor(order, device=dev)
-        alive = torch.ones(len(prompts), dtype=torch.bool, device=dev)
         for r, tok in enumerate(first.tolist()):
-            if out.emit(order[r], [tok], [lp[r]], [slp[r]]):
-                alive[r] = False
-        state = {"cache": cache, "pending": first}
-        if n:
-            d_rope = RopeTable(self.draft, max_len)
-            d_cache = KVCache.for_model(self.draft, len(prompts), max_len)
-            if feature:  # catch up with the prompt and the first token: h_{-1} = 0
-                tokens = pad_right([p + [t] for p, t in zip(ordered, first.tolist())], self.pad_id, dev)
-                feats = torch.cat([torch.zeros_like(hidden[:, :1]), hidden], 1)
-                lens = torch.tensor([len(p) + 1 for p in ordered], device=dev)
-                state.update(d_cache=d_cache, catch_tokens=tokens, catch_features=feats, catch_count=lens)
-            else:
-                prefill(self.draft, d_cache, ordered, d_rope, self.pad_id)
-                d_cache.truncate(d_cache.lengths - 1)
-                state.update(d_cache=d_cache, last=torch.tensor([p[-1] for p in ordered], device=dev))
+            if out.emit(sid[r].item(), [tok], [lp[r]], [slp[r]]):
+                fields["alive"][r] = False
+        fields["pending"], fields["emitted"] = first, fields["emitted"] + 1
+        if big_n and feature:  # catch up with the prompt and the first token: h_{-1} = 0
+            fields["catch_tokens"] = pad_right([p + [t] for p, t in zip(ordered, first.tolist())],
+                                               self.pad_id, dev)
+            fields["catch_features"] = torch.cat([torch.zeros_like(hidden[:, :1]), hidden], 1)
+            fields["catch_count"] = torch.tensor([len(p) + 1 for p in ordered], device=dev)
+        elif big_n:
+            prefill(self.draft, caches["draft"], ordered, RopeTable(self.draft, max_len), self.pad_id)
+            fields["catch_tokens"], fields["catch_count"] = first[:, None], torch.ones_like(first)
+        return Rows(fields, caches)
 
-        stats.prefill_s = time.perf_counter() - t0
-        while bool(alive.any()):
-            dead = int((~alive).sum())
-            if dead and dead * 4 >= len(rows):
-                keep = alive.nonzero()[:, 0]
-                rows, alive = rows[keep], alive[keep]
-                for key, val in state.items():
-                    if isinstance(val, KVCache):
-                        val.select(keep)
-                    else:
-                        state[key] = val[keep]
-            if n:
-                self._spec_round(state, rows, alive, out, cfg, n, gen, rope, d_rope, stats, accept_rule)
-            else:
-                self._plain_step(state, rows, alive, out, cfg, gen, rope, stats)
-        stats.elapsed_s = time.perf_counter() - t0
-        return self._rollout(prompts, out, stats, dev)
-
-    def _plain_step(self, st, rows, alive, out, cfg, gen, rope, stats):
-        cache = st["cache"]
+    def _plain_step(self, rows: Rows, out: Outputs, cfg, key, rope, d_rope, drafting: bool):
+        cache, alive = rows.caches["actor"], rows["alive"]
         cache.lengths[~alive] = 0  # dead rows compute garbage at position 0
-        feed = torch.where(alive, st["pending"], self.pad_id)[:, None]
-        logits = forward_cached(self.actor, cache, feed, rope)[:, 0]  # [R, V]
-        stats.actor_steps += 1
-        tok, probs = sample(logits, cfg, gen)
+        feed = torch.where(alive, rows["pending"], self.pad_id)[:, None]
+        feature = drafting and self.feature_draft
+        logits = forward_cached(self.actor, cache, feed, rope, return_features=feature)
+        hidden = None
+        if feature:
+            logits, hidden = logits
+            hidden = hidden[:, 0]  # [R, h]: pairs with the token sampled now
+        logits = logits[:, 0]  # [R, V]
+        tok, probs = sample(logits, cfg, rng.uniform(key, rows["sid"], rows["emitted"], rng.NEXT))
         lp, slp = _logprob_pair(logits, probs, tok, cfg)
-        toks, origin = tok.tolist(), rows.tolist()
+        toks, sid = tok.tolist(), rows["sid"].tolist()
         for r in alive.nonzero()[:, 0].tolist():
-            if out.emit(origin[r], [toks[r]], [lp[r]], [slp[r]]):
+            if out.emit(sid[r], [toks[r]], [lp[r]], [slp[r]]):
                 alive[r] = False
-        st["pending"] = tok
+        rows["pending"], rows["emitted"] = tok, rows["emitted"] + 1
+        if drafting:
+            self._buffer(rows, tok, hidden, d_rope)
 
-    def _spec_round(self, st, rows, alive, out, cfg, n, gen, rope, d_rope, stats, accept_rule):
-        cache, d_cache = st["cache"], st["d_cache"]
-        cache.lengths[~alive] = 0
+    def _buffer(self, rows: Rows, tok: torch.Tensor, hidden: torch.Tensor | None, d_rope) -> None:
+        """Append ``tok [R]`` (and its actor hidden state ``[R, h]``) to the draft's catch-up
+        buffer; past :data:`CATCH_UP_MAX` columns, feed the draft all but the last."""
+        count = rows["catch_count"]
+        width = int(count.max()) + 1 if len(count) else 1
+        r = torch.arange(len(count), device=count.device)
+        for name, new in (("catch_tokens", tok), ("catch_features", hidden)):
+            if name in rows:
+                old = rows[name][:, :width]
+                grown = old.new_full((old.shape[0], width, *old.shape[2:]), self.pad_id if new is tok else 0)
+                grown[:, : old.shape[1]] = old
+                grown[r, count] = new.to(grown.dtype)
+                rows[name] = grown
+        rows["catch_count"] = count + 1
+        if width >= CATCH_UP_MAX:
+            self._catch_up(rows, d_rope, keep_last=True)
+
+    def _catch_up(self, rows: Rows, d_rope, keep_last: bool = False):
+        """Feed the draft its buffered tokens (each row's own number, padded); returns its
+        logits after the last of them ``[R, 1, V]`` (and, for a feature draft, its hidden
+        state there ``[R, 1, h]``). ``keep_last``: leave each row's last token buffered."""
+        d_cache, alive = rows.caches["draft"], rows["alive"]
         d_cache.lengths[~alive] = 0
-        pending = torch.where(alive, st["pending"], self.pad_id)
-        base = cache.lengths.clone()  # tokens in the actor cache before this round
+        count = torch.where(alive, rows["catch_count"], 1)
+        fed = (count - 1).clamp(min=0) if keep_last else count
+        tokens = rows["catch_tokens"]
+        width = tokens.shape[1]
+        kw = {}
+        if self.feature_draft:
+            kw = dict(features=rows["catch_features"], return_features=True)
+        last = (fed - 1).clamp(min=0)
+        res = forward_cached(self.draft, d_cache, tokens, d_rope, last_index=last,
+                             valid=fed.clamp(min=1), **kw)
+        d_cache.truncate(d_cache.lengths - width + fed)
+        r = torch.arange(len(count), device=count.device)
+        if keep_last:  # the buffer keeps each row's last token only
+            for name in ("catch_tokens", "catch_features"):
+                if name in rows:
+                    rows[name] = rows[name][r, (count - 1).clamp(min=0)][:, None]
+            rows["catch_count"] = torch.where(count > 0, 1, 0)
+            return None
+        if self.feature_draft:
+            logits, hidden = res
+            return logits, hidden[r, last][:, None]
+        return res, None
 
-        propose = self._propose_with_features if self.feature_draft else self._propose
-        drafts, q_probs = propose(st, alive, pending, cfg, n, gen, d_rope)
+    def _spec_round(self, rows: Rows, out: Outputs, cfg, n, key, rope, d_rope, stats, accept_rule):
+        cache, alive = rows.caches["actor"], rows["alive"]
+        cache.lengths[~alive] = 0
+        pending = torch.where(alive, rows["pending"], self.pad_id)
+        base = cache.lengths.clone()  # tokens in the actor cache before this round
+        sid, emitted = rows["sid"][:, None], rows["emitted"][:, None]
+        drafts, q_probs = self._propose(rows, cfg, n, key, d_rope)
         stats.draft_steps += n
         drafts_t = torch.stack(drafts, 1)  # [R, n]
 
@@ -225,87 +343,73 @@ class Generator:
                                   return_features=self.feature_draft)
         if self.feature_draft:
             a_logits, a_hidden = a_logits  # hidden states the draft catches up with next round
-        stats.actor_steps += 1
+        steps = torch.arange(n + 1, device=sid.device)
         if cfg.greedy:
             verdict, p_probs = speculative.accept_greedy(drafts_t, a_logits), None
         else:
             p_probs = probs_for_sampling(a_logits, cfg)
-            verdict = accept_rule(drafts_t, torch.stack(q_probs, 1), p_probs, gen)
+            verdict = accept_rule(drafts_t, torch.stack(q_probs, 1), p_probs,
+                                  rng.uniform(key, sid, emitted + steps[:n], rng.ACCEPT),
+                                  rng.uniform(key, sid, emitted + steps, rng.NEXT))
         k = verdict.accepted  # [R]
-        emitted = torch.cat([drafts_t, drafts_t[:, :1]], 1)  # [R, n+1]; slot k <- next token
-        emitted.scatter_(1, k[:, None], verdict.next_token[:, None])
-        lp, slp = _logprob_pair(a_logits, p_probs, emitted, cfg)  # lists of [n+1]
+        emitted_t = torch.cat([drafts_t, drafts_t[:, :1]], 1)  # [R, n+1]; slot k <- next token
+        emitted_t.scatter_(1, k[:, None], verdict.next_token[:, None])
+        lp, slp = _logprob_pair(a_logits, p_probs, emitted_t, cfg)  # lists of [n+1]
 
         live = alive.nonzero()[:, 0]
         stats.verifications += len(live)
+        k_live = k[live]
         for i in range(n):
-            stats.accepted_per_position[i] += int((k[live] > i).sum())
-        ks, toks, origin = k.tolist(), emitted.tolist(), rows.tolist()
+            stats.accepted_per_position[i] += int((k_live > i).sum())
+            stats.drafted_per_position[i] += int((k_live >= i).sum())
+        ks, toks, sids = k.tolist(), emitted_t.tolist(), rows["sid"].tolist()
         for r in live.tolist():
             kr = ks[r] + 1
-            if out.emit(origin[r], toks[r][:kr], lp[r][:kr], slp[r][:kr]):
+            if out.emit(sids[r], toks[r][:kr], lp[r][:kr], slp[r][:kr]):
                 alive[r] = False
 
-        # roll back: actor keeps pending + accepted drafts
-        cache.truncate(base + 1 + k)
-        if self.feature_draft:  # next round the draft reads d_1..d_k, next with h_base..h_base+k
-            st.update(catch_tokens=emitted, catch_features=a_hidden, catch_count=k + 1)
-        else:  # the draft stays one behind
-            d_cache.truncate(base + k)
-            st["last"] = torch.where(k > 0, drafts_t.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0],
-                                     pending)
-        st["pending"] = verdict.next_token
+        cache.truncate(base + 1 + k)  # the actor keeps pending + accepted drafts
+        # next round the draft reads d_1..d_k, next (with the actor's h at pending, d_1..d_k)
+        rows["catch_tokens"], rows["catch_count"] = emitted_t, k + 1
+        if self.feature_draft:
+            rows["catch_features"] = a_hidden
+        rows["pending"], rows["emitted"] = verdict.next_token, rows["emitted"] + k + 1
+        return k_live
 
-    def _propose(self, st, alive, pending, cfg, n, gen, d_rope):
-        """A standalone draft's ``n`` proposals; the first step catches up with
-        ``[last_in_cache, pending]``. Leaves the draft cache ``n`` tokens ahead."""
-        last = torch.where(alive, st["last"], self.pad_id)
-        feed = torch.stack([last, pending], 1)
-        drafts, q_probs = [], []
-        for _ in range(n):
-            d_logits = forward_cached(self.draft, st["d_cache"], feed, d_rope)[:, -1]
-            tok, q = sample(d_logits, cfg, gen)
-            drafts.append(tok)
-            q_probs.append(q)
-            feed = tok[:, None]
-        return drafts, q_probs
-
-    def _propose_with_features(self, st, alive, pending, cfg, n, gen, d_rope):
-        """A feature draft's ``n`` proposals: catch up with the last verification's tokens
-        and actor hidden states, then draft on its own hidden states. Afterwards the draft
-        cache holds exactly the caught-up tokens (up to and including ``pending``)."""
-        d_cache = st["d_cache"]
-        count = torch.where(alive, st["catch_count"], 1)
-        logits, hidden = forward_cached(self.draft, d_cache, st["catch_tokens"], d_rope,
-                                        last_index=count - 1, features=st["catch_features"],
-                                        return_features=True)
-        d_cache.truncate(d_cache.lengths - st["catch_tokens"].shape[1] + count)
+    def _propose(self, rows: Rows, cfg, n, key, d_rope):
+        """The draft's ``n`` proposals (and their sampling distributions): catch up with the
+        buffered tokens, then draft on its own outputs (a feature draft on its own hidden
+        states). Afterwards the draft cache holds exactly the caught-up tokens."""
+        d_cache = rows.caches["draft"]
+        logits, hidden = self._catch_up(rows, d_rope)
         caught_up = d_cache.lengths.clone()
-        hidden = hidden[torch.arange(len(count), device=count.device), count - 1][:, None]  # [R, 1, h]
+        sid, emitted = rows["sid"], rows["emitted"]
         drafts, q_probs = [], []
         for i in range(n):
-            tok, q = sample(logits[:, -1], cfg, gen)
+            tok, q = sample(logits[:, -1], cfg, rng.uniform(key, sid, emitted + i, rng.DRAFT))
             drafts.append(tok)
             q_probs.append(q)
             if i + 1 < n:
-                logits, hidden = forward_cached(self.draft, d_cache, tok[:, None], d_rope,
-                                                features=hidden, return_features=True)
+                kw = dict(features=hidden, return_features=True) if self.feature_draft else {}
+                res = forward_cached(self.draft, d_cache, tok[:, None], d_rope, **kw)
+                logits, hidden = res if self.feature_draft else (res, None)
         d_cache.truncate(caught_up)
         return drafts, q_probs
 
-    def _rollout(self, prompts, out: _Samples, stats: GenerationStats, dev) -> Rollout:
+    def _rollout(self, prompts, sids, out: Outputs, stats: GenerationStats, dev) -> Rollout:
         b = len(prompts)
-        t = max(len(x) for x in out.tokens)
+        t = max((len(out.tokens[s]) for s in sids), default=0)
         ids = torch.full((b, t), self.pad_id, dtype=torch.long)
         lps = torch.zeros(b, t)
         slps = torch.zeros(b, t)
-        for i in range(b):
-            m = len(out.tokens[i])
-            ids[i, :m] = torch.tensor(out.tokens[i])
-            lps[i, :m] = torch.tensor(out.logprobs[i])
-            slps[i, :m] = torch.tensor(out.sampling_logprobs[i])
-        lengths = torch.tensor([len(x) for x in out.tokens])
+        for i, s in enumerate(sids):
+            m = len(out.tokens[s])
+            ids[i, :m] = torch.tensor(out.tokens[s], dtype=torch.long)
+            lps[i, :m] = torch.tensor(out.logprobs[s])
+            slps[i, :m] = torch.tensor(out.sampling_logprobs[s])
+        lengths = torch.tensor([len(out.tokens[s]) for s in sids], dtype=torch.long)
         stats.new_tokens = int(lengths.sum())
-        return Rollout(prompt_ids=[list(p) for p in prompts], response_ids=ids,
-                       response_logprobs=lps, sampling_logprobs=slps, lengths=lengths,
-                       finish_reasons=list(out.reasons), stats=stats)
+        return Rollout(prompt_ids=[list(p) for p in prompts], response_ids=ids.to(dev),
+                       response_logprobs=lps.to(dev), sampling_logprobs=slps.to(dev),
+                       lengths=lengths.to(dev), finish_reasons=[out.reasons[s] for s in sids],
+                       stats=stats)

@@ -136,6 +136,29 @@ class KVCache:
             dst[rows, :, :n] = src
         self.lengths[rows] = data.lengths.to(self.lengths)
 
+    def pack_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``rows`` as one tensor ``[2 * layers, n, kv_heads, length_max, head_dim]``
+        (keys of every layer, then values; only the filled prefix) and their ``lengths [n]``:
+        what migration sends."""
+        n = int(self.lengths[rows].max()) if len(rows) else 0
+        return torch.stack([t[rows, :, :n] for t in self.keys + self.values]), self.lengths[rows].clone()
+
+    def append_rows(self, packed: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Add samples packed by :meth:`pack_rows` (of a cache with this one's layers and
+        heads) after this cache's rows, in this cache's dtype."""
+        layers, n, _, filled, _ = packed.shape
+        if layers != 2 * len(self.keys):
+            raise ValueError(f"packed rows hold {layers // 2} layers, this cache {len(self.keys)}")
+        if filled > self.max_len:
+            raise ValueError(f"rows hold {filled} tokens, the cache holds {self.max_len}")
+        grown = []
+        for old, new in zip(self.keys + self.values, packed):
+            extra = old.new_zeros((n, *old.shape[1:]))
+            extra[:, :, :filled] = new
+            grown.append(torch.cat([old, extra]))
+        self.keys, self.values = grown[: len(self.keys)], grown[len(self.keys):]
+        self.lengths = torch.cat([self.lengths, lengths.to(self.lengths)])
+
     def view_rows(self, start: int, end: int) -> "KVCache":
         """A cache over rows ``start:end`` that shares this one's storage (writes land here);
         its lengths are its own: set this cache's lengths after using it."""

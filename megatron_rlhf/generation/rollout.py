@@ -12,7 +12,13 @@ class GenerationStats:
     """Work done and, under speculation, how much of the draft the actor accepted."""
 
     num_draft_tokens: int = 0
-    """Draft length per verification (0: plain decoding)."""
+    """Largest draft length a verification could take (0: plain decoding)."""
+    mode: str = "plain"
+    """plain, fixed (one draft length) or auto (the selector's choice per round)."""
+    rounds_by_draft_len: list[int] = field(default_factory=list)
+    """``[N+1]``: rounds run with ``n`` draft tokens (index 0: plain steps)."""
+    drafted_per_position: list[int] = field(default_factory=list)
+    """``[N]``: sample-verifications whose draft reached position ``i`` (``n > i``)."""
     actor_steps: int = 0
     """Actor forwards after prefill (decode steps or verifications)."""
     draft_steps: int = 0
@@ -27,6 +33,18 @@ class GenerationStats:
     """Wall time of the whole call, prefill included."""
     prefill_s: float = 0.0
     """Wall time of the prefill (actor and draft)."""
+    migrated_out: int = 0
+    """Samples this rank sent to another data-parallel rank."""
+    migrated_in: int = 0
+    """Samples this rank received."""
+    migration_bytes: int = 0
+    """Bytes this rank sent or received when moving samples (KV caches included)."""
+    migration_s: float = 0.0
+    """Wall time spent packing, moving and unpacking samples."""
+    sync_s: float = 0.0
+    """Wall time in the exchanges of live counts (waiting for the other ranks included)."""
+    idle_s: float = 0.0
+    """Wall time with no live sample on this rank before the rollout ended everywhere."""
 
     @property
     def accepted_tokens(self) -> int:
@@ -51,9 +69,20 @@ class GenerationStats:
         self.new_tokens += other.new_tokens
         self.elapsed_s += other.elapsed_s
         self.prefill_s += other.prefill_s
-        self.accepted_per_position = [
-            a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)
-        ]
+        for name in ("migrated_out", "migrated_in", "migration_bytes", "migration_s", "sync_s",
+                     "idle_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("accepted_per_position", "drafted_per_position", "rounds_by_draft_len"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            width = max(len(mine), len(theirs))
+            setattr(self, name, [(mine[i] if i < len(mine) else 0) + (theirs[i] if i < len(theirs) else 0)
+                                 for i in range(width)])
+        self.num_draft_tokens = max(self.num_draft_tokens, other.num_draft_tokens)
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """Per draft position, the fraction of the drafts that reached it that were accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
     def to_dict(self) -> dict:
         return {
@@ -62,7 +91,13 @@ class GenerationStats:
             "accepted_per_position": self.accepted_per_position, "new_tokens": self.new_tokens,
             "elapsed_s": self.elapsed_s, "prefill_s": self.prefill_s,
             "mean_accepted_length": self.mean_accepted_length,
-            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s": self.tokens_per_s, "mode": self.mode,
+            "rounds_by_draft_len": self.rounds_by_draft_len,
+            "drafted_per_position": self.drafted_per_position,
+            "acceptance_per_position": self.acceptance_per_position,
+            "migrated_out": self.migrated_out, "migrated_in": self.migrated_in,
+            "migration_bytes": self.migration_bytes, "migration_s": self.migration_s,
+            "sync_s": self.sync_s, "idle_s": self.idle_s,
         }
 
 

@@ -18,19 +18,7 @@ def probs_for_sampling(logits: torch.Tensor, params: GenerationConfig) -> torch.
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     if samples_actor(params, logits.shape[-1]):  # one pass: no fp32 copy of the logits first
         return torch.softmax(logits, -1, dtype=torch.float32)
-    logits = logits.float()
-    if params.temperature != 1.0:
-        logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cum - sorted_logits.softmax(-1) >= params.top_p  # mass before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+    return sampling_logits(logits, params).softmax(-1)
 
 
 def samples_actor(params: GenerationConfig, vocab: int) -> bool:
@@ -47,16 +35,16 @@ def samples_actor(params: GenerationConfig, vocab: int) -> bool:
 DRAW_BLOCK = 256
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``probs [..., V]`` by inverse CDF (one uniform per row).
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs [..., V]`` by inverse CDF, with the uniforms ``u [...]``
+    (in ``[0, 1)``; per-sample keyed ones from :mod:`~megatron_rlhf.generation.rng`).
 
-    Much cheaper than ``torch.multinomial`` over a large vocabulary on CPU. Ranks with
-    identical generators and probabilities draw identical tokens. A zero-probability
-    token is never drawn (float rounding at the top end falls back to the argmax).
+    Much cheaper than ``torch.multinomial`` over a large vocabulary on CPU. Equal
+    probabilities and uniforms draw equal tokens on every rank. A zero-probability token
+    is never drawn (float rounding at the top end falls back to the argmax).
     """
     flat = probs.reshape(-1, probs.shape[-1]).float()
-    u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device)
-    idx = inverse_cdf(flat, u)
+    idx = inverse_cdf(flat, u.reshape(-1, 1).to(flat.device, torch.float32))
     bad = flat.gather(-1, idx) <= 0
     if bool(bad.any()):
         idx = torch.where(bad, flat.argmax(-1, keepdim=True), idx)
@@ -80,12 +68,13 @@ def inverse_cdf(flat: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (blk * DRAW_BLOCK + pos).clamp(max=vocab - 1)
 
 
-def sample(logits: torch.Tensor, params: GenerationConfig, generator: torch.Generator | None):
-    """Tokens ``[...]`` and the sampling distribution ``[..., V]`` (None when greedy)."""
+def sample(logits: torch.Tensor, params: GenerationConfig, u: torch.Tensor | None):
+    """Tokens ``[...]`` and the sampling distribution ``[..., V]`` (None when greedy);
+    ``u [...]``: the uniforms of the draws (unused, may be None, when greedy)."""
     if params.greedy:
         return logits.argmax(-1), None
     probs = probs_for_sampling(logits, params)
-    return draw(probs, generator), probs
+    return draw(probs, u), probs
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -110,3 +99,25 @@ def sampling_logprobs(probs: torch.Tensor | None, tokens: torch.Tensor) -> torch
     if probs is None:
         return torch.zeros(tokens.shape, device=tokens.device)
     return probs.gather(-1, tokens[..., None])[..., 0].clamp(min=1e-30).log()
+
+
+def sampling_logits(logits: torch.Tensor, params: GenerationConfig) -> torch.Tensor:
+    """``[..., V]`` fp32 logits whose softmax is the sampling distribution: ``logits /
+    temperature``, ``-inf`` outside the top-k and top-p set. Differentiable in the kept
+    logits (the set itself is chosen without gradient). Not for greedy decoding."""
+    if params.greedy:
+        raise ValueError("greedy decoding (temperature 0) samples the argmax; it has no "
+                         "sampling logits: use a temperature > 0")
+    logits = logits.float()
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits.detach(), params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits.detach(), dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) >= params.top_p  # mass before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits

@@ -50,28 +50,23 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def accept_sampling(draft_tokens: torch.Tensor, q_probs: torch.Tensor, p_probs: torch.Tensor,
-                    generator: torch.Generator | None) -> Verdict:
+                    u_accept: torch.Tensor, u_next: torch.Tensor) -> Verdict:
     """Rejection sampling: ``draft_tokens [B, n]``, ``q_probs [B, n, V]``, ``p_probs [B, n+1, V]``.
 
-    ``q_probs``/``p_probs`` are the draft's and actor's *sampling* distributions
-    (after temperature, top-k, top-p). Only one replacement is drawn per sample, from the
-    residual at its first rejected position (or from ``p`` after all ``n`` accepted).
+    ``q_probs``/``p_probs`` are the draft's and actor's *sampling* distributions (after
+    temperature, top-k, top-p: the draft's are those its tokens were drawn from).
+    ``u_accept [B, n]``: the uniform of each position's acceptance test; ``u_next [B, n+1]``:
+    the uniform of the token drawn after ``j`` accepted drafts. One replacement is drawn per
+    sample, from the residual at its first rejected position (or from ``p`` after all ``n``
+    accepted: the bonus token).
     """
     b, n = draft_tokens.shape
     p_x = p_probs[:, :n].gather(-1, draft_tokens[..., None])[..., 0]  # [B, n]
     q_x = q_probs.gather(-1, draft_tokens[..., None])[..., 0]
-    u = torch.rand((b, n), generator=generator, device=p_x.device)
-    ok = u * q_x < p_x  # u < p/q without dividing; q(x) > 0 for any drafted x
+    ok = u_accept * q_x < p_x  # u < p/q without dividing; q(x) > 0 for any drafted x
     accepted = ok.long().cumprod(-1).sum(-1)  # [B]
     rows = torch.arange(b, device=p_x.device)
     p_row = p_probs[rows, accepted]  # [B, V]
     q_row = torch.cat([q_probs, torch.zeros_like(q_probs[:, :1])], 1)[rows, accepted]  # 0 after n
-    return Verdict(accepted=accepted, next_token=draw(residual_distribution(p_row, q_row), generator))
-
-
-def accept_always(draft_tokens: torch.Tensor, q_probs: torch.Tensor, p_probs: torch.Tensor,
-                  generator: torch.Generator | None) -> Verdict:
-    """A deliberately *broken* rule (accept every draft token) for tests to show they notice."""
-    b, n = draft_tokens.shape
-    bonus = draw(p_probs[:, n], generator)
-    return Verdict(accepted=torch.full((b,), n, device=draft_tokens.device), next_token=bonus)
+    u = u_next.gather(-1, accepted[:, None])[:, 0]
+    return Verdict(accepted=accepted, next_token=draw(residual_distribution(p_row, q_row), u))

@@ -78,5 +78,5 @@ def test_generation_configs():
         GenerationConfig(top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
         GenerationConfig(max_new_tokens=0)
-    with pytest.raises(ValueError, match="--num-draft-tokens must be an integer >= 0, got -1"):
+    with pytest.raises(ValueError, match="--num-draft-tokens must be an integer >= 0 or .auto., got -1"):
         SpecConfig(num_draft_tokens=-1)

@@ -351,7 +351,7 @@ def test_draw_never_picks_zero_probability_tokens():
 
     probs = torch.zeros(4000, 50)
     probs[:, [3, 7, 49]] = torch.tensor([0.2, 0.5, 0.3])
-    tok = draw(probs, torch.Generator().manual_seed(0))
+    tok = draw(probs, torch.rand(4000, generator=torch.Generator().manual_seed(0)))
     counts = torch.bincount(tok, minlength=50).float() / 4000
     assert set(tok.unique().tolist()) == {3, 7, 49}
     assert (counts[[3, 7, 49]] - torch.tensor([0.2, 0.5, 0.3])).abs().max() < 0.03
@@ -408,10 +408,11 @@ def test_feature_draft_reads_the_right_hidden_states(world1, pair, monkeypatch, 
     draft = feature_draft_for(actor, world1)
     calls, real = [], engine.forward_cached
 
-    def spy(model, cache, tokens, rope, last_index=None, features=None, return_features=False):
+    def spy(model, cache, tokens, rope, last_index=None, features=None, return_features=False,
+            valid=None):
         if model is draft and last_index is not None:  # a catch-up (not a drafting step)
             calls.append((int(cache.lengths[0]), int(last_index[0]) + 1, tokens[0], features[0]))
-        return real(model, cache, tokens, rope, last_index, features, return_features)
+        return real(model, cache, tokens, rope, last_index, features, return_features, valid)
 
     monkeypatch.setattr(engine, "forward_cached", spy)
     cfg = GenerationConfig(max_new_tokens=20, temperature=1.0)

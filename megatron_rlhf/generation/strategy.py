@@ -1,0 +1,267 @@
+"""The workload-aware drafting selector (RLHFSpec): a cost model, an acceptance estimate,
+and before every round the choice of plain decoding or ``n`` draft tokens.
+
+RLHF generation shrinks from a full batch to a long tail. Verifying ``n + 1`` tokens per
+sample costs little more than one token at a small batch and much more at a large one (on
+a CPU; on a GPU it is nearly free at any batch), while the tokens a round emits depend on
+how often the actor accepts the draft. So before each round the selector picks the ``n``
+(0: a plain step) with the most expected emitted tokens per second for the live batch::
+
+    E[tokens | n] = 1 + sum_{j<n} prod_{i<=j} alpha_i      (alpha_i: acceptance at position i)
+    time(b, n)    = draft(b, 2) + (n - 1) draft(b, 1) + actor(b, n + 1)   (n = 0: actor(b, 1))
+
+- :class:`CostTable`: latencies of one forward of the actor and of the draft by live batch
+  and tokens per sample, profiled when the engine starts (:func:`profile`, a few seconds),
+  or loaded from a JSON file; :class:`Selector` refreshes its predictions from measured
+  rounds (a correction per draft length and batch octave).
+- :class:`Acceptance`: per draft position, the decayed fraction of drafts the actor
+  accepted (it follows the actor as it trains); a bonus for positions rarely tried keeps
+  the selector exploring them.
+
+Whatever it picks, each round is lossless: the choice only decides how many tokens the
+draft proposes before the actor decides.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+EXPLORATION = 0.3
+"""Acceptance bonus ``EXPLORATION / sqrt(1 + tried)`` of a position tried ``tried`` times."""
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear in ``x``; flat below the first point, the last slope (>= 0) above."""
+    if x <= xs[0] or len(xs) == 1:
+        return ys[0] if x <= xs[0] else ys[-1]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return ys[i - 1] + w * (ys[i] - ys[i - 1])
+    slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+    return ys[-1] + slope * (x - xs[-1])
+
+
+@dataclass
+class CostTable:
+    """Seconds per forward of the actor and the draft, by live batch and tokens per sample."""
+
+    batches: list[int]
+    """Profiled batch sizes, ascending."""
+    actor: dict[int, list[float]]
+    """Tokens per sample -> the actor's latency at each of ``batches``."""
+    draft: dict[int, list[float]] = field(default_factory=dict)
+    """Tokens per sample -> the draft's latency at each of ``batches``."""
+    models: str = ""
+    """What was profiled (models, TP, dtype, device): a profile of others is not reused."""
+
+    def actor_s(self, batch: int, tokens: int) -> float:
+        return self._lookup(self.actor, batch, tokens)
+
+    def draft_s(self, batch: int, tokens: int) -> float:
+        return self._lookup(self.draft, batch, tokens) if self.draft else 0.0
+
+    def _lookup(self, table: dict[int, list[float]], batch: int, tokens: int) -> float:
+        widths = sorted(table)
+        t = min(widths, key=lambda w: (abs(w - tokens), w))
+        base = _interp(self.batches, table[t], batch)
+        if tokens > widths[-1]:  # wider than profiled: scale by the last step in width
+            prev = _interp(self.batches, table[widths[-2]], batch) if len(widths) > 1 else 0.0
+            base += (tokens - widths[-1]) * max(base - prev, 0.0)
+        return base
+
+    def round_s(self, batch: int, n: int) -> float:
+        """Predicted latency of a round with ``n`` draft tokens (0: a plain step)."""
+        if n == 0:
+            return self.actor_s(batch, 1)
+        return self.draft_s(batch, 2) + (n - 1) * self.draft_s(batch, 1) + self.actor_s(batch, n + 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["actor"] = {str(k): v for k, v in self.actor.items()}
+        d["draft"] = {str(k): v for k, v in self.draft.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostTable":
+        return cls(batches=list(d["batches"]), models=d.get("models", ""),
+                   actor={int(k): list(v) for k, v in d["actor"].items()},
+                   draft={int(k): list(v) for k, v in d.get("draft", {}).items()})
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically (a temporary file, then rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostTable":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cost profile {path} is unreadable ({e}); delete it to re-profile") from e
+
+
+def best_draft_length(round_s: list[float], expected_tokens: list[float]) -> int:
+    """The ``n`` with the most expected tokens per second (ties: the smaller ``n``)."""
+    rates = [e / max(s, 1e-12) for e, s in zip(expected_tokens, round_s)]
+    return max(range(len(rates)), key=lambda n: (rates[n], -n))
+
+
+class Acceptance:
+    """Decayed per-position acceptance of the draft: ``alpha_i`` = accepted / tried at
+    draft position ``i``, over recent rounds (every round multiplies old counts by
+    ``decay``); starts from ``prior`` with the weight of ``prior_weight`` verifications."""
+
+    def __init__(self, max_n: int, decay: float, prior: float = 0.5, prior_weight: float = 2.0):
+        self.decay = decay
+        self.tried = [prior_weight] * max_n
+        self.passed = [prior * prior_weight] * max_n
+
+    def observe(self, accepted: torch.Tensor | None, n: int) -> None:
+        """A round: ``accepted [live]`` draft tokens accepted per sample (None: a plain step)."""
+        self.tried = [t * self.decay for t in self.tried]
+        self.passed = [p * self.decay for p in self.passed]
+        if accepted is None or not n:
+            return
+        for i in range(n):
+            self.tried[i] += float((accepted >= i).sum())
+            self.passed[i] += float((accepted > i).sum())
+
+    def rates(self, explore: bool = True) -> list[float]:
+        out = []
+        for t, p in zip(self.tried, self.passed):
+            a = p / t if t > 0 else 0.0
+            out.append(min(1.0, a + (EXPLORATION / math.sqrt(1.0 + t) if explore else 0.0)))
+        return out
+
+    def expected_tokens(self, n: int, explore: bool = True) -> float:
+        """Tokens a round of ``n`` drafts emits per sample: accepted drafts + 1."""
+        total, reach = 1.0, 1.0
+        for a in self.rates(explore)[:n]:
+            reach *= a
+            total += reach
+        return total
+
+
+class Selector:
+    """Chooses each round's draft length from a :class:`CostTable` and an :class:`Acceptance`."""
+
+    def __init__(self, costs: CostTable, max_n: int, acceptance: Acceptance):
+        self.costs, self.max_n, self.acceptance = costs, max_n, acceptance
+        self.correction: dict[tuple[int, int], float] = {}
+
+    @staticmethod
+    def _octave(batch: int) -> int:
+        return int(round(math.log2(max(batch, 1))))
+
+    def round_s(self, batch: int, n: int) -> float:
+        """Predicted round latency, corrected by what rounds like it measured."""
+        return self.costs.round_s(batch, n) * self.correction.get((n, self._octave(batch)), 1.0)
+
+    def choose(self, batch: int) -> int:
+        return best_draft_length([self.round_s(batch, n) for n in range(self.max_n + 1)],
+                                 [self.acceptance.expected_tokens(n) for n in range(self.max_n + 1)])
+
+    def observe(self, batch: int, n: int, seconds: float, accepted: torch.Tensor | None) -> None:
+        """A measured round: refresh the latency correction and the acceptance estimate."""
+        predicted = self.costs.round_s(batch, n)
+        if predicted > 0:
+            key = (n, self._octave(batch))
+            ratio = seconds / predicted
+            old = self.correction.get(key)
+            self.correction[key] = ratio if old is None else 0.7 * old + 0.3 * ratio
+        self.acceptance.observe(accepted, n)
+
+
+# ---------------------------------------------------------------------------- profiling
+def profile_batches(max_batch: int) -> list[int]:
+    """1, 4, 16, ... below ``max_batch``, and ``max_batch``."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 4
+    return out + [max(max_batch, 1)]
+
+
+def describe(actor, draft) -> str:
+    """What a profile depends on: the models' shapes, TP size, dtype and device."""
+    def one(m):
+        c = m.mrlhf_config
+        w = m.embedding.word_embeddings.weight
+        return (f"{c.num_layers}x{c.hidden_size}/{c.ffn_hidden_size} h{c.num_attention_heads}"
+                f"/{c.num_query_groups} v{c.head_vocab_size or c.vocab_size}"
+                f"{' feature' if c.feature_draft else ''} {w.dtype} {w.device.type}")
+    tp = actor.pg_collection.tp.size()
+    return f"actor {one(actor)}; draft {one(draft) if draft is not None else None}; tp {tp}"
+
+
+def _timed(fn, repeats: int, cuda: bool) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def profile(actor, draft, max_n: int, max_batch: int, context: int = 64, repeats: int = 3) -> CostTable:
+    """Time one forward of the actor (``1..max_n+1`` tokens per sample) and of the draft
+    (1 and 2) after ``context`` cached tokens, at :func:`profile_batches` ``(max_batch)``.
+    Every rank of a TP group must call this together (the forwards all-reduce)."""
+    from megatron_rlhf.generation.incremental import RopeTable, forward_cached
+    from megatron_rlhf.generation.kv_cache import KVCache
+
+    batches = profile_batches(max_batch)
+    length = context + max_n + 2
+    table = CostTable(batches=batches, actor={}, draft={}, models=describe(actor, draft))
+    for model, widths, out in ((actor, range(1, max_n + 2), table.actor), (draft, (1, 2), table.draft)):
+        if model is None:
+            continue
+        w = model.embedding.word_embeddings.weight
+        rope = RopeTable(model, length)
+        vocab = model.mrlhf_config.vocab_size
+        for t in widths:
+            out[t] = []
+            for b in batches:
+                cache = KVCache.for_model(model, b, length)
+                tokens = torch.randint(0, vocab, (b, t), device=w.device)
+                feats = None
+                if getattr(model, "feature_fusion", None) is not None:
+                    feats = torch.zeros(b, t, model.mrlhf_config.hidden_size, dtype=w.dtype, device=w.device)
+
+                def step():
+                    cache.lengths.fill_(context)
+                    forward_cached(model, cache, tokens, rope, features=feats)
+                out[t].append(_timed(step, repeats, w.is_cuda))
+    return table
+
+
+def load_or_profile(actor, draft, spec, max_batch: int, max_len: int) -> CostTable:
+    """``spec.cost_profile`` when it exists and describes these models; else a new profile
+    (saved there by global rank 0 when a path is given)."""
+    path = spec.cost_profile
+    if path and Path(path).exists():
+        table = CostTable.load(path)
+        if table.models == describe(actor, draft):
+            return table
+    context = max(1, min(64, max_len - spec.max_draft_tokens - 2))
+    table = profile(actor, draft, spec.max_draft_tokens, max_batch, context=context)
+    if path and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        table.save(path)
+    return table
