@@ -1,0 +1,243 @@
+"""Sample reallocation between data-parallel ranks during generation (RLHFSpec).
+
+Each data-parallel rank generates its own share of the samples, and the share shrinks
+unevenly: some ranks run out of work while others still decode long answers. Every
+``interval`` rounds the ranks of the DP group exchange their live counts (one small
+all-gather); when the busiest rank holds more than ``1 + threshold`` times the mean and
+at least two more than the idlest, unfinished samples move from busy to idle ranks over
+point-to-point sends (NCCL on GPU, gloo on CPU) until every rank is within one of the
+mean (:func:`plan_transfers`). A sample travels whole: its per-row state (global index,
+tokens emitted, pending token, the draft's catch-up buffer and, for a feature draft, the
+actor hidden states in it), its rows of the actor's and the draft's KV caches, and its
+outputs so far (tokens, log-probs). Its random numbers are keyed by its global index and
+position (:mod:`~megatron_rlhf.generation.rng`), so it continues exactly as it would have
+where it started. Generation statistics stay with the rank that did the work.
+
+At the end, samples return to the rank that owns them (:meth:`Migrator.return_results`),
+each exactly once, in the owner's original order. A rank that dies mid-transfer ends the
+job with a :class:`MigrationError` naming it.
+
+Under TP each TP rank of a replica exchanges with the same TP rank of the other replicas
+(that is what ``pg.dp`` groups): the counts and plans agree across TP, and every TP rank
+ships its own shards of the caches.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config import MigrationConfig
+from megatron_rlhf.generation.rollout import GenerationStats
+from megatron_rlhf.generation.state import Outputs, Rows
+
+_DTYPES = [torch.int64, torch.float32, torch.bfloat16, torch.float16, torch.bool, torch.float64]
+_MAX_TENSORS, _MAX_DIMS = 32, 5
+_OUT_KEYS = ("out:tokens", "out:logprobs", "out:sampling_logprobs", "out:count")
+
+
+class MigrationError(RuntimeError):
+    """A peer failed while samples moved (or counts were exchanged)."""
+
+
+def plan_transfers(counts: list[int], threshold: float) -> list[tuple[int, int, int]]:
+    """Moves ``(src, dst, samples)`` that bring every rank within one of the mean live
+    count, or none when the imbalance is below ``threshold`` (see the module docstring).
+    Ranks that already hold the most keep the remainder; every rank only sends or only
+    receives."""
+    total, size = sum(counts), len(counts)
+    if not total or size < 2:
+        return []
+    if max(counts) <= (1 + threshold) * total / size or max(counts) - min(counts) < 2:
+        return []
+    target = [total // size] * size
+    for r in sorted(range(size), key=lambda r: -counts[r])[: total % size]:
+        target[r] += 1
+    surplus = [[r, counts[r] - target[r]] for r in range(size) if counts[r] > target[r]]
+    deficit = [[r, target[r] - counts[r]] for r in range(size) if counts[r] < target[r]]
+    moves, i, j = [], 0, 0
+    while i < len(surplus) and j < len(deficit):
+        n = min(surplus[i][1], deficit[j][1])
+        moves.append((surplus[i][0], deficit[j][0], n))
+        surplus[i][1] -= n
+        deficit[j][1] -= n
+        i += surplus[i][1] == 0
+        j += deficit[j][1] == 0
+    return moves
+
+
+class Migrator:
+    """Exchanges live counts and moves samples within one data-parallel group."""
+
+    def __init__(self, group, cfg: MigrationConfig, device: torch.device):
+        self.group, self.device = group, device
+        self.interval, self.threshold = cfg.migration_interval, cfg.migration_threshold
+        self.rank, self.size = group.rank(), group.size()
+
+    def _global(self, r: int) -> int:
+        return dist.get_global_rank(self.group, r)
+
+    def _fail(self, what: str, peer: int | None, err: Exception) -> MigrationError:
+        who = (f"data-parallel rank {peer} (global rank {self._global(peer)})" if peer is not None
+               else f"a rank of the data-parallel group (global ranks "
+                    f"{[self._global(r) for r in range(self.size)]})")
+        return MigrationError(f"sample migration: {what} failed on global rank {dist.get_rank()}: "
+                              f"{who} did not answer ({type(err).__name__}: {err}); it has "
+                              "probably died, see its own log")
+
+    def agree_max_len(self, n: int) -> int:
+        """The longest cache any rank needs (every rank sizes its caches for any sample)."""
+        t = torch.tensor([n], device=self.device)
+        try:
+            dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as e:
+            raise self._fail("agreeing on the cache length", None, e) from e
+        return int(t)
+
+    def counts(self, live: int) -> list[int]:
+        t = torch.tensor([live], device=self.device)
+        out = [torch.zeros_like(t) for _ in range(self.size)]
+        try:
+            dist.all_gather(out, t, group=self.group)
+        except RuntimeError as e:
+            raise self._fail("the exchange of live counts", None, e) from e
+        return [int(x) for x in out]
+
+    def exchange(self, rows: Rows, out: Outputs, stats: GenerationStats, idle: bool) -> bool:
+        """All-gather live counts and move samples if the plan says so; True when no rank
+        has a live sample left (generation is over everywhere). ``rows`` must be compact."""
+        t0 = time.perf_counter()
+        counts = self.counts(len(rows))
+        waited = time.perf_counter() - t0
+        stats.sync_s += waited
+        if idle:
+            stats.idle_s += waited
+        if not sum(counts):
+            return True
+        plan = plan_transfers(counts, self.threshold)
+        if plan:
+            t1 = time.perf_counter()
+            self._move(plan, rows, out, stats)
+            stats.migration_s += time.perf_counter() - t1
+        return False
+
+    # ------------------------------------------------------------------ transfers
+    def _move(self, plan, rows: Rows, out: Outputs, stats: GenerationStats) -> None:
+        sends = [(dst, n) for src, dst, n in plan if src == self.rank]
+        recvs = [(src, n) for src, dst, n in plan if dst == self.rank]
+        names = sorted([*rows.fields, *_OUT_KEYS] + [f"{kind}:{c}" for c in rows.caches
+                                                      for kind in ("cache", "cache_len")])
+        if sends:
+            order = torch.argsort(rows.caches["actor"].lengths, stable=True)  # fewest bytes first
+            works, start = [], 0
+            for dst, n in sends:
+                chosen = order[start:start + n]
+                start += n
+                package = rows.pack(chosen)
+                package.update(_records(out, package["sid"].tolist(), self.device))
+                assert sorted(package) == names, (sorted(package), names)
+                works += self._send(package, dst, stats)
+                stats.migrated_out += n
+            rows.select(order[start:].sort().values)
+            for work, dst in works:
+                try:
+                    work.wait()
+                except RuntimeError as e:
+                    raise self._fail(f"sending samples to rank {dst}", dst, e) from e
+        for src, n in recvs:
+            package = self._recv(src, names, stats)
+            for record in _unpack_records(package):
+                out.put(record)
+            rows.append(package)
+            stats.migrated_in += n
+
+    def _send(self, package: dict[str, torch.Tensor], dst: int, stats) -> list:
+        names = sorted(package)
+        header = torch.zeros(len(names), 2 + _MAX_DIMS, dtype=torch.long)
+        for i, name in enumerate(names):
+            t = package[name]
+            header[i, 0], header[i, 1] = _DTYPES.index(t.dtype), t.dim()
+            header[i, 2:2 + t.dim()] = torch.tensor(t.shape)
+        header = _pad_header(header).to(self.device)
+        peer = self._global(dst)
+        try:
+            works = [(dist.isend(header, peer, group=self.group, tag=0), dst)]
+            for i, name in enumerate(names):
+                t = package[name].contiguous()
+                if t.numel():
+                    works.append((dist.isend(t, peer, group=self.group, tag=1 + i), dst))
+                    stats.migration_bytes += t.numel() * t.element_size()
+        except RuntimeError as e:
+            raise self._fail(f"sending samples to rank {dst}", dst, e) from e
+        return works
+
+    def _recv(self, src: int, names: list[str], stats) -> dict[str, torch.Tensor]:
+        peer = self._global(src)
+        header = torch.zeros(_MAX_TENSORS, 2 + _MAX_DIMS, dtype=torch.long, device=self.device)
+        try:
+            dist.recv(header, peer, group=self.group, tag=0)
+            header = header.cpu()
+            package = {}
+            for i, name in enumerate(names):
+                code, ndim = int(header[i, 0]), int(header[i, 1])
+                shape = header[i, 2:2 + ndim].tolist()
+                t = torch.empty(shape, dtype=_DTYPES[code], device=self.device)
+                if t.numel():
+                    dist.recv(t, peer, group=self.group, tag=1 + i)
+                    stats.migration_bytes += t.numel() * t.element_size()
+                package[name] = t
+        except RuntimeError as e:
+            raise self._fail(f"receiving samples from rank {src}", src, e) from e
+        return package
+
+    # ------------------------------------------------------------------ results
+    def return_results(self, out: Outputs, mine: list[int]) -> None:
+        """Send every finished sample to the rank that owns it; afterwards ``out`` holds
+        exactly this rank's samples ``mine``, each once."""
+        own = set(mine)
+        foreign = [out.pop(s) for s in list(out.tokens) if s not in own]
+        gathered = [None] * self.size
+        try:
+            dist.all_gather_object(gathered, foreign, group=self.group)
+        except RuntimeError as e:
+            raise self._fail("returning samples to their owners", None, e) from e
+        for records in gathered:
+            for record in records:
+                if record[0] in own:
+                    out.put(record)  # raises if a sample arrives twice
+        lost = [s for s in mine if s not in out.tokens or out.reasons[s] is None]
+        if lost:
+            raise MigrationError(f"samples {lost[:8]} did not come back from migration")
+
+
+def _pad_header(header: torch.Tensor) -> torch.Tensor:
+    if header.shape[0] > _MAX_TENSORS:
+        raise ValueError(f"a migration package has {header.shape[0]} tensors (at most {_MAX_TENSORS})")
+    return torch.cat([header, header.new_zeros(_MAX_TENSORS - header.shape[0], header.shape[1])])
+
+
+def _records(out: Outputs, sids: list[int], device) -> dict[str, torch.Tensor]:
+    """Samples ``sids``' outputs so far as padded tensors (removed from ``out``)."""
+    recs = [out.pop(s) for s in sids]
+    width = max(len(r[1]) for r in recs)
+    toks = torch.zeros(len(recs), width, dtype=torch.long)
+    lps = torch.zeros(len(recs), width, dtype=torch.float64)
+    slps = torch.zeros(len(recs), width, dtype=torch.float64)
+    for i, (_, t, lp, slp, _) in enumerate(recs):
+        toks[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        lps[i, :len(t)] = torch.tensor(lp, dtype=torch.float64)
+        slps[i, :len(t)] = torch.tensor(slp, dtype=torch.float64)
+    n = torch.tensor([len(r[1]) for r in recs], dtype=torch.long)
+    return {"out:tokens": toks.to(device), "out:logprobs": lps.to(device),
+            "out:sampling_logprobs": slps.to(device), "out:count": n.to(device)}
+
+
+def _unpack_records(package: dict[str, torch.Tensor]) -> list[tuple]:
+    sids = package["sid"].tolist()
+    counts = package["out:count"].tolist()
+    toks, lps = package.pop("out:tokens").tolist(), package.pop("out:logprobs").tolist()
+    slps = package.pop("out:sampling_logprobs").tolist()
+    package.pop("out:count")
+    return [(s, toks[i][:c], lps[i][:c], slps[i][:c], None) for i, (s, c) in enumerate(zip(sids, counts))]
