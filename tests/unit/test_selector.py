@@ -1,0 +1,208 @@
+"""The drafting selector (cost model, acceptance, choice), the migration plan and the
+per-sample random numbers: pure functions, and the selector inside the engine."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from gen_fixtures import PROMPTS, actor_and_draft, feature_draft_for
+from megatron_rlhf.config import GenerationConfig, SpecConfig
+from megatron_rlhf.generation import rng
+from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation.migration import plan_transfers
+from megatron_rlhf.generation.strategy import (
+    Acceptance, CostTable, Selector, best_draft_length, load_or_profile, profile,
+)
+
+
+def table(actor_per_token: float, actor_base: float, draft: float, batches=(1, 8, 64), widths=5):
+    """Latencies ``actor(b, t) = (base + per_token * t) * (1 + b / 64)``, draft flat."""
+    scale = [1 + b / 64 for b in batches]
+    return CostTable(batches=list(batches),
+                     actor={t: [(actor_base + actor_per_token * t) * s for s in scale]
+                            for t in range(1, widths + 1)},
+                     draft={t: [draft * s for s in scale] for t in (1, 2)})
+
+
+# ---------------------------------------------------------------- pure choices
+def test_best_draft_length_is_the_argmax_of_tokens_per_second():
+    g = random.Random(0)
+    for _ in range(200):
+        k = g.randint(1, 6)
+        times = [g.uniform(0.01, 1.0) for _ in range(k + 1)]
+        tokens = [1.0] + [1.0 + g.uniform(0, n) for n in range(1, k + 1)]
+        rates = [t / s for t, s in zip(tokens, times)]
+        assert best_draft_length(times, tokens) == max(range(k + 1), key=lambda n: rates[n])
+
+
+def test_selector_picks_the_argmax_of_a_synthetic_table(monkeypatch):
+    from megatron_rlhf.generation import strategy
+
+    monkeypatch.setattr(strategy, "EXPLORATION", 0.0)
+    acc = Acceptance(4, decay=1.0, prior=0.7, prior_weight=10.0)
+    assert acc.rates() == pytest.approx([0.7] * 4)
+    expected = [1 + sum(0.7 ** j for j in range(1, n + 1)) for n in range(5)]
+    for per_token, draft in ((0.0, 0.001), (0.01, 0.001), (0.05, 0.02), (0.2, 0.001), (0.0, 0.5)):
+        costs = table(per_token, 0.05, draft)
+        sel = Selector(costs, 4, acc)
+        for b in (1, 5, 8, 30, 64, 200):
+            rates = [expected[n] / costs.round_s(b, n) for n in range(5)]
+            assert sel.choose(b) == max(range(5), key=lambda n: (rates[n], -n)), (per_token, draft, b)
+
+
+def test_acceptance_estimate_follows_observations_and_decays():
+    acc = Acceptance(3, decay=0.5)
+    for _ in range(20):  # position 0 always accepted, position 1 never
+        acc.observe(torch.tensor([1, 1, 1, 1]), 3)
+    rates = acc.rates(explore=False)
+    assert rates[0] == pytest.approx(1.0, abs=1e-3) and rates[1] == pytest.approx(0.0, abs=1e-3)
+    assert acc.expected_tokens(3, explore=False) == pytest.approx(2.0, abs=1e-3)
+    for _ in range(20):  # the actor changed: now nothing is accepted
+        acc.observe(torch.tensor([0, 0, 0, 0]), 3)
+    assert acc.rates(explore=False)[0] < 0.01
+    # rounds without drafting let the evidence fade: the exploration bonus grows back
+    before = acc.rates()[2]
+    for _ in range(10):
+        acc.observe(None, 0)
+    assert acc.rates()[2] > before
+
+
+def test_measured_rounds_correct_the_table():
+    sel = Selector(table(0.0, 0.1, 0.0), 2, Acceptance(2, decay=1.0))
+    for _ in range(30):
+        sel.observe(8, 0, 0.3 * sel.costs.round_s(8, 0), None)
+    assert sel.round_s(8, 0) == pytest.approx(0.3 * sel.costs.round_s(8, 0), rel=1e-3)
+    assert sel.round_s(64, 0) == sel.costs.round_s(64, 0)  # another batch octave: untouched
+
+
+def test_cost_table_interpolates_and_round_trips(tmp_path):
+    t = table(0.01, 0.05, 0.002)
+    assert t.actor_s(8, 2) == pytest.approx((0.05 + 0.02) * (1 + 8 / 64))
+    assert t.actor_s(4, 1) == pytest.approx(t.actor_s(1, 1) + (t.actor_s(8, 1) - t.actor_s(1, 1)) * 3 / 7)
+    lo, hi = t.actor_s(1, 3), t.actor_s(8, 3)
+    assert lo < t.actor_s(4, 3) < hi
+    assert t.actor_s(128, 1) > t.actor_s(64, 1)  # extrapolated with the last slope
+    assert t.actor_s(8, 7) > t.actor_s(8, 5)  # wider than profiled
+    t.save(tmp_path / "p.json")
+    back = CostTable.load(tmp_path / "p.json")
+    assert back.to_dict() == t.to_dict()
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="delete it to re-profile"):
+        CostTable.load(tmp_path / "bad.json")
+
+
+# ---------------------------------------------------------------- in the engine
+@pytest.fixture(scope="module")
+def same_pair(world1):
+    return actor_and_draft(world1, noise=0.0)  # the draft is the actor: everything accepted
+
+
+def test_free_verification_makes_the_engine_draft_the_most(same_pair):
+    actor, draft = same_pair
+    sel = Selector(table(0.0, 0.05, 1e-4), 4, Acceptance(4, decay=0.98))
+    sel.observe = lambda *a, **k: Acceptance.observe(sel.acceptance, a[3], a[1])  # keep the table
+    cfg = GenerationConfig(max_new_tokens=24, temperature=1.0)
+    r = Generator(actor, draft, selector=sel).generate(PROMPTS, cfg, SpecConfig("auto"), seed=1)
+    hist = r.stats.rounds_by_draft_len
+    assert r.stats.mode == "auto" and sum(hist) > 0 and hist[4] == sum(hist), hist
+    assert r.stats.accepted_tokens == r.stats.verifications * 4  # p == q: every draft accepted
+
+
+def test_costly_verification_makes_the_engine_decode_plainly(same_pair):
+    actor, draft = same_pair
+    sel = Selector(table(0.05, 0.0, 0.01), 4, Acceptance(4, decay=0.98))
+    sel.observe = lambda *a, **k: Acceptance.observe(sel.acceptance, a[3], a[1])
+    cfg = GenerationConfig(max_new_tokens=24, temperature=1.0)
+    r = Generator(actor, draft, selector=sel).generate(PROMPTS, cfg, SpecConfig("auto"), seed=1)
+    hist = r.stats.rounds_by_draft_len
+    assert hist[0] == sum(hist) > 0 and r.stats.verifications == 0, hist
+
+
+@pytest.mark.parametrize("kind", ["standalone", "feature"])
+def test_auto_with_a_profiled_table_keeps_greedy_tokens(world1, kind, tmp_path):
+    """The real path: profile at the first call (written to the profile file, reused by
+    the next generator), choices that mix plain steps and drafts; greedy tokens equal
+    plain decoding."""
+    actor, draft = actor_and_draft(world1, noise=0.5)
+    if kind == "feature":
+        draft = feature_draft_for(actor, world1, noise=0.5)
+    cfg = GenerationConfig(max_new_tokens=20, temperature=0)
+    plain = Generator(actor).generate(PROMPTS, cfg).responses()
+    spec = SpecConfig("auto", max_draft_tokens=3, cost_profile=str(tmp_path / "costs.json"))
+    gen = Generator(actor, draft)
+    assert gen.generate(PROMPTS, cfg, spec).responses() == plain
+    assert (tmp_path / "costs.json").exists()
+    again = Generator(actor, draft)
+    again.generate(PROMPTS, cfg, spec)
+    assert again.selector.costs.to_dict() == CostTable.load(tmp_path / "costs.json").to_dict()
+    # alternate plain and drafting rounds: the draft's catch-up buffer spans several steps
+    sel = gen.selector
+    turn = itertools.cycle([0, 0, 3, 1, 0, 2, 0, 0, 0, 3])
+    sel.choose = lambda batch: next(turn)
+    r = gen.generate(PROMPTS, cfg, spec)
+    assert r.responses() == plain and r.stats.rounds_by_draft_len[0] > 0 and r.stats.verifications > 0
+
+
+def test_profile_measures_every_width(world1):
+    actor, draft = actor_and_draft(world1)
+    t = profile(actor, draft, 2, 9, context=8, repeats=1)
+    assert t.batches == [1, 4, 9] and sorted(t.actor) == [1, 2, 3] and sorted(t.draft) == [1, 2]
+    assert all(x > 0 for v in list(t.actor.values()) + list(t.draft.values()) for x in v)
+    other = load_or_profile(actor, None, SpecConfig("auto", max_draft_tokens=1), 2, 64)
+    assert other.draft == {} and other.models != t.models
+
+
+# ---------------------------------------------------------------- migration plan
+@pytest.mark.parametrize("counts", [[5, 0], [8, 4], [12, 0, 0, 0], [3, 9, 1, 7], [0, 0, 7],
+                                    [4, 4], [2, 1], [6, 5, 6, 5], [1, 0, 0, 0]])
+def test_migration_plan_balances_within_one(counts):
+    moves = plan_transfers(counts, threshold=0.0)
+    after = list(counts)
+    for src, dst, n in moves:
+        assert n > 0
+        after[src] -= n
+        after[dst] += n
+    senders, receivers = {m[0] for m in moves}, {m[1] for m in moves}
+    assert not senders & receivers
+    if max(counts) - min(counts) >= 2:
+        assert max(after) - min(after) <= 1 and sum(after) == sum(counts)
+    else:
+        assert moves == []
+
+
+def test_migration_plan_respects_the_threshold():
+    assert plan_transfers([6, 4], threshold=0.25) == []  # 6 <= 1.25 * 5
+    assert plan_transfers([7, 3], threshold=0.25) == [(0, 1, 2)]
+    assert plan_transfers([0, 0], threshold=0.0) == []
+
+
+# ---------------------------------------------------------------- keyed random numbers
+def test_keyed_uniforms_do_not_depend_on_the_batch():
+    key = rng.seed_key(7)
+    sid = torch.arange(1000)
+    pos = torch.randint(0, 50, (1000,), generator=torch.Generator().manual_seed(0))
+    u = rng.uniform(key, sid, pos, rng.NEXT)
+    perm = torch.randperm(1000, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(rng.uniform(key, sid[perm], pos[perm], rng.NEXT), u[perm])
+    assert torch.equal(rng.uniform(key, sid[:3], pos[:3], rng.NEXT), u[:3])
+    for other in (rng.uniform(key, sid, pos, rng.DRAFT), rng.uniform(rng.seed_key(8), sid, pos, rng.NEXT),
+                  rng.uniform(key, sid, pos + 1, rng.NEXT)):
+        assert (other != u).float().mean() > 0.99
+
+
+def test_keyed_uniforms_are_uniform_and_independent():
+    key = rng.seed_key(3)
+    sid, pos = torch.meshgrid(torch.arange(400), torch.arange(250), indexing="ij")
+    u = rng.uniform(key, sid, pos, rng.ACCEPT).double().flatten()
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    n = u.numel()
+    # Kolmogorov-Smirnov against U(0, 1); p ~ 1e-6 at D = 2.7 / sqrt(n)
+    d = (torch.arange(1, n + 1, dtype=torch.double) / n - u.sort().values).abs().max()
+    assert float(d) < 2.7 / n ** 0.5
+    # neighbouring positions and samples are uncorrelated
+    grid = u.view(400, 250)
+    for a, b in ((grid[:, 1:], grid[:, :-1]), (grid[1:], grid[:-1])):
+        c = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
+        assert abs(float(c)) < 0.01
