@@ -20,6 +20,13 @@ def test_migration_changes_no_token_and_loses_nothing():
     assert "MIGRATION OK" in r.stdout, r.stdout[-2000:]
 
 
+def test_migration_under_tensor_parallelism():
+    """TP=2 x DP=2: every TP rank of a replica sends its own cache shards to the same TP
+    rank of the other replica; tokens equal the replica generating alone."""
+    r = torchrun(4, ["migration.py", "tp2"], timeout=900)
+    assert "MIGRATION OK" in r.stdout, r.stdout[-2000:]
+
+
 def test_a_rank_that_dies_mid_migration_is_named():
     """Rank 1 exits as it starts sending samples: rank 0 stops with an error that names
     it, long before the collective timeout (one minute here). The ranks are started

@@ -5,6 +5,7 @@ float rounding (batches differ). Prompts are spread unevenly over the ranks (and
 may hold none or all of them), and EOS comes early for some samples, late or never for
 others, so counts drift apart and samples migrate mid-generation.
 
+``python migration.py tp2`` (4 ranks): the same at TP=2 x DP=2.
 ``python migration.py die``: rank 1 dies just as it starts sending samples; rank 0
 must stop with a MigrationError naming rank 1 (see test_migration.py)."""
 
@@ -46,8 +47,8 @@ def dp_run(pg, actor, draft, cfg, spec, split, migrate, seed=5):
         local = {s: (r.responses()[i], r.response_logprobs[i, : int(r.lengths[i])].tolist())
                  for i, s in enumerate(mine)}
         out, into = r.stats.migrated_out, r.stats.migrated_in
-    everything = [None, None]
-    dist.all_gather_object(everything, (local, out, into))
+    everything = [None] * pg.dp.size()
+    dist.all_gather_object(everything, (local, out, into), group=pg.dp)
     merged = {}
     for part, _, _ in everything:
         assert not set(part) & set(merged), "a sample came back twice"
@@ -104,6 +105,21 @@ def check_all(pg, eos):
     return moved_by_kind
 
 
+def check_tp2(pg):
+    """TP=2 x DP=2 (4 ranks): each TP rank ships its own shards of the caches."""
+    actor, draft = actor_and_draft(pg, eos=None, sharpness=6.0, noise=0.3)
+    feature = feature_draft_for(actor, pg, noise=0.3)
+    cfg = GenerationConfig(max_new_tokens=16, temperature=1.0)
+    moved = 0
+    for d in (draft, feature):
+        ref = reference(actor, d, cfg, SpecConfig(2), 12)
+        got, n = dp_run(pg, actor, d, cfg, SpecConfig(2), [10, 2], True)
+        same(ref, got, "TP=2 x DP=2")
+        moved += n
+    assert moved > 0
+    return moved
+
+
 def die(pg):
     """Rank 1 holds every sample and dies as it starts sending some to rank 0."""
     actor, _ = actor_and_draft(pg, sharpness=6.0)
@@ -127,7 +143,13 @@ def die(pg):
 def main():
     platform.quiet_third_party_warnings()
     mode = sys.argv[1] if len(sys.argv) > 1 else "check"
-    rank, _ = platform.init_distributed(timeout_minutes=1 if mode == "die" else 30)
+    rank, world = platform.init_distributed(timeout_minutes=1 if mode == "die" else 30)
+    if mode == "tp2":
+        moved = check_tp2(build_process_groups(Layout(tp=2, dp=2)))
+        if rank == 0:
+            print(f"MIGRATION OK moved={moved}", flush=True)
+        platform.shutdown()
+        return
     pg = build_process_groups(Layout(dp=2))
     if mode == "die":
         die(pg)

@@ -32,8 +32,11 @@ def run(pg, eos):
     out["single"] = [Generator(actor).generate([p], cfg).responses()[0] for p in PROMPTS]
     out["single1"] = [Generator(actor, draft).generate([p], cfg, SpecConfig(1)).responses()[0]
                       for p in PROMPTS]
+    # auto: the TP ranks time their rounds differently; the choice is the first rank's
+    out["auto"] = Generator(actor, feature).generate(PROMPTS, cfg, SpecConfig("auto", max_draft_tokens=3))
     sampled = GenerationConfig(max_new_tokens=12, temperature=1.0)
     out["sampled"] = Generator(actor, draft).generate(PROMPTS, sampled, SpecConfig(2), seed=3)
+    out["sampled_auto"] = Generator(actor, draft).generate(PROMPTS, sampled, SpecConfig("auto"), seed=3)
     return out
 
 
@@ -48,17 +51,22 @@ def main():
     assert "eos" in a["plain"].finish_reasons
     assert a["feature3"].stats.accepted_tokens > 0
     assert a["feature3"].stats.accepted_tokens == b["feature3"].stats.accepted_tokens
-    for key in ("plain", "modules", 1, 3, "feature1", "feature3"):
+    for key in ("plain", "modules", 1, 3, "feature1", "feature3", "auto"):
         assert a[key].responses() == a["plain"].responses(), f"TP=2 {key} != TP=2 plain"
         assert a[key].responses() == b[key].responses(), f"TP=2 {key} != TP=1 {key}"
     for key in ("single", "single1"):
         assert a[key] == a["plain"].responses(), f"TP=2 {key} != TP=2 plain"
         assert a[key] == b[key], f"TP=2 {key} != TP=1 {key}"
-    # every rank of the TP group drew the same sampled tokens
-    mine = a["sampled"].response_ids
-    other = [torch.zeros_like(mine) for _ in range(2)]
-    torch.distributed.all_gather(other, mine, group=tp2.tp)
-    assert torch.equal(other[0], other[1])
+    # every rank of the TP group drew the same sampled tokens (and made the same choices)
+    for key in ("sampled", "sampled_auto"):
+        mine = a[key].response_ids
+        other = [torch.zeros_like(mine) for _ in range(2)]
+        torch.distributed.all_gather(other, mine, group=tp2.tp)
+        assert torch.equal(other[0], other[1])
+    hist = torch.tensor(a["sampled_auto"].stats.rounds_by_draft_len)
+    both = [torch.zeros_like(hist) for _ in range(2)]
+    torch.distributed.all_gather(both, hist, group=tp2.tp)
+    assert torch.equal(both[0], both[1])
     if rank == 0:
         print("OK", a[3].stats.mean_accepted_length)
 
