@@ -165,8 +165,14 @@ class Selector:
         return int(round(math.log2(max(batch, 1))))
 
     def round_s(self, batch: int, n: int) -> float:
-        """Predicted round latency, corrected by what rounds like it measured."""
-        return self.costs.round_s(batch, n) * self.correction.get((n, self._octave(batch)), 1.0)
+        """Predicted round latency, corrected by what rounds like it measured (rounds of
+        another draft length at this batch octave stand in for a length never measured)."""
+        octave = self._octave(batch)
+        factor = self.correction.get((n, octave))
+        if factor is None:
+            seen = [f for (_, o), f in self.correction.items() if o == octave]
+            factor = sum(seen) / len(seen) if seen else 1.0
+        return self.costs.round_s(batch, n) * factor
 
     def choose(self, batch: int) -> int:
         return best_draft_length([self.round_s(batch, n) for n in range(self.max_n + 1)],

@@ -75,6 +75,8 @@ def test_measured_rounds_correct_the_table():
         sel.observe(8, 0, 0.3 * sel.costs.round_s(8, 0), None)
     assert sel.round_s(8, 0) == pytest.approx(0.3 * sel.costs.round_s(8, 0), rel=1e-3)
     assert sel.round_s(64, 0) == sel.costs.round_s(64, 0)  # another batch octave: untouched
+    # a draft length never measured at this octave takes the measured lengths' factor
+    assert sel.round_s(8, 2) == pytest.approx(0.3 * sel.costs.round_s(8, 2), rel=1e-3)
 
 
 def test_cost_table_interpolates_and_round_trips(tmp_path):
