@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megatron_rlhf.config import GenerationConfig
+
 
 @dataclass
 class Experience:
@@ -21,13 +23,16 @@ class Experience:
     input_ids: Tensor          # [B, P+T] prompt (left-padded) then response (right-padded)
     attention_mask: Tensor     # [B, P+T] 1 at real tokens
     response_mask: Tensor      # [B, T] 1 at response tokens (EOS included), float
-    old_logprobs: Tensor       # [B, T] log pi_old(a_t | s_t), the actor that generated, T=1
+    old_logprobs: Tensor       # [B, T] log pi_old(a_t | s_t), the actor that generated
     ref_logprobs: Tensor       # [B, T] log pi_ref(a_t | s_t)
     scores: Tensor             # [B] reward of the whole response (at its last token)
     kl: Tensor                 # [B, T] per-token KL(pi_old || pi_ref) estimate
     advantages: Tensor         # [B, T] A_t (0 at padding)
     values: Tensor | None = None   # [B, T] V_old(s_t) from the critic (gae only)
     returns: Tensor | None = None  # [B, T] critic targets A_t + V_t (gae only)
+    # The sampling settings that define the policy every log-prob here is under and PPO
+    # trains (losses.policy_logits); None: the model's own distribution at temperature 1.
+    policy: GenerationConfig | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -48,7 +53,7 @@ class Experience:
         fields = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            fields[f.name] = None if v is None else v[idx]
+            fields[f.name] = v[idx] if isinstance(v, Tensor) else v
         return Experience(**fields)
 
     def split(self, size: int) -> list["Experience"]:

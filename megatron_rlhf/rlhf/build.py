@@ -182,7 +182,7 @@ def _trainee(plan: TrainPlan, model, pg, lr: float, schedule: bool):
 def build_trainer(plan: TrainPlan, pg):
     """Models, optimizers, generator and experience maker on this rank; resumes if asked."""
     from megatron_rlhf.generation.engine import Generator
-    from megatron_rlhf.rlhf.experience import ExperienceMaker
+    from megatron_rlhf.rlhf.experience import ExperienceMaker, recompute_by_default
     from megatron_rlhf.rlhf.state import load_trainer_states
     from megatron_rlhf.rlhf.trainer import Models, RLHFTrainer
 
@@ -209,10 +209,10 @@ def build_trainer(plan: TrainPlan, pg):
     eos = plan.infos["actor"].config.eos_token_id
     generator = Generator(actor, models.draft, pad_id=pad)
     if plan.ppo.recompute_logprobs is None:
-        plan.ppo.recompute_logprobs = plan.dtype != torch.float32
+        plan.ppo.recompute_logprobs = recompute_by_default(plan.dtype, plan.gen)
     maker = ExperienceMaker(plan.ppo, reference, actor=actor, critic=models.critic and models.critic.model,
                             reward_model=models.reward_model, reward_fn=plan.reward_fn,
-                            tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=pg.dp)
+                            tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=pg.dp, gen=plan.gen)
     run_info = {"tp": plan.par.tensor_model_parallel_size, "seed": plan.loop.seed,
                 "actor_init": str(plan.paths.actor), "reference": str(plan.infos["reference"].path)}
     return RLHFTrainer(models, generator, maker, plan.ppo, plan.loop, plan.gen, plan.spec,

@@ -1,5 +1,12 @@
 """Experience making: a rollout -> reference log-probs, values, rewards, KL, advantages.
 
+Log-probs are under the policy generation samples from (``losses.policy_logits``:
+``logits / temperature`` within the top-k/top-p set, the sampled token always kept), for
+the actor (old) and the reference alike; the :class:`Experience` records those sampling
+settings so that PPO trains that same policy. Old log-probs come from a training forward
+(by default for bf16 and for a tempered or truncated policy, :func:`recompute_by_default`:
+the first mini-batch's ratio is then exactly 1) or else from generation.
+
 Every data-parallel rank turns its own samples into :class:`Experience`; the only
 collectives are the models' own TP all-reduces, the DP-global whitening of GAE
 advantages, and an all-reduce that stops every rank together when a reward fails.
@@ -11,22 +18,37 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf import platform
-from megatron_rlhf.config import PPOConfig
+from megatron_rlhf.config import GenerationConfig, PPOConfig
 from megatron_rlhf.models.forward import lm_logits, token_values
 from megatron_rlhf.rlhf.advantages import gae, grpo_advantages, masked_whiten
 from megatron_rlhf.rlhf.batch import Experience, last_token_index, pack, response_slice
-from megatron_rlhf.rlhf.losses import kl_estimate, logprobs_from_logits, token_rewards
+from megatron_rlhf.rlhf.losses import kl_estimate, policy_logprobs, reshapes_policy, token_rewards
 from megatron_rlhf.rlhf.rewards import RewardError, RewardInput, score_samples
 
 
 @torch.no_grad()
 def response_logprobs(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
-    """``[B, T]`` log-probs of the response tokens under ``model`` (T=1), 0 at padding."""
+    """``[B, T]`` log-probs of the response tokens under ``model``'s policy for
+    ``exp.policy`` (:func:`~megatron_rlhf.rlhf.losses.policy_logits`), 0 at padding."""
     out = []
     for mb in exp.split(micro_batch_size):
         logits = response_slice(lm_logits(model, mb.input_ids, mb.attention_mask), mb)
-        out.append(logprobs_from_logits(logits, mb.response_ids) * mb.response_mask)
+        out.append(policy_logprobs(logits, mb.response_ids, exp.policy) * mb.response_mask)
     return torch.cat(out)
+
+
+def recompute_by_default(dtype: torch.dtype, policy: GenerationConfig | None) -> bool:
+    """Whether log pi_old comes from a training forward when ``recompute_logprobs`` is not
+    set: for bf16 models (the cached decode and the full forward round differently) and
+    for a tempered or truncated policy (:func:`~megatron_rlhf.rlhf.losses.reshapes_policy`;
+    its log-probs from the decode differ from the training forward's by rounding)."""
+    return dtype != torch.float32 or reshapes_policy(policy)
+
+
+def generation_logprobs(rollout, policy: GenerationConfig | None) -> torch.Tensor:
+    """``[B, T]`` the rollout's log-probs under ``policy``: the sampling distribution's
+    for a tempered or truncated policy, else the actor's at temperature 1."""
+    return rollout.sampling_logprobs if reshapes_policy(policy) else rollout.response_logprobs
 
 
 @torch.no_grad()
@@ -50,19 +72,30 @@ def reward_model_scores(model, exp: Experience, micro_batch_size: int) -> torch.
 
 
 class ExperienceMaker:
-    """Scores and annotates rollouts with the reference, critic and reward."""
+    """Scores and annotates rollouts with the reference, critic and reward.
+
+    ``gen``: the settings the rollouts were sampled with; they define the policy of every
+    log-prob (None: the models' own distributions at temperature 1). ``actor``: needed to
+    recompute old log-probs (``cfg.recompute_logprobs``; None there:
+    :func:`recompute_by_default` when the actor is given).
+    """
 
     def __init__(self, cfg: PPOConfig, reference, critic=None, reward_model=None,
                  reward_fn: str | None = None, tokenizer=None, pad_id: int = 0,
-                 eos_id: int | None = None, dp_group=None, actor=None):
+                 eos_id: int | None = None, dp_group=None, actor=None,
+                 gen: GenerationConfig | None = None):
         if (reward_model is None) == (reward_fn is None):
             raise ValueError("give exactly one of a reward model and a reward function")
         self.cfg, self.reference, self.critic = cfg, reference, critic
         self.reward_model, self.reward_fn, self.tokenizer = reward_model, reward_fn, tokenizer
         self.pad_id, self.eos_id = pad_id, eos_id
         self.dp_group = dp_group
-        self.actor = actor  # for cfg.recompute_logprobs
-        if cfg.recompute_logprobs and actor is None:
+        self.actor, self.gen = actor, gen
+        self.recompute = cfg.recompute_logprobs
+        if self.recompute is None:
+            self.recompute = actor is not None and recompute_by_default(
+                next(actor.parameters()).dtype, gen)
+        if self.recompute and actor is None:
             raise ValueError("recompute_logprobs needs the actor")
 
     def make(self, prompts: list[list[int]], prompt_texts: list[str], rollout,
@@ -74,11 +107,11 @@ class ExperienceMaker:
         dev = rollout.response_ids.device
         ids, att, mask = (x.to(dev) for x in pack(prompts, responses, self.pad_id))
         t = mask.shape[1]
-        old = _pad_to(rollout.response_logprobs.float(), t) * mask
+        old = _pad_to(generation_logprobs(rollout, self.gen).float(), t) * mask
         exp = Experience(input_ids=ids, attention_mask=att, response_mask=mask,
                          old_logprobs=old, ref_logprobs=old, scores=torch.zeros(len(prompts), device=dev),
-                         kl=torch.zeros_like(old), advantages=torch.zeros_like(old))
-        if cfg.recompute_logprobs:
+                         kl=torch.zeros_like(old), advantages=torch.zeros_like(old), policy=self.gen)
+        if self.recompute:
             exp.old_logprobs = response_logprobs(self.actor, exp, mbs)
         exp.ref_logprobs = response_logprobs(self.reference, exp, mbs)
         exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask

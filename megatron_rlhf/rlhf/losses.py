@@ -1,5 +1,12 @@
 """Per-token PPO quantities: KL estimates, shaped rewards, log-probs, entropy, losses.
 
+The trained policy is the distribution tokens are sampled from (:func:`policy_logits`):
+the softmax of ``logits / temperature`` restricted to the top-k/top-p set of the current
+logits, exactly as generation samples (``generation/sampling.py``), with the sampled token
+always kept in that set so its log-prob stays finite as the policy moves. With greedy
+generation, or at temperature 1 without truncation, it is the actor's own distribution.
+The same policy gives the old, reference and new log-probs and the entropy.
+
 Shapes: ``B`` samples, ``T`` response positions, ``V`` vocabulary. Losses are returned
 per token and unmasked; the caller masks and reduces (token or sequence mean).
 KL estimators are registered by name in :data:`KL_ESTIMATORS`.
@@ -11,6 +18,8 @@ import torch
 from torch import Tensor
 
 from megatron_rlhf.config import KL_ESTIMATORS  # one list, also validated by PPOConfig
+from megatron_rlhf.config import GenerationConfig
+from megatron_rlhf.generation.sampling import samples_actor, sampling_logits
 
 # log(pi_ref / pi) is clamped to this range before ``exp`` in k3 so that a token the
 # reference finds far likelier than the policy cannot overflow to inf.
@@ -66,11 +75,56 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of ``softmax(logits)`` [..., V] as ``logsumexp - sum(softmax * logits)``; [...]."""
+def entropy_from_logits(logits: Tensor, truncated: bool = False) -> Tensor:
+    """Entropy of ``softmax(logits)`` [..., V] as ``logsumexp - sum(softmax * logits)``; [...].
+
+    ``truncated``: ``logits`` may hold ``-inf`` (tokens outside a top-k/top-p set), which
+    count as probability 0 (one more ``[..., V]`` pass, so only when asked).
+    """
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     probs = torch.softmax(logits, dim=-1)  # [..., V]
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+    inside = torch.where(probs > 0, logits, 0.0) if truncated else logits  # no 0 * -inf
+    return torch.logsumexp(logits, dim=-1) - (probs * inside).sum(dim=-1)
+
+
+def reshapes_policy(policy: GenerationConfig | None) -> bool:
+    """True when the trained policy may differ from the actor's own distribution: sampling
+    at a temperature other than 0 or 1, or with top-k/top-p truncation (a top-k of at least
+    the vocabulary counts too: then the two agree, and treating them apart costs nothing)."""
+    return (policy is not None and not policy.greedy
+            and (policy.temperature != 1.0 or policy.top_k > 0 or policy.top_p < 1.0))
+
+
+def policy_logits(logits: Tensor, tokens: Tensor, policy: GenerationConfig | None) -> Tensor:
+    """Logits ``[..., V]`` of the trained policy at the positions that chose ``tokens [...]``.
+
+    ``policy`` None or greedy, or sampling the actor's own distribution: ``logits`` itself.
+    Otherwise fp32 ``logits / temperature`` with ``-inf`` outside the top-k/top-p set of
+    these ``logits`` (:func:`~megatron_rlhf.generation.sampling.sampling_logits`), except at
+    ``tokens``, which always stay in: a token sampled from an earlier policy keeps a finite
+    log-prob. Gradients flow through the kept logits (the renormalised softmax).
+    """
+    if policy is None or policy.greedy or samples_actor(policy, logits.shape[-1]):
+        return logits
+    z = sampling_logits(logits, policy)  # [..., V]
+    index = tokens.unsqueeze(-1)
+    own = logits.float().gather(-1, index)
+    if policy.temperature != 1.0:
+        own = own / policy.temperature  # the same rounding as sampling_logits
+    return z.scatter(-1, index, own)
+
+
+def policy_logprobs(logits: Tensor, tokens: Tensor, policy: GenerationConfig | None) -> Tensor:
+    """``log pi(tokens)`` [...] under the trained policy (:func:`policy_logits`); fp32."""
+    return logprobs_from_logits(policy_logits(logits, tokens, policy), tokens)
+
+
+def policy_logprobs_and_entropy(logits: Tensor, tokens: Tensor,
+                                policy: GenerationConfig | None) -> tuple[Tensor, Tensor]:
+    """``(log pi(tokens), entropy of pi)``, both [...], under the trained policy
+    (:func:`policy_logits`, computed once)."""
+    z = policy_logits(logits, tokens, policy)
+    return logprobs_from_logits(z, tokens), entropy_from_logits(z, truncated=z is not logits)
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float,

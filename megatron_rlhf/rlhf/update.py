@@ -5,6 +5,10 @@ optimizer step each), and each mini-batch into micro-batches whose gradients acc
 Per-token losses are summed and divided by the number of response tokens in the
 mini-batch over *all* data-parallel ranks, then gradients are summed over DP: the update
 is the same as one rank holding the whole batch.
+
+The actor is trained as the policy its samples were drawn from, ``exp.policy``
+(:func:`~megatron_rlhf.rlhf.losses.policy_logits`: tempered, truncated to the top-k/top-p
+set of the current logits with the sampled token kept); its entropy is that policy's.
 """
 
 from __future__ import annotations
@@ -18,9 +22,8 @@ from megatron_rlhf.config import PPOConfig
 from megatron_rlhf.models.forward import lm_logits, token_values
 from megatron_rlhf.rlhf.batch import Experience, response_slice
 from megatron_rlhf.rlhf.losses import (
-    entropy_from_logits,
     kl_estimate,
-    logprobs_from_logits,
+    policy_logprobs_and_entropy,
     policy_loss,
     value_loss,
 )
@@ -94,13 +97,18 @@ def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_lo
     return out
 
 
+def policy_forward(actor, mb: Experience) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log pi(a_t | s_t), entropy of pi(. | s_t))``, both ``[b, T]`` with gradients,
+    under the policy ``mb.policy`` (what PPO trains)."""
+    logits = response_slice(lm_logits(actor, mb.input_ids, mb.attention_mask), mb)
+    return policy_logprobs_and_entropy(logits, mb.response_ids, mb.policy)
+
+
 def _policy_micro(actor, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.Tensor:
     mask = mb.response_mask
-    logits = response_slice(lm_logits(actor, mb.input_ids, mb.attention_mask), mb)
-    logp = logprobs_from_logits(logits, mb.response_ids)
+    logp, entropy = policy_forward(actor, mb)
     pg_loss, clipped = policy_loss(logp, mb.old_logprobs, mb.advantages, cfg.clip_eps)
     loss = pg_loss
-    entropy = entropy_from_logits(logits)
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * entropy
     if not cfg.use_critic and cfg.kl_coef:  # grpo: KL to the reference as a loss term

@@ -1,0 +1,149 @@
+"""PPO trains the policy that generation samples from: ``logits / temperature`` within the
+top-k/top-p set of the current logits, the sampled token always kept (``losses.policy_logits``).
+
+Numerics against ``probs_for_sampling``; then a tiny random actor sampled at temperature
+0.7 with top-k and top-p: its old log-probs are the log-probs it was sampled with, and the
+first mini-batch's importance ratio in the training forward is exactly 1.
+"""
+
+import pytest
+import torch
+
+from megatron_rlhf.config import GenerationConfig, PPOConfig, SpecConfig, preset
+from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation.sampling import probs_for_sampling
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.rlhf import losses
+from megatron_rlhf.rlhf.experience import ExperienceMaker
+from megatron_rlhf.rlhf.update import _policy_micro, _Sums, policy_forward
+from rlhf_fixtures import POSITIONS, PROMPTS, VOCAB
+
+TEMPERED = GenerationConfig(max_new_tokens=6, temperature=0.7, top_k=8, top_p=0.8)
+POLICIES = [TEMPERED, GenerationConfig(temperature=1.3, top_p=0.6),
+            GenerationConfig(temperature=0.5), GenerationConfig(top_k=3)]
+
+
+def _name(policy) -> str:
+    return "none" if policy is None else f"T{policy.temperature}-k{policy.top_k}-p{policy.top_p}"
+
+
+def _logits_and_tokens(policy: GenerationConfig, seed: int = 0):
+    """Random ``[4, 5, 40]`` logits; tokens drawn from the sampling distribution in rows
+    0-1 and uniformly (mostly outside the top-k/top-p set) in rows 2-3."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(4, 5, 40, generator=g)
+    probs = probs_for_sampling(logits, policy)
+    tokens = torch.multinomial(probs.view(-1, 40), 1, generator=g).view(4, 5)
+    tokens[2:] = torch.randint(0, 40, (2, 5), generator=g)
+    return logits, tokens, probs.gather(-1, tokens[..., None])[..., 0]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=_name)
+def test_logprob_is_log_of_the_sampling_probability(policy):
+    logits, tokens, p = _logits_and_tokens(policy)
+    lp = losses.policy_logprobs(logits, tokens, policy)
+    inside = p > 0
+    assert inside[:2].all()
+    assert (~inside[2:]).any() == (policy.top_k > 0 or policy.top_p < 1)  # both cases seen
+    assert (lp[inside] - p[inside].log()).abs().max() <= 1e-6
+    assert torch.isfinite(lp).all()
+    # a token outside the set is kept in it: the policy's set plus that one token
+    z = losses.policy_logits(logits, tokens, policy)
+    assert torch.isfinite(z.gather(-1, tokens[..., None])).all()
+    assert torch.equal(torch.isfinite(z), (probs_for_sampling(logits, policy) > 0)
+                       | torch.nn.functional.one_hot(tokens, 40).bool())
+
+
+def test_temperature_and_truncation_are_not_ignored():
+    logits, tokens, _ = _logits_and_tokens(TEMPERED)
+    untempered = losses.logprobs_from_logits(logits, tokens)
+    assert (losses.policy_logprobs(logits, tokens, TEMPERED) - untempered).abs().min() > 1e-3
+
+
+@pytest.mark.parametrize("policy", [None, GenerationConfig(temperature=0.0),
+                                    GenerationConfig(temperature=1.0, top_k=40)], ids=_name)
+def test_greedy_and_untempered_train_the_actor_itself(policy):
+    logits, tokens = 3 * torch.randn(4, 5, 40), torch.randint(0, 40, (4, 5))
+    lp, ent = losses.policy_logprobs_and_entropy(logits, tokens, policy)
+    assert torch.equal(lp, losses.logprobs_from_logits(logits, tokens))
+    assert torch.equal(ent, losses.entropy_from_logits(logits))
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=_name)
+def test_entropy_and_gradients_of_the_truncated_policy(policy):
+    logits, tokens, _ = _logits_and_tokens(policy, seed=1)
+    logits.requires_grad_(True)
+    lp, ent = losses.policy_logprobs_and_entropy(logits, tokens, policy)
+    z = losses.policy_logits(logits.detach(), tokens, policy)
+    q = z.softmax(-1)
+    want = -(q * torch.where(q > 0, q.log(), 0.0)).sum(-1)
+    assert (ent.detach() - want).abs().max() <= 1e-5
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(logits.grad).all()
+    assert (logits.grad[~torch.isfinite(z)] == 0).all()  # outside the set: no gradient
+    assert (logits.grad[torch.isfinite(z)] != 0).any()
+
+
+# ------------------------------------------------------------- experience and training
+def _tiny(world1, seed):
+    cfg = preset("tiny", vocab_size=VOCAB, max_position_embeddings=POSITIONS)
+    return build_model(cfg, "actor", world1, dtype=torch.float32, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def sampled(world1):
+    """A tiny actor, a different reference and 8 responses sampled at :data:`TEMPERED`."""
+    actor, reference = _tiny(world1, seed=3), _tiny(world1, seed=4)
+    prompts = [[2 + ord(c) - ord("a") for c in p] for p in PROMPTS[:4] for _ in range(2)]
+    rollout = Generator(actor, pad_id=0).generate(prompts, TEMPERED, SpecConfig(num_draft_tokens=0),
+                                                 seed=5)
+    assert (rollout.sampling_logprobs != rollout.response_logprobs).any()
+    return actor, reference, prompts, rollout
+
+
+def _make(sampled, gen, **ppo):
+    actor, reference, prompts, rollout = sampled
+    cfg = PPOConfig(global_batch_size=4, rollout_n=2, micro_batch_size=4,
+                    advantage_estimator="grpo", **ppo)
+    maker = ExperienceMaker(cfg, reference, reward_fn="token_parity", actor=actor, gen=gen)
+    texts = [p for p in PROMPTS[:4] for _ in range(2)]
+    return maker, maker.make(prompts, texts, rollout), cfg
+
+
+def test_first_ratio_is_exactly_one(sampled):
+    actor = sampled[0]
+    maker, exp, cfg = _make(sampled, TEMPERED)
+    assert maker.recompute and exp.policy is TEMPERED  # recomputed by default when tempered
+    mask = exp.response_mask.bool()
+    # the old log-probs are those of the distribution actually sampled
+    slp = sampled[3].sampling_logprobs[:, :mask.shape[1]]
+    assert (exp.old_logprobs - slp)[mask].abs().max() < 1e-4
+    actor.train()
+    for mb in exp.split(cfg.micro_batch_size):  # the first mini-batch's micro-batches
+        logp, _ = policy_forward(actor, mb)
+        ratio = torch.exp(logp - mb.old_logprobs)
+        assert torch.equal(ratio[mb.response_mask.bool()], torch.ones(int(mb.response_mask.sum())))
+        sums = _Sums()
+        _policy_micro(actor, mb, cfg, sums)
+        assert sums.values["clip_frac"] == 0 and sums.values["approx_kl"] == 0
+    # the reference is scored under the same tempered, truncated policy
+    ref = torch.cat([policy_forward(sampled[1], mb)[0] for mb in exp.split(4)])
+    assert (exp.ref_logprobs - ref * exp.response_mask).abs().max() < 1e-5
+
+
+def test_old_logprobs_at_temperature_1_would_not_match_the_trained_policy(sampled):
+    """Had old log-probs been taken at temperature 1 without truncation (the sampler's
+    settings ignored), the first ratio of the training forward would be far from 1."""
+    _, untempered, _ = _make(sampled, None)
+    _, exp, _ = _make(sampled, TEMPERED)
+    logp, _ = policy_forward(sampled[0], exp)
+    ratio = torch.exp(logp - untempered.old_logprobs)[exp.response_mask.bool()]
+    assert (ratio - 1).abs().max() > 0.5, ratio
+
+
+def test_without_recompute_old_logprobs_are_the_sampling_logprobs(sampled):
+    maker, exp, _ = _make(sampled, TEMPERED, recompute_logprobs=False)
+    assert not maker.recompute
+    t = exp.response_mask.shape[1]
+    slp = sampled[3].sampling_logprobs[:, :t] * exp.response_mask
+    assert torch.equal(exp.old_logprobs, slp)
