@@ -74,8 +74,46 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: all)")
     g.add_argument("--draft-load", default=None, help="draft model checkpoint for speculation")
-    g.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="draft tokens per verification (default 4 with --draft-load, else 0)")
+    g.add_argument("--num-draft-tokens", type=_draft_tokens, default=None,
+                   help="draft tokens per verification: N, or auto (the default with "
+                        "--draft-load): before every round the selector picks plain decoding or "
+                        "1..--max-draft-tokens from the live batch, measured latencies and the "
+                        "observed acceptance")
+    g.add_argument("--max-draft-tokens", type=int, default=None,
+                   help="largest draft length auto considers (default 4)")
+    g.add_argument("--cost-profile", default=None,
+                   help="auto: JSON of measured step latencies, loaded if it exists, else "
+                        "profiled at the first call (a few seconds) and written there")
+
+
+def _draft_tokens(value: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {value!r}") from None
+
+
+def add_migration_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sample migration between data-parallel ranks (generation)")
+    g.add_argument("--sample-migration", choices=("on", "off"), default=None,
+                   help="move unfinished samples, KV cache included, from busy to idle "
+                        "data-parallel ranks (default: on when there are 2+ DP ranks)")
+    g.add_argument("--migration-interval", type=int, default=None,
+                   help="rounds between exchanges of live counts (default 4)")
+    g.add_argument("--migration-threshold", type=float, default=None,
+                   help="migrate when the busiest rank holds more than (1 + this) x the mean "
+                        "live count (default 0.25)")
+
+
+def migration_config_from_args(args: argparse.Namespace):
+    from megatron_rlhf.config import MigrationConfig
+
+    on = {None: None, "on": True, "off": False}[getattr(args, "sample_migration", None)]
+    return dataclass_from_namespace(MigrationConfig, argparse.Namespace(
+        sample_migration=on, migration_interval=getattr(args, "migration_interval", None),
+        migration_threshold=getattr(args, "migration_threshold", None)))
 
 
 def model_config_from_args(args: argparse.Namespace, base: ModelConfig | None = None) -> ModelConfig:
@@ -165,7 +203,8 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
     rc = g.add_mutually_exclusive_group()
     rc.add_argument("--recompute-logprobs", dest="recompute_logprobs", action="store_true",
                     default=None, help="log pi_old from a training forward, not from generation "
-                    "(default: on for bf16, off for fp32)")
+                    "(default: on for bf16, or when sampling is tempered or truncated: "
+                    "--temperature not 0 or 1, --top-k or --top-p set; off otherwise)")
     rc.add_argument("--no-recompute-logprobs", dest="recompute_logprobs", action="store_false",
                     help="always use generation's log-probs")
     g = p.add_argument_group("optimizer (AdamW, warmup + cosine)")

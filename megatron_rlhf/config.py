@@ -298,8 +298,9 @@ class PPOConfig:
     entropy_coef: float = 0.0
     """Entropy bonus weight in the policy loss."""
     recompute_logprobs: bool | None = None
-    """Take log pi_old from a training forward instead of from generation (None: only for
-    bf16 models, where the cached decode and the full forward round differently)."""
+    """Take log pi_old from a training forward instead of from generation (None: for bf16
+    models, where the cached decode and the full forward round differently, and when
+    sampling is tempered or truncated, so that the first PPO ratio is exactly 1)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "rollout_n", "micro_batch_size", "num_mini_batches",

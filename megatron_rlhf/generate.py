@@ -50,8 +50,6 @@ def validate(args: argparse.Namespace):
     from megatron_rlhf.generation.engine import check_request
     from megatron_rlhf.models.checkpoint import read_checkpoint
 
-    if args.num_draft_tokens is None:
-        args.num_draft_tokens = 4 if args.draft_load else 0
     gen = dataclass_from_namespace(GenerationConfig, args)
     spec = dataclass_from_namespace(SpecConfig, args)
     par = arguments.parallel_config_from_args(args)
@@ -101,11 +99,10 @@ def main(argv=None) -> int:
                        pad_id=tokenizer.pad_token_id or 0)
     dp_rank = layout.coords(rank).dp
     mine = list(range(dp_rank, len(prompts), layout.dp))
-    results, totals = [], GenerationStats(num_draft_tokens=spec.num_draft_tokens,
-                                          accepted_per_position=[0] * spec.num_draft_tokens)
+    results, totals = [], GenerationStats()
     for start in range(0, len(mine), args.batch_size):
         idx = mine[start: start + args.batch_size]
-        r = engine.generate([prompts[i] for i in idx], gen, spec, seed=args.seed + idx[0])
+        r = engine.generate([prompts[i] for i in idx], gen, spec, seed=args.seed, sample_ids=idx)
         totals.add(r.stats)
         for j, i in enumerate(idx):
             n = int(r.lengths[j])
@@ -142,8 +139,8 @@ def _report(args, tokenizer, gathered) -> None:
     tokens = total.new_tokens
     line = f"[{len(rows)} prompts, {tokens} tokens in {slowest:.2f}s: {tokens / max(slowest, 1e-9):.1f} tok/s"
     if total.verifications:
-        line += (f", mean accepted length {total.mean_accepted_length:.2f} with "
-                 f"{args.num_draft_tokens} draft tokens")
+        line += (f", mean accepted length {total.mean_accepted_length:.2f}, rounds by draft "
+                 f"length {total.rounds_by_draft_len} ({total.mode})")
     print(line + "]", file=sys.stderr)
 
 

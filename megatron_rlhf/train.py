@@ -33,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     arguments.add_parallel_args(p)
     arguments.add_runtime_args(p)
     arguments.add_generation_args(p)
+    arguments.add_migration_args(p)
     p.set_defaults(micro_batch_size=4)
     return p.parse_args(argv)
 
@@ -41,8 +42,6 @@ def validate(args: argparse.Namespace):
     """Flags -> a validated :class:`~megatron_rlhf.rlhf.build.TrainPlan`; no collectives."""
     from megatron_rlhf.rlhf.build import CheckpointPaths, make_plan
 
-    if args.num_draft_tokens is None:
-        args.num_draft_tokens = 4 if args.draft_load else 0
     paths = CheckpointPaths(actor=args.actor_load, reference=args.ref_load,
                             critic=args.critic_load, reward=args.reward_load,
                             draft=args.draft_load, resume=args.load)
@@ -52,6 +51,7 @@ def validate(args: argparse.Namespace):
         loop=dataclass_from_namespace(LoopConfig, args),
         gen=dataclass_from_namespace(GenerationConfig, args),
         spec=dataclass_from_namespace(SpecConfig, args),
+        migration=arguments.migration_config_from_args(args),
         par=arguments.parallel_config_from_args(args),
         dtype=arguments.dtype_from_args(args),
         paths=paths, reward_fn=args.reward_fn, world_size=arguments.launch_world_size(),

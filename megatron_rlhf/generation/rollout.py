@@ -78,6 +78,8 @@ class GenerationStats:
             setattr(self, name, [(mine[i] if i < len(mine) else 0) + (theirs[i] if i < len(theirs) else 0)
                                  for i in range(width)])
         self.num_draft_tokens = max(self.num_draft_tokens, other.num_draft_tokens)
+        if other.mode != "plain":
+            self.mode = other.mode
 
     @property
     def acceptance_per_position(self) -> list[float]:

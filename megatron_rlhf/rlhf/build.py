@@ -16,6 +16,7 @@ import torch
 from megatron_rlhf.config import (
     GenerationConfig,
     LoopConfig,
+    MigrationConfig,
     OptimConfig,
     ParallelConfig,
     PPOConfig,
@@ -64,6 +65,7 @@ class TrainPlan:
     log_dir: str | None = None
     resume_dir: Path | None = None
     resume_state: dict = field(default_factory=dict)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
 
 
 def _infos(paths: CheckpointPaths, ppo: PPOConfig, resume: Path | None) -> dict[str, CheckpointInfo]:
@@ -87,7 +89,8 @@ def _infos(paths: CheckpointPaths, ppo: PPOConfig, resume: Path | None) -> dict[
 def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: GenerationConfig,
               spec: SpecConfig, par: ParallelConfig, dtype: torch.dtype, paths: CheckpointPaths,
               reward_fn: str | None, world_size: int, prompts_file=None,
-              save_dir: str | None = None, log_dir: str | None = None) -> TrainPlan:
+              save_dir: str | None = None, log_dir: str | None = None,
+              migration: MigrationConfig | None = None) -> TrainPlan:
     """Validate a run from files alone (no collectives); raises ValueError saying what to change."""
     from megatron_rlhf.data.prompts import load_prompts
     from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
@@ -99,7 +102,7 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
         raise ValueError("give exactly one of --reward-fn NAME and --reward-load CHECKPOINT")
     if reward_fn is not None:
         get_reward_fn(reward_fn)
-    if spec.num_draft_tokens and not paths.draft:
+    if not spec.auto and spec.num_draft_tokens and not paths.draft:
         raise ValueError("--num-draft-tokens > 0 needs --draft-load")
     if loop.draft_distill and not paths.draft:
         raise ValueError("--draft-distill needs a draft model (--draft-load)")
@@ -130,25 +133,26 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
         raise ValueError(f"{len(prompts)} prompts are fewer than --global-batch-size "
                          f"{ppo.global_batch_size}")
     prompt_ids = [encode_prompt(tokenizer, p.prompt, chat=loop.chat) for p in prompts]
-    _check_lengths(prompts, prompt_ids, loop, gen, spec, infos)
+    _check_lengths(prompts, prompt_ids, loop, gen, spec.max_tokens(bool(paths.draft)), infos)
     return TrainPlan(ppo=ppo, optim=optim, loop=loop, gen=gen, spec=spec, par=par, dtype=dtype,
                      paths=paths, reward_fn=reward_fn, infos=infos, tokenizer=tokenizer,
                      prompts=prompts, prompt_ids=prompt_ids, world_size=world_size,
-                     save_dir=save_dir, log_dir=log_dir, resume_dir=resume, resume_state=state)
+                     save_dir=save_dir, log_dir=log_dir, resume_dir=resume, resume_state=state,
+                     migration=migration or MigrationConfig())
 
 
-def _check_lengths(prompts, prompt_ids, loop, gen, spec, infos) -> None:
+def _check_lengths(prompts, prompt_ids, loop, gen, drafts: int, infos) -> None:
     for p, ids in zip(prompts, prompt_ids):
         if len(ids) > loop.max_prompt_length:
             raise ValueError(
                 f"prompt {p.id} has {len(ids)} tokens, more than --max-prompt-length "
                 f"{loop.max_prompt_length}: raise the limit or drop the prompt")
-    need = loop.max_prompt_length + gen.max_new_tokens + spec.num_draft_tokens + 1
+    need = loop.max_prompt_length + gen.max_new_tokens + drafts + 1
     for name, info in infos.items():
         if need > info.config.max_position_embeddings:
             raise ValueError(
                 f"--max-prompt-length {loop.max_prompt_length} + --max-new-tokens "
-                f"{gen.max_new_tokens} (+{spec.num_draft_tokens + 1} for verification) = {need} "
+                f"{gen.max_new_tokens} (+{drafts + 1} for verification) = {need} "
                 f"exceeds the {name}'s {info.config.max_position_embeddings} positions")
 
 
@@ -217,4 +221,5 @@ def build_trainer(plan: TrainPlan, pg):
                 "actor_init": str(plan.paths.actor), "reference": str(plan.infos["reference"].path)}
     return RLHFTrainer(models, generator, maker, plan.ppo, plan.loop, plan.gen, plan.spec,
                        plan.prompts, plan.prompt_ids, pg, tokenizer=tok, save_dir=plan.save_dir,
-                       log_dir=plan.log_dir, start_iteration=start, run_info=run_info)
+                       log_dir=plan.log_dir, start_iteration=start, run_info=run_info,
+                       migration=plan.migration)

@@ -5,8 +5,12 @@
     train       PPO epochs for the actor (and the critic); optionally the draft
 
 Data-parallel ranks take disjoint prompts; tensor-parallel ranks of one replica run in
-lockstep on the same prompts and seeds. Each iteration's prompts and sampling seeds are a
-function of (seed, iteration) alone, so a resumed run repeats the uninterrupted one.
+lockstep on the same prompts and seeds. Each iteration's prompts and sampling seed are a
+function of (seed, iteration) alone, and a sample's random numbers are keyed by its index
+in the iteration's global batch, so a resumed run repeats the uninterrupted one and (with
+a fixed draft length) the samples do not depend on the data-parallel size. With more than
+one data-parallel rank, unfinished samples migrate from busy ranks to idle ones during
+generation (:mod:`megatron_rlhf.generation.migration`) and come back for the experience.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf import platform
-from megatron_rlhf.config import GenerationConfig, LoopConfig, PPOConfig, SpecConfig
+from megatron_rlhf.config import GenerationConfig, LoopConfig, MigrationConfig, PPOConfig, SpecConfig
 from megatron_rlhf.data.sampler import batch_indices
 from megatron_rlhf.rlhf import offload
 from megatron_rlhf.rlhf.experience import ExperienceMaker
@@ -39,9 +43,9 @@ class Models:
     reward_model: torch.nn.Module | None = None
 
 
-def iteration_seed(seed: int, iteration: int, dp_rank: int) -> int:
-    """Sampling seed of one replica in one iteration."""
-    return (seed * 1_000_003 + iteration * 7919 + dp_rank) % (2**63)
+def iteration_seed(seed: int, iteration: int) -> int:
+    """Sampling seed of one iteration (samples are told apart by their global index)."""
+    return (seed * 1_000_003 + iteration * 7919) % (2**63)
 
 
 class RLHFTrainer:
@@ -50,7 +54,8 @@ class RLHFTrainer:
     def __init__(self, models: Models, generator, maker: ExperienceMaker, ppo: PPOConfig,
                  loop: LoopConfig, gen: GenerationConfig, spec: SpecConfig, prompts: list,
                  prompt_ids: list[list[int]], pg, tokenizer=None, save_dir=None, log_dir=None,
-                 start_iteration: int = 0, run_info: dict | None = None):
+                 start_iteration: int = 0, run_info: dict | None = None,
+                 migration: MigrationConfig | None = None):
         self.m, self.generator, self.maker = models, generator, maker
         self.ppo, self.loop, self.gen, self.spec = ppo, loop, gen, spec
         self.prompts, self.prompt_ids, self.pg, self.tokenizer = prompts, prompt_ids, pg, tokenizer
@@ -60,6 +65,12 @@ class RLHFTrainer:
         self.dp_rank, self.dp = pg.dp.rank(), pg.dp.size()
         self.log = MetricsLog(log_dir, self.rank0, resume_from=start_iteration)
         self.history: list[dict] = []
+        self.migrator = None
+        if (migration or MigrationConfig()).enabled(self.dp):
+            from megatron_rlhf.generation.migration import Migrator
+
+            dev = models.actor.model.embedding.word_embeddings.weight.device
+            self.migrator = Migrator(pg.dp, migration or MigrationConfig(), dev)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[dict]:
@@ -99,7 +110,9 @@ class RLHFTrainer:
                 if t is not None:
                     offload.move_optimizer(t.optimizer, host)
             rollout = self.generator.generate(ids, self.gen, self.spec,
-                                              seed=iteration_seed(self.loop.seed, it, self.dp_rank))
+                                              seed=iteration_seed(self.loop.seed, it),
+                                              sample_ids=list(range(first, first + len(ids))),
+                                              migrator=self.migrator)
         with stages.stage("experience"):
             for extra in (m.reference, m.reward_model):
                 if extra is not None:
@@ -135,18 +148,29 @@ class RLHFTrainer:
             sum(r == "eos" for r in rollout.finish_reasons),
             s.new_tokens, s.verifications, s.accepted_tokens,
         ], dtype=torch.float64)
-        slowest = torch.tensor([s.elapsed_s], dtype=torch.float64)
+        slowest = torch.tensor([s.elapsed_s, s.idle_s, s.idle_s / max(s.elapsed_s, 1e-9),
+                                s.migration_s], dtype=torch.float64)
+        hist = torch.tensor(s.rounds_by_draft_len + [s.migrated_out, s.migration_bytes],
+                            dtype=torch.float64)
         local = platform.all_reduce(local, group=self.pg.dp)
         slowest = platform.all_reduce(slowest, dist.ReduceOp.MAX, self.pg.dp)
+        hist = platform.all_reduce(hist, group=self.pg.dp).tolist()
         rsum, rsq, n, kl, tokens, eos, new, ver, acc = local.tolist()
+        elapsed, idle, idle_frac, mig_s = slowest.tolist()
         mean = rsum / n
         return {
+            "gen_rounds_by_draft_len": [int(x) for x in hist[:-2]],
+            "gen_migrated": int(hist[-2]),
+            "gen_migration_mb": hist[-1] / 2 / 2**20,  # counted by sender and receiver
+            "gen_migration_s": mig_s,
+            "gen_idle_s_max": idle,
+            "gen_idle_frac_max": idle_frac,
             "reward_mean": mean,
             "reward_std": math.sqrt(max(rsq / n - mean * mean, 0.0)),
             "kl": kl / max(tokens, 1),
             "response_length": tokens / n,
             "eos_fraction": eos / n,
-            "gen_tokens_per_s": new / max(float(slowest), 1e-9),
+            "gen_tokens_per_s": new / max(elapsed, 1e-9),
             "accepted_length": 1.0 + acc / ver if ver else 1.0,
         }
 
