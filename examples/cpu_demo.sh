@@ -6,7 +6,10 @@
 #      reads the actor's hidden states, with an 8064-token head, briefly distilled on
 #      the actor's own answers (once);
 #   3. PPO (actor + critic + reference, rule reward `concise`: finish the answer, briefly)
-#      for $ITERS iterations; the draft is distilled towards the actor every iteration;
+#      for $ITERS iterations; before every generation round the selector picks plain
+#      decoding or a draft length (--num-draft-tokens auto), unfinished samples migrate
+#      from the busy rank to the idle one, and the draft is distilled towards the actor
+#      every iteration;
 #   4. plot reward, KL and stage times to $OUT/run/metrics.png.
 # Resumable: rerun with LOAD=1 after an interruption to continue from the last checkpoint.
 set -euo pipefail
@@ -36,7 +39,7 @@ if [[ "${LOAD:-0}" == 1 && -f "$RUN/latest_checkpointed_iteration.txt" ]]; then
 fi
 echo "== [${SECONDS}s] PPO on $NPROC CPU ranks, $ITERS iterations (progress bar below)"
 torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train \
-  --actor-load "$CKPT" --draft-load "$DRAFT" --num-draft-tokens 1 --draft-distill \
+  --actor-load "$CKPT" --draft-load "$DRAFT" --draft-distill \
   --reward-fn concise --global-batch-size 8 --rollout-n 2 --micro-batch-size 8 \
   --max-new-tokens 40 --temperature 1.0 \
   --lr 1e-5 --critic-lr 2e-5 --lr-warmup-iters 2 --kl-coef 0.01 --clip-grad 1.0 \
