@@ -151,8 +151,9 @@ class Generator:
         big_n = spec.max_tokens(self.draft is not None)
         if big_n:  # room for a padded catch-up of the draft past the longest sample
             max_len += CATCH_UP_MAX
+        batch = max(len(prompts), 1)
         if migrator is not None:
-            max_len = migrator.agree_max_len(max_len)
+            max_len, batch = migrator.agree(max_len, batch)
         for m in (self.actor, self.draft):
             if m is not None:
                 m.eval()
@@ -160,7 +161,7 @@ class Generator:
         sids = list(range(len(prompts))) if sample_ids is None else [int(i) for i in sample_ids]
         if len(sids) != len(prompts) or len(set(sids)) != len(sids):
             raise ValueError("sample_ids must give one distinct index per prompt")
-        selector = self.selector_for(spec, max(len(prompts), 1), max_len) if spec.auto and big_n else None
+        selector = self.selector_for(spec, batch, max_len) if spec.auto and big_n else None
         stats = GenerationStats(num_draft_tokens=big_n,
                                 mode="auto" if selector else ("fixed" if big_n else "plain"),
                                 accepted_per_position=[0] * big_n, drafted_per_position=[0] * big_n,

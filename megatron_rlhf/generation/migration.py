@@ -87,14 +87,15 @@ class Migrator:
                               f"{who} did not answer ({type(err).__name__}: {err}); it has "
                               "probably died, see its own log")
 
-    def agree_max_len(self, n: int) -> int:
-        """The longest cache any rank needs (every rank sizes its caches for any sample)."""
-        t = torch.tensor([n], device=self.device)
+    def agree(self, max_len: int, batch: int) -> tuple[int, int]:
+        """The longest cache and the largest batch of any rank: every rank sizes its caches
+        for any sample, and profiles (``auto``) up to the batch it may come to hold."""
+        t = torch.tensor([max_len, batch], device=self.device)
         try:
             dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group)
         except RuntimeError as e:
             raise self._fail("agreeing on the cache length", None, e) from e
-        return int(t)
+        return int(t[0]), int(t[1])
 
     def counts(self, live: int) -> list[int]:
         t = torch.tensor([live], device=self.device)
