@@ -248,8 +248,8 @@ class Generator:
             logits, hidden = logits  # [B, V], [B, P, h]
         first, probs = sample(logits, cfg, rng.uniform(key, sid, fields["emitted"], rng.NEXT))
         lp, slp = _logprob_pair(logits, probs, first, cfg)
-        for r, tok in enumerate(first.tolist()):
-            if out.emit(sid[r].item(), [tok], [lp[r]], [slp[r]]):
+        for r, (s, tok) in enumerate(zip(sid.tolist(), first.tolist())):
+            if out.emit(s, [tok], [lp[r]], [slp[r]]):
                 fields["alive"][r] = False
         fields["pending"], fields["emitted"] = first, fields["emitted"] + 1
         if big_n and feature:  # catch up with the prompt and the first token: h_{-1} = 0
