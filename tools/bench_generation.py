@@ -2,8 +2,9 @@
 """Generation throughput of SmolLM2-135M-Instruct on CPU: our engine against its floor and HF.
 
     python tools/bench_generation.py [--load CKPT] [--draft-load CKPT] [--batch-sizes 1,4,16,64]
-        [--dtypes fp32,bf16] [--max-new-tokens 64] [--num-draft-tokens 1,2,3,4,5,6]
-        [--temperature 1.0] [--repeats 1] [--skip-hf] [--skip-floor] [--out FILE.jsonl]
+        [--dtypes fp32,bf16] [--max-new-tokens 64] [--num-draft-tokens 1,2,4,auto]
+        [--max-draft-tokens 4] [--temperature 1.0] [--repeats 1] [--skip-hf] [--skip-floor]
+        [--out FILE.jsonl]
 
 Per dtype and batch size B (B held-out prompts, chat-formatted, cycled past 60), one JSON
 line per measurement on stdout (and appended to --out), after a header line that states
@@ -16,16 +17,26 @@ the machine, the model and the settings:
   (EOS ignored). Decode ``ms_per_step`` excludes prefill; goal ``step_vs_floor`` <= 1.15.
 - ``hf``: transformers ``generate`` on the same GGUF, same dtype, same prompt ids
   (left-padded), no top-k; goal ``ours_vs_hf`` > 1 at every batch, >= 1.8 at batch 64.
-- ``spec`` (with --draft-load): speculative decoding with each --num-draft-tokens n:
+- ``spec`` (with --draft-load): speculative decoding with each fixed --num-draft-tokens n:
   acceptance statistics and ``speedup_vs_plain`` at the same dtype and batch.
+- ``auto`` (with --draft-load and ``auto`` among --num-draft-tokens): the engine's
+  workload-aware selector (``SpecConfig("auto", max_draft_tokens=--max-draft-tokens)``)
+  picking plain or n=1..max before every round. ``auto_vs_best``: auto's tokens/s over the
+  best of plain and every fixed n measured here, ``rounds_by_draft_len``: how often it
+  chose each length (index 0: plain steps). Goal: ``auto_vs_best`` >= 0.95 at every batch
+  and dtype. One ``Generator(actor, draft)`` per dtype serves every auto measurement: its
+  selector profiles the models once, at its first call, on the largest batch (a few
+  seconds, before any timed round) and keeps its cost table and acceptance estimate.
 
-The variants are interleaved: each of the --repeats rounds times the floor, our engine
-and HF back to back (our engine and HF in alternating order), and a ratio is the median
-over rounds of that round's ratio, so a drift of the machine's speed between measurements
-(several tens of percent within minutes on a shared 2-core VM) cancels out; each round's
-numbers are kept in the record. tokens/s always counts new tokens over the whole call,
-prefill included. A summary table goes to stderr at the end. Runs as one process; the
-torch thread count is left as is.
+The variants are interleaved: each of the --repeats rounds times the floor, then plain,
+HF, every fixed n and auto back to back, the order rotated by one each round (so with
+plain and HF only they alternate), and a ratio is the median over rounds of that round's
+ratio, so a drift of the machine's speed between measurements (several tens of percent
+within minutes on a shared 2-core VM) cancels out; each round's numbers are kept in the
+record. Every engine variant (and HF) first writes 4 tokens per sample once to warm up.
+tokens/s always counts new tokens over the whole call, prefill included. A summary table
+and the goals go to stderr at the end. Runs as one process; the torch thread count is
+left as is.
 """
 
 from __future__ import annotations
@@ -54,6 +65,20 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def draft_list(text: str) -> list:
+    """``1,2,4,auto`` -> ``[1, 2, 4, "auto"]``."""
+    out = []
+    for x in (x.strip() for x in text.split(",")):
+        if x == "auto":
+            out.append(x)
+        elif x:
+            try:
+                out.append(int(x))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected integers >= 1 or auto, got {x!r}") from None
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", help=f"actor checkpoint (default: the GGUF converted into {DEFAULT_CKPT})")
@@ -61,9 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16, 64])
     p.add_argument("--dtypes", type=lambda s: s.split(","), default=["fp32", "bf16"])
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--num-draft-tokens", type=int_list, default=[1, 2, 3, 4, 5, 6])
+    p.add_argument("--num-draft-tokens", type=draft_list, default=[1, 2, 4, "auto"],
+                   help="fixed draft lengths and/or auto, comma-separated (with --draft-load)")
+    p.add_argument("--max-draft-tokens", type=int, default=4, help="largest n auto considers")
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per measurement (median kept)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of every variant (ratios: median of the per-round ratios)")
     p.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
     p.add_argument("--skip-floor", action="store_true", help="no bare-forward floor")
     p.add_argument("--out", help="also append the JSON lines to this file")
@@ -74,8 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown dtype(s) {bad}: choose from {sorted(DTYPES)}")
     if min(args.batch_sizes, default=0) < 1 or args.max_new_tokens < 1 or args.repeats < 1:
         p.error("batch sizes, --max-new-tokens and --repeats must be >= 1")
-    if min(args.num_draft_tokens, default=1) < 1:
-        p.error("--num-draft-tokens values must be >= 1")
+    if min([n for n in args.num_draft_tokens if n != "auto"], default=1) < 1 or args.max_draft_tokens < 1:
+        p.error("--num-draft-tokens values (other than auto) and --max-draft-tokens must be >= 1")
     return args
 
 
@@ -129,16 +157,6 @@ def load_lm(path, pg, dtype: torch.dtype, seed: int):
     return model.eval(), info
 
 
-def timed_runs(fn, repeats: int) -> tuple[float, object]:
-    """(median seconds, result of the median run) of ``fn()`` over ``repeats`` runs."""
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        runs.append((time.perf_counter() - t0, result))
-    return median_by(runs, lambda r: r[0])
-
-
 def median_by(items: list, key):
     """The item at the median of ``key`` (the upper one of an even count)."""
     return sorted(items, key=key)[len(items) // 2]
@@ -163,13 +181,6 @@ def floor_ms(model, batch: int, position: int) -> float:
 def warm_up(engine, prompts, cfg, spec, seed: int) -> None:
     """One call of the engine writing at most 4 tokens per sample."""
     engine.generate(prompts, dataclasses.replace(cfg, max_new_tokens=min(4, cfg.max_new_tokens)), spec, seed)
-
-
-def measure_engine(engine, prompts, cfg, spec, seed: int, repeats: int):
-    """Warm up with 4 tokens, then the median run's ``GenerationStats``."""
-    warm_up(engine, prompts, cfg, spec, seed)
-    _, rollout = timed_runs(lambda: engine.generate(prompts, cfg, spec, seed), repeats)
-    return rollout.stats
 
 
 def decode_ms(stats) -> float:
@@ -202,23 +213,50 @@ def hf_runner(model, tokenizer, prompts, max_new: int, temperature: float, seed:
     return run
 
 
-def interleaved(engine, prompts, cfg, seed: int, repeats: int, floor_at: int | None, hf_run):
-    """``repeats`` rounds of (floor, our engine, HF), our engine and HF in alternating
-    order; per round ``{"floor_ms", "stats", "hf"}`` (None where skipped). Both warm up first."""
-    warm_up(engine, prompts, cfg, SpecConfig(), seed)
+def interleaved(variants: dict, actor, prompts, cfg, seed: int, repeats: int, floor_at: int | None,
+                hf_run):
+    """``variants``: name -> (engine, spec). ``repeats`` rounds of the floor, then every variant
+    and HF back to back, the order rotated by one per round; per round ``{"floor_ms", "hf",
+    name: GenerationStats}`` (None where skipped). Every variant and HF warm up first."""
+    for engine, spec in variants.values():
+        warm_up(engine, prompts, cfg, spec, seed)
+    names = list(variants)
     if hf_run is not None:
         hf_run(min(4, cfg.max_new_tokens))
+        names.insert(1, "hf")  # plain, HF, n..., auto
     rounds = []
     for r in range(repeats):
-        row = {"floor_ms": None if floor_at is None else floor_ms(engine.actor, len(prompts), floor_at),
-               "hf": None}
-        for who in (("ours", "hf") if r % 2 == 0 else ("hf", "ours")):
-            if who == "ours":
-                row["stats"] = engine.generate(prompts, cfg, SpecConfig(), seed).stats
-            elif hf_run is not None:
+        row = {"floor_ms": None if floor_at is None else floor_ms(actor, len(prompts), floor_at), "hf": None}
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            if name == "hf":
                 row["hf"] = hf_run()
+            else:
+                engine, spec = variants[name]
+                row[name] = engine.generate(prompts, cfg, spec, seed).stats
         rounds.append(row)
     return rounds
+
+
+def spec_record(kind: str, base: dict, runs: list, plain_runs: list) -> dict:
+    """A speculative variant (fixed n or auto) over the rounds: median tokens/s, the median of
+    the per-round ratios to plain, and the median run's acceptance statistics."""
+    med = statistics.median
+    st = median_by(runs, lambda x: x.elapsed_s)
+    return {"kind": kind, **base, "num_draft_tokens": "auto" if kind == "auto" else st.num_draft_tokens,
+            "tokens_per_s": med([x.tokens_per_s for x in runs]),
+            "speedup_vs_plain": med([x.tokens_per_s / p.tokens_per_s for x, p in zip(runs, plain_runs)]),
+            "mean_accepted_length": st.mean_accepted_length,
+            "accepted_per_position": st.accepted_per_position,
+            "acceptance_per_position": st.acceptance_per_position,
+            "actor_steps": st.actor_steps, "draft_steps": st.draft_steps,
+            "ms_per_round": med([decode_ms(x) for x in runs]), "prefill_s": st.prefill_s,
+            "elapsed_s": st.elapsed_s, "new_tokens": st.new_tokens,
+            "rounds_tokens_per_s": [x.tokens_per_s for x in runs]}
+
+
+AUTO_GOAL = 0.95
+"""auto's tokens/s over the best of plain and every fixed n, at every batch and dtype."""
 
 
 def summary(rows: list[dict]) -> str:
@@ -227,18 +265,32 @@ def summary(rows: list[dict]) -> str:
         if "batch" in r:
             by.setdefault((r["dtype"], r["batch"]), {}).setdefault(r["kind"], []).append(r)
     head = ("dtype", "B", "floor ms", "floor t/s", "plain t/s", "step ms", "step/floor",
-            "hf t/s", "ours/hf", "best n", "spec x")
+            "hf t/s", "ours/hf", "best n", "spec x", "auto x", "auto/best", "auto rounds")
     lines = ["  ".join(f"{h:>10}" for h in head)]
+    autos = []
     for (dtype, b), kinds in by.items():
         floor = kinds.get("floor", [{}])[0]
         plain = kinds.get("plain", [{}])[0]
         hf = kinds.get("hf", [{}])[0]
         spec = max(kinds.get("spec", [{}]), key=lambda r: r.get("speedup_vs_plain", 0))
+        auto = kinds.get("auto", [{}])[0]
+        if auto:
+            autos.append(auto)
+        hist = auto.get("rounds_by_draft_len")
         cells = (dtype, b, floor.get("ms_per_step"), floor.get("tokens_per_s"), plain.get("tokens_per_s"),
                  plain.get("ms_per_step"), plain.get("step_vs_floor"), hf.get("tokens_per_s"),
-                 plain.get("ours_vs_hf"), spec.get("num_draft_tokens"), spec.get("speedup_vs_plain"))
+                 plain.get("ours_vs_hf"), spec.get("num_draft_tokens"), spec.get("speedup_vs_plain"),
+                 auto.get("speedup_vs_plain"), auto.get("auto_vs_best"),
+                 None if hist is None else "/".join(map(str, hist)))
         lines.append("  ".join(f"{'-' if c is None else (f'{c:.2f}' if isinstance(c, float) else c):>10}"
                                for c in cells))
+    if autos:
+        worst = min(autos, key=lambda r: r["auto_vs_best"])
+        ok = worst["auto_vs_best"] >= AUTO_GOAL
+        lines.append(f"goal auto >= {AUTO_GOAL}x the best of plain and every fixed n at every batch and "
+                     f"dtype: {'met' if ok else 'NOT met'} (worst {worst['auto_vs_best']:.2f}x at "
+                     f"{worst['dtype']} batch {worst['batch']}, best there: {worst['best']}); "
+                     "auto rounds = plain/n=1/n=2/... rounds of auto's median run")
     return "\n".join(lines)
 
 
@@ -277,30 +329,50 @@ def main(argv=None) -> int:
     report = Reporter(args.out)
     report.emit({
         "kind": "header", "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "model": str(info.path), "model_config": info.config.to_dict(),
+        "threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "model": str(info.path),
+        "model_config": info.config.to_dict(),
         "draft": args.draft_load, "heldout_prompts": len(encoded),
         "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
     })
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            stop_on_eos=False)
     pad_id = tokenizer.pad_token_id or 0
+    prompts_for = lambda b: list(itertools.islice(itertools.cycle(encoded), b))  # noqa: E731
+    fixed = [n for n in args.num_draft_tokens if n != "auto"]
+    auto_spec = SpecConfig("auto", max_draft_tokens=args.max_draft_tokens)
 
     for name in args.dtypes:
         dtype = DTYPES[name]
         actor, _ = load_lm(info.path, pg, dtype, args.seed)
         draft = load_lm(args.draft_load, pg, dtype, args.seed)[0] if args.draft_load else None
         hf = None if args.skip_hf else load_hf(dtype)
+        auto_engine = None
+        if draft is not None and "auto" in args.num_draft_tokens:
+            # one selector for every batch: it profiles the models at its first call (here,
+            # on the largest batch so that its cost table spans them all) and keeps learning
+            auto_engine = Generator(actor, draft, pad_id=pad_id)
+            t0 = time.perf_counter()
+            warm_up(auto_engine, prompts_for(max(args.batch_sizes)), cfg, auto_spec, args.seed)
+            costs = auto_engine.selector.costs
+            report.emit({"kind": "profile", "dtype": name, "max_draft_tokens": args.max_draft_tokens,
+                         "first_call_s": time.perf_counter() - t0, "cost_table": costs.to_dict()})
         for b in args.batch_sizes:
-            prompts = list(itertools.islice(itertools.cycle(encoded), b))
+            prompts = prompts_for(b)
             mean_len = sum(map(len, prompts)) / b
             base = {"dtype": name, "batch": b, "max_new_tokens": args.max_new_tokens,
                     "prompt_tokens_mean": round(mean_len, 1), "temperature": args.temperature}
             hf_run = None if hf is None else hf_runner(hf, tokenizer, prompts, args.max_new_tokens,
                                                        args.temperature, args.seed)
-            rounds = interleaved(Generator(actor, pad_id=pad_id), prompts, cfg, args.seed, args.repeats,
+            variants = {0: (Generator(actor, pad_id=pad_id), SpecConfig(0))}
+            if draft is not None:
+                spec_engine = Generator(actor, draft, pad_id=pad_id)
+                variants.update({n: (spec_engine, SpecConfig(n)) for n in fixed})
+                if auto_engine is not None:
+                    variants["auto"] = (auto_engine, auto_spec)
+            rounds = interleaved(variants, actor, prompts, cfg, args.seed, args.repeats,
                                  None if args.skip_floor else round(mean_len), hf_run)
             med = statistics.median
-            runs = [r["stats"] for r in rounds]
+            runs = [r[0] for r in rounds]
             st = median_by(runs, lambda x: x.elapsed_s)
             steps = [decode_ms(x) for x in runs]
             if not args.skip_floor:
@@ -322,18 +394,25 @@ def main(argv=None) -> int:
                              "rounds_tokens_per_s": [x["tokens_per_s"] for x in hfs],
                              "ours_vs_hf": plain["ours_vs_hf"]})
             report.emit(plain)
-            for n in args.num_draft_tokens if draft is not None else []:
-                s = measure_engine(Generator(actor, draft, pad_id=pad_id), prompts, cfg, SpecConfig(n),
-                                   args.seed, args.repeats)
-                report.emit({"kind": "spec", **base, "num_draft_tokens": n, "tokens_per_s": s.tokens_per_s,
-                             "speedup_vs_plain": s.tokens_per_s / plain["tokens_per_s"],
-                             "mean_accepted_length": s.mean_accepted_length,
-                             "accepted_per_position": s.accepted_per_position,
-                             "actor_steps": s.actor_steps, "draft_steps": s.draft_steps,
-                             "ms_per_round": decode_ms(s), "prefill_s": s.prefill_s,
-                             "elapsed_s": s.elapsed_s, "new_tokens": s.new_tokens})
-        del actor, draft, hf
+            for n in fixed if draft is not None else []:
+                report.emit(spec_record("spec", base, [r[n] for r in rounds], runs))
+            if "auto" in variants:
+                auto_runs = [r["auto"] for r in rounds]
+                rec = spec_record("auto", base, auto_runs, runs)
+                # per round: auto against the best of plain and every fixed n in that round
+                others = [0, *fixed]
+                rec["auto_vs_best"] = med([r["auto"].tokens_per_s / max(r[k].tokens_per_s for k in others)
+                                           for r in rounds])
+                best = max(others, key=lambda k: med([r[k].tokens_per_s for r in rounds]))
+                rec["best"] = "plain" if best == 0 else f"n={best}"
+                rec["goal_auto_vs_best"] = AUTO_GOAL
+                rec["rounds_by_draft_len"] = median_by(auto_runs, lambda x: x.elapsed_s).rounds_by_draft_len
+                rec["rounds_by_draft_len_per_round"] = [x.rounds_by_draft_len for x in auto_runs]
+                report.emit(rec)
+        del actor, draft, hf, auto_engine
     print(summary(report.rows), file=sys.stderr)
+    print(f"load average at the start {report.rows[0]['loadavg']}, at the end {os.getloadavg()} "
+          f"({os.cpu_count()} cores; other processes skew every number)", file=sys.stderr)
     platform.shutdown()
     return 0
 

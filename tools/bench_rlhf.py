@@ -1,15 +1,29 @@
 """Benchmark RLHF iterations with speculative generation on vs off (JSON lines).
 
-    python tools/bench_rlhf.py --actor-load CKPT --draft-load DRAFT [--nproc 2] \\
-        [--iters 6] [--num-draft-tokens 1 2 4] [-- EXTRA TRAIN FLAGS]
+    python tools/bench_rlhf.py --actor-load CKPT --draft-load DRAFT [--nproc 2] [--iters 6] \\
+        [--num-draft-tokens 1 2 auto auto+mig] [--repeats 1] [--draft-distill] \\
+        [-- EXTRA TRAIN FLAGS]
 
-Runs ``python -m megatron_rlhf.train`` once per variant — plain decoding, then speculation
-with each ``n`` — with the same seed, prompts, batch and flags (the demo's settings by
-default), and prints one JSON line per variant (mean seconds per stage over the iterations
-after the first, the generation share of an iteration, generation tokens/s, mean accepted
-length, reward mean and std) and one line per speculative variant with its ratios to
-plain decoding. Speculation is lossless, so reward statistics agree in expectation, not
-sample by sample.
+Runs ``python -m megatron_rlhf.train`` (under torchrun, ``--nproc`` ranks, one thread each
+unless OMP_NUM_THREADS is set) once per variant and round, with the same seed, prompts,
+batch and flags (the demo's settings by default). Variants: plain decoding (always, the
+reference) and each ``--num-draft-tokens`` value: ``N`` (fixed draft length), ``auto`` (the
+workload-aware selector; it profiles the models in the first iteration), either with
+``+mig`` for sample migration between the DP ranks (``--sample-migration on``; every
+other variant runs with ``--sample-migration off``, and ``plain+mig`` is plain decoding
+with migration). With ``--repeats R`` every variant runs R times, the variants of a round
+back to back in an order rotated by one per round, and each ratio is the median of the
+per-round ratios (the machine's speed drifts between runs).
+
+Prints a header line (machine, ranks, threads, flags), one JSON line per run (mean
+seconds per stage over the iterations after the first, the generation share of an
+iteration, generation tokens/s, mean accepted length, the selector's rounds per draft
+length, migrations, the largest per-rank idle fraction of generation, reward mean and std,
+response length, EOS fraction; the engine counts idle time only with migration on, so
+``gen_idle_frac_max`` is 0 without ``+mig``), and per non-plain variant one ``compare`` line with its
+ratios to plain decoding (``generation_speedup`` = plain rollout seconds / the variant's,
+``iteration_speedup``, reward mean and std of both). A table goes to stderr at the end.
+Speculation is lossless, so reward statistics agree in expectation, not sample by sample.
 """
 
 from __future__ import annotations
@@ -17,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,38 +45,116 @@ DEMO_FLAGS = ["--reward-fn", "concise", "--global-batch-size", "8", "--rollout-n
 STAGES = ("time_rollout_s", "time_experience_s", "time_train_s", "time_draft_s")
 
 
-def run_variant(args, n: int, extra: list[str], out: Path) -> list[dict]:
-    log = out / (f"spec{n}" if n else "plain")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+def parse_variant(text: str) -> tuple[str, int | str, bool]:
+    """``N`` / ``auto`` / ``plain``, optionally ``+mig`` -> (name, num_draft_tokens, migrate)."""
+    base, _, suffix = text.strip().partition("+")
+    if suffix not in ("", "mig"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the only suffix is +mig")
+    if base in ("plain", "off", "0"):
+        n = 0
+    elif base == "auto":
+        n = "auto"
+    else:
+        try:
+            n = int(base)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected N >= 1, auto or plain (+mig)") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: N must be >= 1")
+    name = ("plain" if n == 0 else (f"spec n={n}" if isinstance(n, int) else "auto")) + ("+mig" if suffix else "")
+    return name, n, bool(suffix)
+
+
+def run_variant(args, variant, extra: list[str], log: Path) -> list[dict]:
+    name, n, migrate = variant
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "-m", "megatron_rlhf.train", "--actor-load", args.actor_load,
            "--train-iters", str(args.iters), "--log-dir", str(log), "--seed", str(args.seed),
-           *DEMO_FLAGS, *extra]
+           "--sample-migration", "on" if migrate else "off", *DEMO_FLAGS, *extra]
     if n:
         cmd += ["--draft-load", args.draft_load, "--num-draft-tokens", str(n)]
+        if n == "auto" and args.max_draft_tokens:
+            cmd += ["--max-draft-tokens", str(args.max_draft_tokens)]
         if args.draft_distill:
             cmd.append("--draft-distill")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONWARNINGS="ignore")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode:
-        sys.exit(f"variant n={n} failed:\n{r.stderr[-4000:]}")
+        err = r.stderr if len(r.stderr) < 6000 else f"{r.stderr[:2000]}\n...\n{r.stderr[-4000:]}"
+        sys.exit(f"variant {name} failed:\n{' '.join(cmd)}\n{err}")
     return [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
 
 
-def summarise(rows: list[dict], n: int, args) -> dict:
-    steady = rows[1:] or rows  # the first iteration pays one-off allocations
-    mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in steady)  # noqa: E731
+def summarise(rows: list[dict], variant, r: int, args) -> dict:
+    name, n, migrate = variant
+    steady = rows[1:] or rows  # the first iteration pays one-off allocations (and auto's profiling)
+    mean = lambda k: statistics.fmean(x.get(k, 0.0) for x in steady)  # noqa: E731
     it = mean("time_iteration_s")
+    hist = [sum(h) for h in zip(*[x["gen_rounds_by_draft_len"] for x in steady if "gen_rounds_by_draft_len" in x])]
     return {
-        "variant": f"spec n={n}" if n else "plain", "num_draft_tokens": n,
-        "iterations": len(rows), "nproc": args.nproc, "machine": platform.processor() or platform.machine(),
-        "iteration_s": it, **{k: mean(k) for k in STAGES},
+        "kind": "run", "variant": name, "num_draft_tokens": n, "sample_migration": migrate, "round": r,
+        "iterations": len(rows), "iteration_s": it, **{k: mean(k) for k in STAGES},
         "generation_share": mean("time_rollout_s") / it if it else 0.0,
         "gen_tokens_per_s": mean("gen_tokens_per_s"), "accepted_length": mean("accepted_length"),
-        "reward_mean": statistics.fmean(r["reward_mean"] for r in rows),
-        "reward_std": statistics.fmean(r["reward_std"] for r in rows),
-        "response_length": statistics.fmean(r["response_length"] for r in rows),
+        "gen_rounds_by_draft_len": hist, "gen_migrated": sum(x.get("gen_migrated", 0) for x in steady),
+        "gen_migration_mb": sum(x.get("gen_migration_mb", 0.0) for x in steady),
+        "gen_idle_frac_max": mean("gen_idle_frac_max"),
+        "reward_mean": statistics.fmean(x["reward_mean"] for x in rows),
+        "reward_std": statistics.fmean(x["reward_std"] for x in rows),
+        "response_length": statistics.fmean(x["response_length"] for x in rows),
+        "eos_fraction": statistics.fmean(x.get("eos_fraction", 0.0) for x in rows),
     }
+
+
+def compare(name: str, runs: list[dict], plain: list[dict]) -> dict:
+    """Medians over rounds of the per-round ratios of ``runs`` to ``plain``."""
+    med = statistics.median
+    return {
+        "kind": "compare", "compare": f"{name} / plain", "rounds": len(runs),
+        "generation_speedup": med([p["time_rollout_s"] / x["time_rollout_s"] for x, p in zip(runs, plain)]),
+        "iteration_speedup": med([p["iteration_s"] / x["iteration_s"] for x, p in zip(runs, plain)]),
+        "gen_tokens_per_s_ratio": med([x["gen_tokens_per_s"] / p["gen_tokens_per_s"]
+                                       for x, p in zip(runs, plain) if p["gen_tokens_per_s"]] or [0.0]),
+        "reward_mean": med([x["reward_mean"] for x in runs]),
+        "reward_mean_plain": med([p["reward_mean"] for p in plain]),
+        "reward_mean_diff": med([x["reward_mean"] - p["reward_mean"] for x, p in zip(runs, plain)]),
+        "reward_std": med([x["reward_std"] for x in runs]),
+        "reward_std_plain": med([p["reward_std"] for p in plain]),
+        "accepted_length": med([x["accepted_length"] for x in runs]),
+        "gen_idle_frac_max": med([x["gen_idle_frac_max"] for x in runs]),
+        "gen_idle_frac_max_plain": med([p["gen_idle_frac_max"] for p in plain]),
+    }
+
+
+def table(runs: dict[str, list[dict]], compares: dict[str, dict]) -> str:
+    med = statistics.median
+    head = ("variant", "iter s", "rollout s", "exper s", "train s", "draft s", "gen share", "gen tok/s",
+            "acc len", "reward", "gen x", "iter x", "idle max", "migrated", "rounds/n")
+    lines = ["  ".join(f"{h:>10}" for h in head)]
+    for name, rs in runs.items():
+        c = compares.get(name, {})
+        cells = (name, *(med([x[k] for x in rs]) for k in ("iteration_s", *STAGES, "generation_share",
+                                                             "gen_tokens_per_s", "accepted_length",
+                                                             "reward_mean")),
+                 c.get("generation_speedup"), c.get("iteration_speedup"),
+                 med([x["gen_idle_frac_max"] for x in rs]),
+                 rs[0]["gen_migrated"], "/".join(map(str, rs[0]["gen_rounds_by_draft_len"])) or "-")
+        lines.append("  ".join(f"{'-' if v is None else (f'{v:.2f}' if isinstance(v, float) else v):>10}"
+                               for v in cells))
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def main(argv=None) -> int:
@@ -73,24 +164,42 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every variant (ratios: median)")
+    p.add_argument("--num-draft-tokens", type=parse_variant, nargs="+",
+                   default=[parse_variant(x) for x in ("1", "2", "auto", "auto+mig")],
+                   help="variants besides plain: N, auto, plain+mig, each optionally +mig")
+    p.add_argument("--max-draft-tokens", type=int, default=None, help="largest n auto considers")
     p.add_argument("--draft-distill", action="store_true", help="also distil the draft in the loop")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more train flags")
     args = p.parse_args(argv)
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    variants = [parse_variant("plain")] + [v for v in args.num_draft_tokens if v[0] != "plain"]
+    names = [v[0] for v in variants]
+    if len(set(names)) != len(names):
+        p.error(f"variants repeat: {names}")
+    if args.repeats < 1 or args.iters < 1:
+        p.error("--repeats and --iters must be >= 1")
+    print(json.dumps({"kind": "header", "machine": machine(), "cores": os.cpu_count(), "nproc": args.nproc,
+                      "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
+                      "loadavg": os.getloadavg(),
+                      "actor": args.actor_load, "draft": args.draft_load, "iters": args.iters,
+                      "seed": args.seed, "repeats": args.repeats, "variants": names,
+                      "train_flags": DEMO_FLAGS + extra, "draft_distill": args.draft_distill}), flush=True)
+    runs = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
-        plain = summarise(run_variant(args, 0, extra, Path(tmp)), 0, args)
-        print(json.dumps(plain), flush=True)
-        for n in args.num_draft_tokens:
-            spec = summarise(run_variant(args, n, extra, Path(tmp)), n, args)
-            print(json.dumps(spec), flush=True)
-            print(json.dumps({
-                "compare": f"spec n={n} / plain",
-                "generation_speedup": plain["time_rollout_s"] / spec["time_rollout_s"],
-                "iteration_speedup": plain["iteration_s"] / spec["iteration_s"],
-                "reward_mean_diff": spec["reward_mean"] - plain["reward_mean"],
-                "accepted_length": spec["accepted_length"],
-            }), flush=True)
+        for r in range(args.repeats):
+            k = r % len(variants)
+            for v in variants[k:] + variants[:k]:
+                log = Path(tmp) / f"r{r}-{v[0].replace(' ', '').replace('=', '')}"
+                row = summarise(run_variant(args, v, extra, log), v, r, args)
+                runs[v[0]].append(row)
+                print(json.dumps(row), flush=True)
+    compares = {}
+    for name in names[1:]:
+        compares[name] = compare(name, runs[name], runs["plain"])
+        print(json.dumps(compares[name]), flush=True)
+    print(table(runs, compares), file=sys.stderr)
+    print(f"load average at the end {os.getloadavg()} ({os.cpu_count()} cores)", file=sys.stderr)
     return 0
 
 

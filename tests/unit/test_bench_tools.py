@@ -1,0 +1,90 @@
+"""The benchmark tools' own arithmetic (no real model, no processes): variant parsing, the
+rollout benchmark's makespan/ideal/idle records and busy clock, bench_rlhf's ratios."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from gen_fixtures import PROMPTS, actor_and_draft
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def tool(name: str):
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))  # bench_rollout imports bench_generation
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_draft_lengths_and_variants_parse():
+    gen, roll, rlhf = tool("bench_generation"), tool("bench_rollout"), tool("bench_rlhf")
+    assert gen.draft_list("1,2,4,auto") == [1, 2, 4, "auto"]
+    assert gen.parse_args(["--num-draft-tokens", "2,auto"]).num_draft_tokens == [2, "auto"]
+    with pytest.raises(SystemExit):
+        gen.parse_args(["--num-draft-tokens", "0,auto"])
+    assert [roll.parse_variant(x) for x in ("off", "2", "auto", "auto+mig")] == [
+        ("off", 0, False), ("2", 2, False), ("auto", "auto", False), ("auto+mig", "auto", True)]
+    assert rlhf.parse_variant("auto+mig") == ("auto+mig", "auto", True)
+    assert rlhf.parse_variant("2") == ("spec n=2", 2, False)
+    for bad in ("x", "2+fast", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            roll.parse_variant(bad)
+    with pytest.raises(SystemExit):  # 25 samples do not split over 2 ranks x 2 per prompt
+        roll.parse_args(["--global-batch", "25"])
+
+
+def rank(wall, busy, lengths, out=0, hist=(3, 1)):
+    return {"wall_s": wall, "busy_s": busy, "lengths": lengths, "finish": ["eos"] * len(lengths),
+            "migrated_out": out, "migration_bytes": 2 * 2**20 * out, "rounds_by_draft_len": list(hist),
+            "verifications": 4, "accepted": 2}
+
+
+def test_rollout_records_makespan_ideal_idle_and_ratios():
+    roll = tool("bench_rollout")
+    off = roll.run_record("off", 0, [rank(10.0, 10.0, [100, 8]), rank(4.0, 4.0, [8, 8])], 100)
+    assert off["makespan_s"] == 10.0 and off["ideal_s"] == 7.0
+    assert off["makespan_vs_ideal"] == pytest.approx(10 / 7)
+    assert off["idle_frac"] == pytest.approx([0.0, 0.6])
+    assert off["new_tokens"] == 124 and off["cut_fraction"] == 0.25
+    assert off["rank_owned_tokens"] == [108, 16] and off["rounds_by_draft_len"] == [6, 2]
+    mig = roll.run_record("auto+mig", 0, [rank(5.0, 4.8, [60, 8], out=1), rank(5.0, 4.6, [8, 8])], 100)
+    assert mig["migrated"] == 1 and mig["migration_mb"] == 1.0
+    v = roll.variant_record("auto+mig", [mig], [off], "off")
+    assert v["speedup"] == 2.0 and v["tokens_per_s_ratio"] == pytest.approx((84 / 5) / (124 / 10))
+    g = roll.goals_record({"auto+mig": v})
+    assert g["met"] == {"speedup": True, "makespan_vs_ideal": True, "idle_frac": True}
+    assert "goals for auto+mig vs off" in roll.summary([off, mig, v, g])
+
+
+def test_busy_clock_times_the_engine_compute(world1):
+    roll = tool("bench_rollout")
+    from megatron_rlhf.config import GenerationConfig, SpecConfig
+    from megatron_rlhf.generation.engine import Generator
+
+    actor, draft = actor_and_draft(world1)
+    engine = Generator(actor, draft)
+    clock = roll.BusyClock(engine)
+    r = engine.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=6, temperature=1.0), SpecConfig(2))
+    assert 0 < clock.seconds <= r.stats.elapsed_s
+    assert r.stats.new_tokens == 12
+
+
+def test_rlhf_compare_is_the_median_of_per_round_ratios():
+    rlhf = tool("bench_rlhf")
+
+    def row(gen, it, rew):
+        return {"time_rollout_s": gen, "iteration_s": it, "gen_tokens_per_s": 10 / gen, "reward_mean": rew,
+                "reward_std": 0.1, "accepted_length": 1.5, "gen_idle_frac_max": 0.2}
+
+    c = rlhf.compare("auto", [row(1.0, 5.0, 0.3), row(2.0, 6.0, 0.2), row(1.0, 4.0, 0.5)],
+                     [row(2.0, 6.0, 0.2), row(2.0, 6.0, 0.2), row(4.0, 8.0, 0.2)])
+    assert c["generation_speedup"] == 2.0 and c["iteration_speedup"] == pytest.approx(1.2)
+    assert c["reward_mean_diff"] == pytest.approx(0.1)
