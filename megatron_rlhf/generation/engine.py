@@ -173,17 +173,16 @@ class Generator:
         rows = self._prefill(prompts, sids, cfg, key, max_len, big_n, out, dev)
         stats.prefill_s = time.perf_counter() - t0
 
-        since_exchange = 0
+        if migrator is not None:
+            migrator.start()
         while True:
-            live = int(rows["alive"].sum())
-            if migrator is not None and (live == 0 or since_exchange >= migrator.interval):
-                rows.compact()
-                if migrator.exchange(rows, out, stats, idle=live == 0):
-                    break
-                since_exchange = 0
-                continue
-            if live == 0:
+            if migrator is not None and migrator.poll(rows, out, stats):
                 break
+            live = int(rows["alive"].sum())
+            if live == 0:
+                if migrator is None:
+                    break
+                continue
             dead = len(rows) - live
             if dead and dead * 4 >= len(rows):
                 rows.compact()
@@ -198,7 +197,6 @@ class Generator:
             stats.rounds_by_draft_len[n] += 1
             if selector is not None:
                 selector.observe(live, n, time.perf_counter() - start, k)
-            since_exchange += 1
         if migrator is not None:
             migrator.return_results(out, sids)
         stats.elapsed_s = time.perf_counter() - t0

@@ -2,12 +2,16 @@
 
 Each data-parallel rank generates its own share of the samples, and the share shrinks
 unevenly: some ranks run out of work while others still decode long answers. Every
-``interval`` rounds the ranks of the DP group exchange their live counts (one small
-all-gather); when the busiest rank holds more than ``1 + threshold`` times the mean and
-at least two more than the idlest, unfinished samples move from busy to idle ranks over
-point-to-point sends (NCCL on GPU, gloo on CPU) until every rank is within one of the
-mean (:func:`plan_transfers`). A sample travels whole: its per-row state (global index,
-tokens emitted, pending token, the draft's catch-up buffer and, for a feature draft, the
+``interval`` rounds each rank posts its live count in a non-blocking all-gather over the
+DP group and keeps generating; a rank with no live sample posts at once and waits. When
+the exchange has completed, and the busiest rank held more than ``1 + threshold`` times
+the mean and at least two more than the idlest, unfinished samples move from busy to idle
+ranks over point-to-point sends (NCCL on GPU, gloo on CPU) until every rank is within one
+of the mean (:func:`plan_transfers`; a sender gives only what it still has). Busy ranks
+never wait for one another: the exchange completes when the last rank posts, and only the
+receivers of samples block, for at most one of the sender's rounds.
+
+A sample travels whole: its per-row state (global index, tokens emitted, pending token, the draft's catch-up buffer and, for a feature draft, the
 actor hidden states in it), its rows of the actor's and the draft's KV caches, and its
 outputs so far (tokens, log-probs). Its random numbers are keyed by its global index and
 position (:mod:`~megatron_rlhf.generation.rng`), so it continues exactly as it would have
@@ -19,7 +23,9 @@ job with a :class:`MigrationError` naming it.
 
 Under TP each TP rank of a replica exchanges with the same TP rank of the other replicas
 (that is what ``pg.dp`` groups): the counts and plans agree across TP, and every TP rank
-ships its own shards of the caches.
+ships its own shards of the caches. The count exchanges of the TP ranks complete at
+different times, so while one is in flight the TP ranks agree (a one-integer all-reduce
+over ``tp_group`` per round) on the round in which they act.
 """
 
 from __future__ import annotations
@@ -71,8 +77,9 @@ def plan_transfers(counts: list[int], threshold: float) -> list[tuple[int, int, 
 class Migrator:
     """Exchanges live counts and moves samples within one data-parallel group."""
 
-    def __init__(self, group, cfg: MigrationConfig, device: torch.device):
+    def __init__(self, group, cfg: MigrationConfig, device: torch.device, tp_group=None):
         self.group, self.device = group, device
+        self.tp = tp_group if tp_group is not None and tp_group.size() > 1 else None
         self.interval, self.threshold = cfg.migration_interval, cfg.migration_threshold
         self.rank, self.size = group.rank(), group.size()
 
@@ -97,66 +104,124 @@ class Migrator:
             raise self._fail("agreeing on the cache length", None, e) from e
         return int(t[0]), int(t[1])
 
-    def counts(self, live: int) -> list[int]:
+    def start(self) -> None:
+        """Reset the exchange state at the start of a generate call."""
+        self._posted = None  # (work, buffers) of the count all-gather in flight
+        self._since = 0  # rounds since the last exchange completed
+        self._sending: list = []  # (work, dst, tensors kept alive) of sends in flight
+
+    def _post(self, live: int) -> None:
         t = torch.tensor([live], device=self.device)
         out = [torch.zeros_like(t) for _ in range(self.size)]
         try:
-            dist.all_gather(out, t, group=self.group)
+            work = dist.all_gather(out, t, group=self.group, async_op=True)
         except RuntimeError as e:
             raise self._fail("the exchange of live counts", None, e) from e
+        self._posted = (work, out, t)
+
+    def _counts(self, block: bool) -> list[int] | None:
+        work, out, _ = self._posted
+        if not block:
+            done = torch.tensor([int(work.is_completed())], device=self.device)
+            if self.tp is not None:  # the TP ranks of a replica act in the same round
+                dist.all_reduce(done, dist.ReduceOp.MIN, group=self.tp)
+            if not int(done):
+                return None
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise self._fail("the exchange of live counts", None, e) from e
+        self._posted = None
         return [int(x) for x in out]
 
-    def exchange(self, rows: Rows, out: Outputs, stats: GenerationStats, idle: bool) -> bool:
-        """All-gather live counts and move samples if the plan says so; True when no rank
-        has a live sample left (generation is over everywhere). ``rows`` must be compact."""
+    def poll(self, rows: Rows, out: Outputs, stats: GenerationStats) -> bool:
+        """Call at every round boundary. Every ``interval`` rounds (at once when this rank
+        has nothing to do) the live count is posted in a non-blocking all-gather; when it
+        has completed (a rank with no live sample waits for it), samples move as
+        :func:`plan_transfers` says, from the counts as posted (a sender gives what it
+        still can). Busy ranks never wait for each other: a rank runs ahead until a peer
+        posts. True when every rank posted zero (generation is over everywhere)."""
+        rows.compact()
+        live = len(rows)
+        if self._posted is None:
+            if live and self._since < self.interval:
+                self._since += 1
+                return False
+            self._post(live)
         t0 = time.perf_counter()
-        counts = self.counts(len(rows))
+        counts = self._counts(block=live == 0)
         waited = time.perf_counter() - t0
         stats.sync_s += waited
-        if idle:
+        if live == 0:
             stats.idle_s += waited
+        if counts is None:
+            return False
+        self._since = 0
+        self._reap()
         if not sum(counts):
+            self._reap(block=True)
             return True
         plan = plan_transfers(counts, self.threshold)
         if plan:
             t1 = time.perf_counter()
-            self._move(plan, rows, out, stats)
+            self._move(plan, counts, rows, out, stats)
             stats.migration_s += time.perf_counter() - t1
         return False
 
-    # ------------------------------------------------------------------ transfers
-    def _move(self, plan, rows: Rows, out: Outputs, stats: GenerationStats) -> None:
-        sends = [(dst, n) for src, dst, n in plan if src == self.rank]
-        recvs = [(src, n) for src, dst, n in plan if dst == self.rank]
-        names = sorted([*rows.fields, *_OUT_KEYS] + [f"{kind}:{c}" for c in rows.caches
-                                                      for kind in ("cache", "cache_len")])
-        if sends:
-            order = torch.argsort(rows.caches["actor"].lengths, stable=True)  # fewest bytes first
-            works, start = [], 0
-            for dst, n in sends:
-                chosen = order[start:start + n]
-                start += n
-                package = rows.pack(chosen)
-                package.update(_records(out, package["sid"].tolist(), self.device))
-                assert sorted(package) == names, (sorted(package), names)
-                works += self._send(package, dst, stats)
-                stats.migrated_out += n
-            rows.select(order[start:].sort().values)
-            for work, dst in works:
+    def _reap(self, block: bool = False) -> None:
+        """Complete the sends in flight that are done (all of them with ``block``)."""
+        keep = []
+        for work, dst, tensors in self._sending:
+            if block or work.is_completed():
                 try:
                     work.wait()
                 except RuntimeError as e:
                     raise self._fail(f"sending samples to rank {dst}", dst, e) from e
-        for src, n in recvs:
+            else:
+                keep.append((work, dst, tensors))
+        self._sending = keep
+
+    # ------------------------------------------------------------------ transfers
+    def _move(self, plan, counts: list[int], rows: Rows, out: Outputs, stats: GenerationStats) -> None:
+        sends = [(dst, n) for src, dst, n in plan if src == self.rank]
+        recvs = [src for src, dst, n in plan if dst == self.rank]
+        names = sorted([*rows.fields, *_OUT_KEYS] + [f"{kind}:{c}" for c in rows.caches
+                                                      for kind in ("cache", "cache_len")])
+        if sends:
+            # samples finished since the count was posted: keep what the plan leaves here
+            keep = counts[self.rank] - sum(n for _, n in sends)
+            spare = max(len(rows) - keep, 0)
+            order = torch.argsort(rows.caches["actor"].lengths, stable=True)  # fewest bytes first
+            start = 0
+            for dst, n in sends:
+                n = min(n, spare - start)
+                package = None
+                if n > 0:
+                    chosen = order[start:start + n]
+                    start += n
+                    package = rows.pack(chosen)
+                    package.update(_records(out, package["sid"].tolist(), self.device))
+                    if sorted(package) != names:
+                        raise RuntimeError(f"migration package {sorted(package)} != {names}")
+                    stats.migrated_out += n
+                self._sending += self._send(package, dst, stats)
+            rows.select(order[start:].sort().values)
+        for src in recvs:
             package = self._recv(src, names, stats)
+            if package is None:
+                continue
+            stats.migrated_in += len(package["sid"])
             for record in _unpack_records(package):
                 out.put(record)
             rows.append(package)
-            stats.migrated_in += n
 
-    def _send(self, package: dict[str, torch.Tensor], dst: int, stats) -> list:
-        names = sorted(package)
-        header = torch.zeros(len(names), 2 + _MAX_DIMS, dtype=torch.long)
+    def _send(self, package: dict[str, torch.Tensor] | None, dst: int, stats) -> list:
+        """Post the sends of ``package`` (None: no samples after all) to ``dst``; returns
+        ``(work, dst, tensors)`` to complete later (the tensors must outlive the send)."""
+        names = sorted(package) if package is not None else []
+        header = torch.zeros(max(len(names), 1), 2 + _MAX_DIMS, dtype=torch.long)
+        if package is None:
+            header[0, 0] = -1
         for i, name in enumerate(names):
             t = package[name]
             header[i, 0], header[i, 1] = _DTYPES.index(t.dtype), t.dim()
@@ -164,22 +229,24 @@ class Migrator:
         header = _pad_header(header).to(self.device)
         peer = self._global(dst)
         try:
-            works = [(dist.isend(header, peer, group=self.group, tag=0), dst)]
+            works = [(dist.isend(header, peer, group=self.group, tag=0), dst, header)]
             for i, name in enumerate(names):
                 t = package[name].contiguous()
                 if t.numel():
-                    works.append((dist.isend(t, peer, group=self.group, tag=1 + i), dst))
+                    works.append((dist.isend(t, peer, group=self.group, tag=1 + i), dst, t))
                     stats.migration_bytes += t.numel() * t.element_size()
         except RuntimeError as e:
             raise self._fail(f"sending samples to rank {dst}", dst, e) from e
         return works
 
-    def _recv(self, src: int, names: list[str], stats) -> dict[str, torch.Tensor]:
+    def _recv(self, src: int, names: list[str], stats) -> dict[str, torch.Tensor] | None:
         peer = self._global(src)
         header = torch.zeros(_MAX_TENSORS, 2 + _MAX_DIMS, dtype=torch.long, device=self.device)
         try:
             dist.recv(header, peer, group=self.group, tag=0)
             header = header.cpu()
+            if int(header[0, 0]) < 0:
+                return None
             package = {}
             for i, name in enumerate(names):
                 code, ndim = int(header[i, 0]), int(header[i, 1])

@@ -70,7 +70,7 @@ class RLHFTrainer:
             from megatron_rlhf.generation.migration import Migrator
 
             dev = models.actor.model.embedding.word_embeddings.weight.device
-            self.migrator = Migrator(pg.dp, migration or MigrationConfig(), dev)
+            self.migrator = Migrator(pg.dp, migration or MigrationConfig(), dev, tp_group=pg.tp)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[dict]:

@@ -38,7 +38,7 @@ def shares(split: list[int]) -> list[list[int]]:
 
 def dp_run(pg, actor, draft, cfg, spec, split, migrate, seed=5):
     mine = shares(split)[pg.dp.rank()]
-    mig = Migrator(pg.dp, EAGER, torch.device("cpu")) if migrate else None
+    mig = Migrator(pg.dp, EAGER, torch.device("cpu"), tp_group=pg.tp) if migrate else None
     local, out, into = {}, 0, 0
     if mine or migrate:  # without migration a rank with no samples has nothing to do
         r = Generator(actor, draft).generate([PROMPTS[i] for i in mine], cfg, spec, seed=seed,
