@@ -11,11 +11,12 @@ of the mean (:func:`plan_transfers`; a sender gives only what it still has). Bus
 never wait for one another: the exchange completes when the last rank posts, and only the
 receivers of samples block, for at most one of the sender's rounds.
 
-A sample travels whole: its per-row state (global index, tokens emitted, pending token, the draft's catch-up buffer and, for a feature draft, the
-actor hidden states in it), its rows of the actor's and the draft's KV caches, and its
-outputs so far (tokens, log-probs). Its random numbers are keyed by its global index and
-position (:mod:`~megatron_rlhf.generation.rng`), so it continues exactly as it would have
-where it started. Generation statistics stay with the rank that did the work.
+A sample travels whole: its per-row state (global index, tokens emitted, pending token,
+the draft's catch-up buffer and, for a feature draft, the actor hidden states in it),
+its rows of the actor's and the draft's KV caches, and its outputs so far (tokens, log-
+probs). Its random numbers are keyed by its global index and position
+(:mod:`~megatron_rlhf.generation.rng`), so it continues exactly as it would have where
+it started. Generation statistics stay with the rank that did the work.
 
 At the end, samples return to the rank that owns them (:meth:`Migrator.return_results`),
 each exactly once, in the owner's original order. A rank that dies mid-transfer ends the
