@@ -118,6 +118,25 @@ def gguf_path() -> Path:
     return path
 
 
+def draft_variant(text: str) -> tuple[int | str, bool]:
+    """``N`` / ``auto`` / ``off`` (or ``plain``, ``0``), optionally ``+mig`` ->
+    ``(num_draft_tokens, migrate)``; the variant syntax of bench_rollout and bench_rlhf."""
+    base, _, suffix = text.strip().partition("+")
+    if suffix not in ("", "mig"):
+        raise argparse.ArgumentTypeError(f"variant {text!r}: the only suffix is +mig")
+    if base in ("off", "plain", "0"):
+        return 0, bool(suffix)
+    if base == "auto":
+        return "auto", bool(suffix)
+    try:
+        n = int(base)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected off, N or auto (+mig)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: N must be >= 1")
+    return n, bool(suffix)
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

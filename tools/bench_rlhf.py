@@ -37,6 +37,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generation import cpu_model, draft_variant  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_FLAGS = ["--reward-fn", "concise", "--global-batch-size", "8", "--rollout-n", "2",
               "--micro-batch-size", "8", "--max-new-tokens", "40", "--temperature", "1.0",
@@ -47,22 +50,9 @@ STAGES = ("time_rollout_s", "time_experience_s", "time_train_s", "time_draft_s")
 
 def parse_variant(text: str) -> tuple[str, int | str, bool]:
     """``N`` / ``auto`` / ``plain``, optionally ``+mig`` -> (name, num_draft_tokens, migrate)."""
-    base, _, suffix = text.strip().partition("+")
-    if suffix not in ("", "mig"):
-        raise argparse.ArgumentTypeError(f"{text!r}: the only suffix is +mig")
-    if base in ("plain", "off", "0"):
-        n = 0
-    elif base == "auto":
-        n = "auto"
-    else:
-        try:
-            n = int(base)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected N >= 1, auto or plain (+mig)") from None
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"{text!r}: N must be >= 1")
-    name = ("plain" if n == 0 else (f"spec n={n}" if isinstance(n, int) else "auto")) + ("+mig" if suffix else "")
-    return name, n, bool(suffix)
+    n, migrate = draft_variant(text)
+    name = "plain" if n == 0 else (f"spec n={n}" if isinstance(n, int) else "auto")
+    return name + ("+mig" if migrate else ""), n, migrate
 
 
 def run_variant(args, variant, extra: list[str], log: Path) -> list[dict]:
@@ -145,16 +135,6 @@ def table(runs: dict[str, list[dict]], compares: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None) -> int:
@@ -179,7 +159,7 @@ def main(argv=None) -> int:
         p.error(f"variants repeat: {names}")
     if args.repeats < 1 or args.iters < 1:
         p.error("--repeats and --iters must be >= 1")
-    print(json.dumps({"kind": "header", "machine": machine(), "cores": os.cpu_count(), "nproc": args.nproc,
+    print(json.dumps({"kind": "header", "machine": cpu_model(), "cores": os.cpu_count(), "nproc": args.nproc,
                       "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
                       "loadavg": os.getloadavg(),
                       "actor": args.actor_load, "draft": args.draft_load, "iters": args.iters,

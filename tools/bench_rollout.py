@@ -66,7 +66,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generation import DEFAULT_CKPT, DTYPES, Reporter, cpu_model, load_lm, median_by  # noqa: E402
+from bench_generation import (  # noqa: E402
+    DEFAULT_CKPT, DTYPES, Reporter, cpu_model, draft_variant, load_lm, median_by)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFT = Path("out/bench/draft")
@@ -81,22 +82,8 @@ largest per-rank idle fraction <=."""
 
 def parse_variant(text: str) -> tuple[str, int | str, bool]:
     """``off`` / ``2`` / ``auto``, optionally ``+mig`` -> (name, num_draft_tokens, migrate)."""
-    base, _, suffix = text.strip().partition("+")
-    if suffix not in ("", "mig"):
-        raise argparse.ArgumentTypeError(f"variant {text!r}: the only suffix is +mig")
-    if base in ("off", "plain", "0"):
-        n = 0
-    elif base == "auto":
-        n = "auto"
-    else:
-        try:
-            n = int(base)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"variant {text!r}: expected off, N or auto (+mig)") from None
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"variant {text!r}: N must be >= 1")
-    name = ("off" if n == 0 else str(n)) + ("+mig" if suffix else "")
-    return name, n, bool(suffix)
+    n, migrate = draft_variant(text)
+    return ("off" if n == 0 else str(n)) + ("+mig" if migrate else ""), n, migrate
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -149,8 +149,6 @@ class Generator:
         max_len = self.check(prompts, cfg, spec, allow_empty=migrator is not None)
         t0 = time.perf_counter()
         big_n = spec.max_tokens(self.draft is not None)
-        if big_n:  # room for a padded catch-up of the draft past the longest sample
-            max_len += CATCH_UP_MAX
         batch = max(len(prompts), 1)
         if migrator is not None:
             max_len, batch = migrator.agree(max_len, batch)
@@ -169,7 +167,9 @@ class Generator:
         out = Outputs(cfg.max_new_tokens, cfg.stop_on_eos, self.eos)
         key = rng.seed_key(seed)
         rope = RopeTable(self.actor, max_len)
-        d_rope = RopeTable(self.draft, max_len) if big_n else None
+        # the draft's cache has room for a padded catch-up past the longest sample (the
+        # actor's has none to spare: attention may read a whole cache, CPU bf16 does)
+        d_rope = RopeTable(self.draft, max_len + CATCH_UP_MAX) if big_n else None
         rows = self._prefill(prompts, sids, cfg, key, max_len, big_n, out, dev)
         stats.prefill_s = time.perf_counter() - t0
 
@@ -227,7 +227,7 @@ class Generator:
                   "alive": torch.ones(b, dtype=torch.bool, device=dev)}
         caches = {"actor": cache}
         if big_n:
-            caches["draft"] = KVCache.for_model(self.draft, b, max_len)
+            caches["draft"] = KVCache.for_model(self.draft, b, max_len + CATCH_UP_MAX)
         for s in sids:
             out.open(s)
         if not b:
@@ -256,7 +256,8 @@ class Generator:
             fields["catch_features"] = torch.cat([torch.zeros_like(hidden[:, :1]), hidden], 1)
             fields["catch_count"] = torch.tensor([len(p) + 1 for p in ordered], device=dev)
         elif big_n:
-            prefill(self.draft, caches["draft"], ordered, RopeTable(self.draft, max_len), self.pad_id)
+            prefill(self.draft, caches["draft"], ordered, RopeTable(self.draft, max_len + CATCH_UP_MAX),
+                    self.pad_id)
             fields["catch_tokens"], fields["catch_count"] = first[:, None], torch.ones_like(first)
         return Rows(fields, caches)
 
