@@ -214,8 +214,8 @@ class SpecConfig:
     """``auto``: a JSON file of measured step latencies, loaded when it exists, else
     written after the engine profiles itself (a few seconds at the first call)."""
     acceptance_decay: float = 0.98
-    """``auto``: weight the acceptance estimate keeps per verified round; older rounds fade
-    so the estimate follows the actor as it trains."""
+    """``auto``: weight the acceptance estimate keeps per generation round (plain or
+    speculative); older rounds fade so the estimate follows the actor as it trains."""
 
     def __post_init__(self) -> None:
         n = self.num_draft_tokens

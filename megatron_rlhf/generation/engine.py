@@ -170,7 +170,7 @@ class Generator:
         # the draft's cache has room for a padded catch-up past the longest sample (the
         # actor's has none to spare: attention may read a whole cache, CPU bf16 does)
         d_rope = RopeTable(self.draft, max_len + CATCH_UP_MAX) if big_n else None
-        rows = self._prefill(prompts, sids, cfg, key, max_len, big_n, out, dev)
+        rows = self._prefill(prompts, sids, cfg, key, max_len, big_n, rope, d_rope, out, dev)
         stats.prefill_s = time.perf_counter() - t0
 
         if migrator is not None:
@@ -186,7 +186,7 @@ class Generator:
             dead = len(rows) - live
             if dead and dead * 4 >= len(rows):
                 rows.compact()
-            n = self._choose(selector, spec, live, big_n)
+            n = self._choose(selector, live, big_n)
             start = time.perf_counter()
             if n:
                 k = self._spec_round(rows, out, cfg, n, key, rope, d_rope, stats, accept_rule)
@@ -202,7 +202,7 @@ class Generator:
         stats.elapsed_s = time.perf_counter() - t0
         return self._rollout(prompts, sids, out, stats, dev)
 
-    def _choose(self, selector, spec: SpecConfig, live: int, big_n: int) -> int:
+    def _choose(self, selector, live: int, big_n: int) -> int:
         """This round's draft length: fixed, or the selector's (the same on every TP rank)."""
         if selector is None:
             return big_n
@@ -214,7 +214,8 @@ class Generator:
             n = int(t)
         return n
 
-    def _prefill(self, prompts, sids, cfg, key, max_len, big_n, out: Outputs, dev) -> Rows:
+    def _prefill(self, prompts, sids, cfg, key, max_len, big_n, rope, d_rope, out: Outputs,
+                 dev) -> Rows:
         """Prefill the actor (and draft) caches; emit every sample's first token."""
         b = len(prompts)
         # cache rows in prompt-length order (prefill pads each run of rows to its own longest)
@@ -240,8 +241,7 @@ class Generator:
                     fields["catch_features"] = torch.zeros(0, 0, h, device=dev,
                                                            dtype=self.actor.embedding.word_embeddings.weight.dtype)
             return Rows(fields, caches)
-        logits = prefill(self.actor, cache, ordered, RopeTable(self.actor, max_len), self.pad_id,
-                         return_features=feature)
+        logits = prefill(self.actor, cache, ordered, rope, self.pad_id, return_features=feature)
         if feature:
             logits, hidden = logits  # [B, V], [B, P, h]
         first, probs = sample(logits, cfg, rng.uniform(key, sid, fields["emitted"], rng.NEXT))
@@ -256,8 +256,7 @@ class Generator:
             fields["catch_features"] = torch.cat([torch.zeros_like(hidden[:, :1]), hidden], 1)
             fields["catch_count"] = torch.tensor([len(p) + 1 for p in ordered], device=dev)
         elif big_n:
-            prefill(self.draft, caches["draft"], ordered, RopeTable(self.draft, max_len + CATCH_UP_MAX),
-                    self.pad_id)
+            prefill(self.draft, caches["draft"], ordered, d_rope, self.pad_id)
             fields["catch_tokens"], fields["catch_count"] = first[:, None], torch.ones_like(first)
         return Rows(fields, caches)
 

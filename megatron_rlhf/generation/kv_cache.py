@@ -6,27 +6,13 @@ same content as ``[batch, max_len, kv_heads/TP, head_dim]``, laid out so that at
 of tokens (prompts differ; under speculation each sample accepts a different number),
 so ``lengths`` is per sample; positions beyond a sample's length are garbage and masked.
 
-Rows (whole samples) can be taken out and put back: sample migration between
-data-parallel ranks moves them.
+Rows (whole samples) can be packed into one tensor and appended to another cache:
+sample migration between data-parallel ranks moves them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-
-
-@dataclass
-class CacheRows:
-    """Whole samples taken out of a cache (what migration ships between ranks)."""
-
-    keys: list[torch.Tensor]
-    """Per layer ``[n, kv_heads_local, length_max, head_dim]``."""
-    values: list[torch.Tensor]
-    """Per layer ``[n, kv_heads_local, length_max, head_dim]``."""
-    lengths: torch.Tensor
-    """``[n]`` tokens held per sample."""
 
 
 # On CPU, bf16 batched matmuls over many tiny matrices carry a fixed cost per matrix that
@@ -117,24 +103,6 @@ class KVCache:
         if bool((lengths > self.lengths).any()) or bool((lengths < 0).any()):
             raise ValueError("truncate can only shorten samples")
         self.lengths = lengths.to(self.lengths).clone()
-
-    def take(self, rows: torch.Tensor) -> CacheRows:
-        """Copy out whole samples ``rows`` (only the filled prefix)."""
-        n = int(self.lengths[rows].max()) if len(rows) else 0
-        return CacheRows(
-            keys=[k[rows, :, :n].clone() for k in self.keys],
-            values=[v[rows, :, :n].clone() for v in self.values],
-            lengths=self.lengths[rows].clone(),
-        )
-
-    def put(self, rows: torch.Tensor, data: CacheRows) -> None:
-        """Write samples into ``rows`` (the inverse of :meth:`take`)."""
-        n = data.keys[0].shape[2] if data.keys else 0
-        if n > self.max_len:
-            raise ValueError(f"rows hold {n} tokens, the cache holds {self.max_len}")
-        for dst, src in zip(self.keys + self.values, data.keys + data.values):
-            dst[rows, :, :n] = src
-        self.lengths[rows] = data.lengths.to(self.lengths)
 
     def pack_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``rows`` as one tensor ``[2 * layers, n, kv_heads, length_max, head_dim]``

@@ -141,9 +141,10 @@ class Migrator:
         has completed (a rank with no live sample waits for it), samples move as
         :func:`plan_transfers` says, from the counts as posted (a sender gives what it
         still can). Busy ranks never wait for each other: a rank runs ahead until a peer
-        posts. True when every rank posted zero (generation is over everywhere)."""
-        rows.compact()
-        live = len(rows)
+        posts. True when every rank posted zero (generation is over everywhere). Finished
+        rows are dropped only before samples move (the engine compacts on its own schedule:
+        a compaction copies the caches)."""
+        live = int(rows["alive"].sum())
         if self._posted is None:
             if live and self._since < self.interval:
                 self._since += 1
@@ -165,6 +166,7 @@ class Migrator:
         plan = plan_transfers(counts, self.threshold)
         if plan:
             t1 = time.perf_counter()
+            rows.compact()
             self._move(plan, counts, rows, out, stats)
             stats.migration_s += time.perf_counter() - t1
         return False

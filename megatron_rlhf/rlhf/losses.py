@@ -92,7 +92,7 @@ def reshapes_policy(policy: GenerationConfig | None) -> bool:
     at a temperature other than 0 or 1, or with top-k/top-p truncation (a top-k of at least
     the vocabulary counts too: then the two agree, and treating them apart costs nothing)."""
     return (policy is not None and not policy.greedy
-            and (policy.temperature != 1.0 or policy.top_k > 0 or policy.top_p < 1.0))
+            and not samples_actor(policy, vocab=float("inf")))
 
 
 def policy_logits(logits: Tensor, tokens: Tensor, policy: GenerationConfig | None) -> Tensor:

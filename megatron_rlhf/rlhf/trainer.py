@@ -66,11 +66,12 @@ class RLHFTrainer:
         self.log = MetricsLog(log_dir, self.rank0, resume_from=start_iteration)
         self.history: list[dict] = []
         self.migrator = None
-        if (migration or MigrationConfig()).enabled(self.dp):
+        migration = migration or MigrationConfig()
+        if migration.enabled(self.dp):
             from megatron_rlhf.generation.migration import Migrator
 
             dev = models.actor.model.embedding.word_embeddings.weight.device
-            self.migrator = Migrator(pg.dp, migration or MigrationConfig(), dev, tp_group=pg.tp)
+            self.migrator = Migrator(pg.dp, migration, dev, tp_group=pg.tp)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[dict]:

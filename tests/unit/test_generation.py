@@ -258,12 +258,15 @@ def test_cache_rows_and_bounds():
     c.write(1, k + 2, k + 3)
     c.advance(5)
     c.truncate(torch.tensor([5, 2, 4]))
-    rows = c.take(torch.tensor([2, 0]))
-    assert rows.lengths.tolist() == [4, 5] and rows.keys[0].shape == (2, 2, 5, 4)
-    d = KVCache(num_layers=2, batch=2, max_len=8, kv_heads=2, head_dim=4, dtype=torch.float32)
-    d.put(torch.tensor([1, 0]), rows)
-    assert d.lengths.tolist() == [5, 4]
-    assert torch.equal(d.keys[1][1, :, :4], k[2, :, :4] + 2) and torch.equal(d.values[0][0, :, :5], k[0] + 1)
+    packed, lengths = c.pack_rows(torch.tensor([2, 0]))
+    assert lengths.tolist() == [4, 5] and packed.shape == (4, 2, 2, 5, 4)  # K0 K1 V0 V1
+    d = KVCache(num_layers=2, batch=1, max_len=8, kv_heads=2, head_dim=4, dtype=torch.float32)
+    d.append_rows(packed, lengths)
+    assert d.lengths.tolist() == [0, 4, 5]
+    assert torch.equal(d.keys[1][1, :, :4], k[2, :, :4] + 2) and torch.equal(d.values[0][2, :, :5], k[0] + 1)
+    with pytest.raises(ValueError, match="rows hold 5 tokens, the cache holds 4"):
+        KVCache(num_layers=2, batch=0, max_len=4, kv_heads=2, head_dim=4,
+                dtype=torch.float32).append_rows(packed, lengths)
     with pytest.raises(ValueError, match="truncate can only shorten"):
         c.truncate(torch.tensor([6, 0, 0]))
     with pytest.raises(ValueError, match="KV cache overflow: 9 tokens needed, the cache holds 8"):
