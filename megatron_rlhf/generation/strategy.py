@@ -165,14 +165,21 @@ class Selector:
         return int(round(math.log2(max(batch, 1))))
 
     def round_s(self, batch: int, n: int) -> float:
-        """Predicted round latency, corrected by what rounds like it measured (rounds of
-        another draft length at this batch octave stand in for a length never measured)."""
-        octave = self._octave(batch)
-        factor = self.correction.get((n, octave))
-        if factor is None:
-            seen = [f for (_, o), f in self.correction.items() if o == octave]
-            factor = sum(seen) / len(seen) if seen else 1.0
-        return self.costs.round_s(batch, n) * factor
+        """Predicted round latency, corrected by the rounds measured most like it."""
+        return self.costs.round_s(batch, n) * self.factor(n, self._octave(batch))
+
+    def factor(self, n: int, octave: int) -> float:
+        """The measured/profiled ratio for ``n`` drafts at ``octave``. Where it was never
+        measured: the same ``n`` at the nearest octave measured; else rounds of the same
+        kind (plain, or drafting: their overheads differ) at this octave; else 1 (the
+        profile as is, so the length gets tried and measured)."""
+        if (n, octave) in self.correction:
+            return self.correction[(n, octave)]
+        same_n = [(abs(o - octave), f) for (m, o), f in self.correction.items() if m == n]
+        if same_n:
+            return min(same_n)[1]
+        kind = [f for (m, o), f in self.correction.items() if o == octave and (m > 0) == (n > 0)]
+        return sum(kind) / len(kind) if kind else 1.0
 
     def choose(self, batch: int) -> int:
         return best_draft_length([self.round_s(batch, n) for n in range(self.max_n + 1)],

@@ -74,9 +74,24 @@ def test_measured_rounds_correct_the_table():
     for _ in range(30):
         sel.observe(8, 0, 0.3 * sel.costs.round_s(8, 0), None)
     assert sel.round_s(8, 0) == pytest.approx(0.3 * sel.costs.round_s(8, 0), rel=1e-3)
-    assert sel.round_s(64, 0) == sel.costs.round_s(64, 0)  # another batch octave: untouched
-    # a draft length never measured at this octave takes the measured lengths' factor
-    assert sel.round_s(8, 2) == pytest.approx(0.3 * sel.costs.round_s(8, 2), rel=1e-3)
+    # another batch octave takes the factor of the same length at the nearest octave
+    assert sel.round_s(64, 0) == pytest.approx(0.3 * sel.costs.round_s(64, 0), rel=1e-3)
+    # drafting rounds have their own overheads: a plain step's factor does not stand in
+    assert sel.round_s(8, 2) == sel.costs.round_s(8, 2)
+    for _ in range(30):
+        sel.observe(64, 1, 2.0 * sel.costs.round_s(64, 1), None)
+    assert sel.round_s(64, 2) == pytest.approx(2.0 * sel.costs.round_s(64, 2), rel=1e-3)
+    assert sel.round_s(8, 2) == sel.costs.round_s(8, 2)  # n=1 at 64 is another length
+    assert sel.round_s(8, 1) == pytest.approx(2.0 * sel.costs.round_s(8, 1), rel=1e-3)
+
+
+def test_a_length_whose_overhead_was_never_measured_gets_tried():
+    # drafting rounds cost 1.5x their profile; the selector has only ever measured n=2, and
+    # must not let n=2's factor make plain steps look as dear: it tries them, and keeps them
+    # when the acceptance is too low to pay for drafting
+    sel = Selector(table(0.0, 0.1, 0.0), 2, Acceptance(2, decay=1.0, prior=0.05))
+    sel.observe(1, 2, 1.5 * sel.costs.round_s(1, 2), torch.tensor([0]))
+    assert sel.choose(1) == 0
 
 
 def test_cost_table_interpolates_and_round_trips(tmp_path):
