@@ -63,6 +63,18 @@ class Layout:
             )
         return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
 
+    @classmethod
+    def parse(cls, text: str, pipeline: bool = True) -> "Layout":
+        """``"TPxPPxDP"`` (``"TPxDP"`` where ``pipeline`` is False, e.g. generation),
+        e.g. ``"2x1x4"``; ValueError naming the expected form otherwise."""
+        form = "TPxPPxDP, e.g. 2x1x4" if pipeline else "TPxDP, e.g. 1x8"
+        parts = str(text).lower().split("x")
+        if len(parts) != (3 if pipeline else 2) or not all(p.isdigit() for p in parts):
+            raise ValueError(f"layout {text!r} is not of the form {form}")
+        sizes = [int(p) for p in parts]
+        tp, pp, dp = sizes if pipeline else (sizes[0], 1, sizes[1])
+        return cls(tp=tp, pp=pp, dp=dp)
+
     @property
     def size(self) -> int:
         return self.tp * self.pp * self.dp

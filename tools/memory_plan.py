@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Peak GPU memory per RLHF stage (generation, inference, training) for a layout per stage.
+
+  python tools/memory_plan.py --actor llama2-70b --critic llama2-7b --reward llama2-7b \\
+      --nodes 8 --gpus-per-node 8 --gpu-memory-gb 80 --train-layout 8x4x2 --gen-layout 8x8 \\
+      [--infer-layout 8x4x2] [--rollout-batch 512 --max-prompt-length 1024 --max-new-tokens 1024] \\
+      [--micro-batch-size 1] [--recompute-granularity none|selective|full] [--sequence-parallel] \\
+      [--no-distributed-optimizer] [--json] [--search]
+
+Models are presets (llama2-7b, llama2-13b, llama2-70b, smollm2-135m, ...) or checkpoint
+directories. The critic defaults to the actor (the trainer's default: the actor's trunk with
+a value head), the reference to the actor; ``none`` leaves a role out (GRPO: no critic).
+Prints a table per stage (GB per GPU, 10^9 bytes) or, with ``--json``, one JSON line per
+stage. Exit code 0 whether or not it fits (a report); 2 with a message for invalid input.
+``--search`` lists the train layouts that fit, smallest peak first. The model of memory:
+``megatron_rlhf/plan/memory.py`` and docs/memory_plan.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from megatron_rlhf.config import PRESETS, ModelConfig, dataclass_from_namespace
+from megatron_rlhf.parallel.layout import Layout
+from megatron_rlhf.plan import memory
+from megatron_rlhf.plan.memory import GB, Cluster, MemoryOptions, StageLayouts, Workload
+
+
+def model_config(name: str) -> ModelConfig:
+    """A preset name or a checkpoint directory -> its ModelConfig."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if Path(name).exists():
+        from megatron_rlhf.models.checkpoint import read_checkpoint  # imports torch: only here
+
+        return read_checkpoint(name).config
+    raise ValueError(f"model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                     "nor a checkpoint directory")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("models (preset name or checkpoint directory)")
+    m.add_argument("--actor", required=True, help="the policy")
+    m.add_argument("--critic", default="SAME", help="value model (SAME: the actor's shape; none: GRPO)")
+    m.add_argument("--reference", default="SAME", help="KL reference (SAME: the actor; none: no KL)")
+    m.add_argument("--reward", default="none", help="reward model (none: a rule reward)")
+    m.add_argument("--draft", default="none", help="draft for speculative generation (none: plain)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    lay = p.add_argument_group("layouts")
+    lay.add_argument("--train-layout", help="TPxPPxDP of actor and critic training, e.g. 8x4x2")
+    lay.add_argument("--gen-layout", help="TPxDP of generation (default: train TP, DP the rest)")
+    lay.add_argument("--infer-layout", help="TPxPPxDP of the experience stage (default: train layout)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--rollout-batch", type=int, help="samples per iteration (prompts x rollout-n), default 512")
+    w.add_argument("--max-prompt-length", type=int, help="default 1024")
+    w.add_argument("--max-new-tokens", type=int, help="default 1024")
+    w.add_argument("--micro-batch-size", type=int, help="default 1")
+    w.add_argument("--num-mini-batches", type=int, help="optimizer steps per PPO epoch, default 1")
+    w.add_argument("--num-draft-tokens", type=int, help="tokens per verification with a draft, default 4")
+    o = p.add_argument_group("memory options")
+    o.add_argument("--recompute-granularity", dest="recompute", choices=memory.RECOMPUTE)
+    o.add_argument("--sequence-parallel", action="store_true", default=None)
+    o.add_argument("--no-distributed-optimizer", dest="distributed_optimizer",
+                   action="store_false", default=None, help="Adam states on every DP replica")
+    o.add_argument("--bf16-grads", dest="fp32_grads", action="store_false", default=None,
+                   help="bf16 gradient buffers (default fp32)")
+    o.add_argument("--keep-train-copy", dest="release_train_copy", action="store_false", default=None,
+                   help="keep the actor's training-layout weights on the GPU during generation")
+    o.add_argument("--gathered-logits", dest="vocab_parallel_logits", action="store_false", default=None,
+                   help="logits gathered over TP for the loss (default: vocab-parallel)")
+    o.add_argument("--fp32", dest="param_bytes", action="store_const", const=4,
+                   help="fp32 weights, cache and activations (default bf16)")
+    o.add_argument("--reserve-gb", type=float, help="GB per GPU kept free (default 10%% of the GPU)")
+    p.add_argument("--json", action="store_true", help="one JSON line per stage")
+    p.add_argument("--search", action="store_true", help="list the train layouts that fit")
+    p.add_argument("--top", type=int, default=10, help="--search: layouts to list")
+    return p
+
+
+def models_from(args) -> dict[str, ModelConfig]:
+    models = {"actor": model_config(args.actor)}
+    for role in ("reference", "critic", "reward", "draft"):
+        name = getattr(args, role)
+        if name.lower() == "none":
+            continue
+        models[role] = models["actor"] if name == "SAME" else model_config(name)
+    return models
+
+
+def header(models: dict[str, ModelConfig], args, workload: Workload) -> dict:
+    return {
+        "models": {r: f"{getattr(args, r) if getattr(args, r) != 'SAME' else args.actor} "
+                      f"({memory.count_parameters(cfg, r) / 1e9:.2f}B)" for r, cfg in models.items()},
+        "rollout_batch": workload.rollout_batch, "seq_length": workload.seq_length,
+        "micro_batch_size": workload.micro_batch_size,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        models = models_from(args)
+        cluster = dataclass_from_namespace(Cluster, args)
+        workload = dataclass_from_namespace(Workload, args)
+        options = dataclass_from_namespace(MemoryOptions, args)
+        gen = Layout.parse(args.gen_layout, pipeline=False) if args.gen_layout else None
+        infer = Layout.parse(args.infer_layout) if args.infer_layout else None
+        if args.search:
+            return search(models, cluster, workload, options, gen, infer, args)
+        if not args.train_layout:
+            p.error("give --train-layout TPxPPxDP (or --search)")
+        layouts = StageLayouts(train=Layout.parse(args.train_layout), gen=gen, infer=infer)
+        est = memory.estimate(models, cluster, layouts, workload, options)
+    except ValueError as e:
+        p.error(str(e))
+    head = header(models, args, workload)
+    if args.json:
+        print(json.dumps({"kind": "setup"} | head))
+        for d in est.to_dicts():
+            print(json.dumps({"kind": "stage"} | d))
+        print(json.dumps({"kind": "summary", "fits": est.fits, "peak_gb": round(est.peak / GB, 3)}))
+    else:
+        print(", ".join(f"{r}: {v}" for r, v in head["models"].items())
+              + f"; rollout {workload.rollout_batch} samples x {workload.seq_length} tokens, "
+                f"micro-batch {workload.micro_batch_size}")
+        print(est.table())
+        print(f"fits: {'yes' if est.fits else 'NO'} (peak {est.peak / GB:.2f} GB per GPU)")
+    return 0
+
+
+def search(models, cluster, workload, options, gen, infer, args) -> int:
+    found = memory.search_train_layouts(models, cluster, workload, options, gen=gen, infer=infer)
+    rows = []
+    for est in found[: args.top]:
+        s = {st.stage: st for st in est.stages}
+        rows.append({
+            "kind": "layout",
+            "train_layout": memory.layout_text(s["training"].layout),
+            "gen_layout": memory.layout_text(s["generation"].layout, pipeline=False),
+            "infer_layout": memory.layout_text(s["inference"].layout),
+            **{f"{name}_gb": round(st.total / GB, 2) for name, st in s.items()},
+            "peak_gb": round(est.peak / GB, 2),
+        })
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        print(json.dumps({"kind": "summary", "fitting_layouts": len(found)}))
+        return 0
+    print(f"{len(found)} train layouts fit on {cluster.nodes} nodes x {cluster.gpus_per_node} GPUs "
+          f"of {cluster.gpu_memory_gb:g} GB (usable {(cluster.gpu_memory_gb * GB - options.reserve_bytes(cluster)) / GB:.1f}); "
+          "GB per GPU, smallest peak first:")
+    print(f"{'train':>8} {'gen':>6} {'infer':>8} {'generation':>11} {'inference':>10} {'training':>9} {'peak':>7}")
+    for r in rows:
+        print(f"{r['train_layout']:>8} {r['gen_layout']:>6} {r['infer_layout']:>8} {r['generation_gb']:>11.2f} "
+              f"{r['inference_gb']:>10.2f} {r['training_gb']:>9.2f} {r['peak_gb']:>7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
