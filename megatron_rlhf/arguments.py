@@ -219,6 +219,12 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW beta2")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip (0: none)")
+    o = g.add_mutually_exclusive_group()
+    o.add_argument("--use-distributed-optimizer", dest="use_distributed_optimizer",
+                   action="store_true", default=True,
+                   help="shard fp32 masters and Adam states over data-parallel ranks (default)")
+    o.add_argument("--no-distributed-optimizer", dest="use_distributed_optimizer",
+                   action="store_false", help="every data-parallel rank keeps the whole optimizer")
     g = p.add_argument_group("run")
     g.add_argument("--train-iters", type=int, default=20, help="RLHF iterations")
     g.add_argument("--save-interval", type=int, default=0,

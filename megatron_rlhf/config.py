@@ -371,6 +371,9 @@ class OptimConfig:
     """Peak learning rate of the critic (same schedule)."""
     draft_lr: float = 1e-4
     """Learning rate of the draft under --draft-distill (constant)."""
+    use_distributed_optimizer: bool = True
+    """Shard the fp32 master weights and Adam states over data-parallel ranks (megatron's
+    distributed optimizer, ZeRO-1); False: every DP rank holds them all."""
 
     def __post_init__(self) -> None:
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:

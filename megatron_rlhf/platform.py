@@ -63,6 +63,37 @@ def apply_cpu_shim() -> None:
     _SHIM_ACTIVE = True
 
 
+class _CudaAsCpu(torch.overrides.TorchFunctionMode):
+    """Inside megatron-core's optimizer and DDP code (which allocate with
+    ``device="cuda"``, call ``.cuda()`` and check ``param.type()`` against
+    ``torch.cuda.*Tensor`` names): CUDA devices become the CPU, ``.cuda()`` keeps a CPU
+    tensor where it is, and ``.type()`` names a CPU tensor as its CUDA twin."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        where = kwargs.get("device")
+        if where is not None and str(where).startswith("cuda"):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def cuda_as_cpu():
+    """A context for megatron-core's optimizer and DDP calls: :class:`_CudaAsCpu` where the
+    CPU shim is active, nothing on a GPU. Scoped, not global: every torch call inside
+    pays a Python dispatch, so the model's forward stays outside it."""
+    import contextlib
+
+    if not _SHIM_ACTIVE:
+        return contextlib.nullcontext()
+    torch.cuda.empty_cache = lambda: None  # (the optimizer's offload helpers call it)
+    return _CudaAsCpu()
+
+
 def quiet_third_party_warnings() -> None:
     """Silence known, harmless warnings of megatron-core and torch DCP (entry points call it)."""
     import warnings

@@ -27,7 +27,8 @@ def build_process_groups(layout: Layout):
     """Create the layout's groups (collective over the world) and return this rank's.
 
     The collection carries tp, pp, dp, mp, embd/pos_embd, cp (size 1: no context
-    parallelism), and the derived tp_cp, dp_cp, tp_dp_cp.
+    parallelism), the derived tp_cp, dp_cp, tp_dp_cp, and the expert/optimizer-instance
+    groups megatron's DDP and distributed optimizer read (EP=1, one instance).
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -47,9 +48,16 @@ def build_process_groups(layout: Layout):
          for p in range(layout.pp)],
         rank,
     )
+    everyone = _new_groups([list(layout.ranks)], rank)
     if rank not in layout:
         return None
+    # megatron's DDP and distributed optimizer also ask for the expert-parallel and
+    # optimizer-instance groups: with no experts (EP=1) and one optimizer instance they are
+    # the singletons, TP, TPxPP and DP groups already built, and the instance is the whole
+    # layout (gradient norms are reduced over it).
     return ProcessGroupCollection(
         tp=tp, dp=dp, pp=pp, mp=mp, embd=embd, pos_embd=pos_embd, cp=cp,
         tp_cp=tp, dp_cp=dp, tp_dp_cp=tp_dp,
+        ep=cp, expt_tp=tp, tp_ep=tp, tp_ep_pp=mp, expt_dp=dp,
+        intra_dp_cp=dp, intra_expt_dp=dp, intra_dist_opt=everyone,
     )

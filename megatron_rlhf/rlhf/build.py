@@ -112,10 +112,6 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
     if paths.resume:
         resume = find_training_checkpoint(paths.resume)
         state = read_training_state(resume)
-        if state["world_size"] != world_size or state["tp"] != par.tensor_model_parallel_size:
-            raise ValueError(
-                f"{resume} was saved on {state['world_size']} rank(s) at TP={state['tp']}; "
-                f"resume with the same layout (its optimizer states are per rank)")
         if state["iteration"] >= loop.train_iters:
             raise ValueError(f"{resume} is at iteration {state['iteration']}: raise "
                              f"--train-iters above it to train further")
@@ -168,19 +164,15 @@ def _model(plan: TrainPlan, name: str, role: str, pg, skip: tuple[str, ...] = ()
 
 
 def _trainee(plan: TrainPlan, model, pg, lr: float, schedule: bool):
-    from megatron_rlhf.rlhf.optim import WarmupCosine, build_optimizer
-    from megatron_rlhf.rlhf.update import Trainee
+    from megatron_rlhf.rlhf.optim import build_trainee
 
-    opt = build_optimizer(model, plan.optim, lr)
-    steps = plan.ppo.ppo_epochs * plan.ppo.num_mini_batches
     o = plan.optim
-    if schedule:
-        total = (o.lr_decay_iters or plan.loop.train_iters) * steps
-        sched = WarmupCosine(opt, lr, o.min_lr * lr / o.lr if o.lr else 0.0,
-                             o.lr_warmup_iters * steps, total)
-    else:
-        sched = WarmupCosine(opt, lr, lr, 0, 1)  # constant
-    return Trainee(model=model, optimizer=opt, scheduler=sched, clip_grad=o.clip_grad, pg=pg)
+    if not schedule:
+        return build_trainee(model, pg, o, lr)  # constant
+    steps = plan.ppo.ppo_epochs * plan.ppo.num_mini_batches
+    total = (o.lr_decay_iters or plan.loop.train_iters) * steps
+    return build_trainee(model, pg, o, lr, (o.min_lr * lr / o.lr if o.lr else 0.0,
+                                            o.lr_warmup_iters * steps, total))
 
 
 def build_trainer(plan: TrainPlan, pg):

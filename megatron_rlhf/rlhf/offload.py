@@ -2,7 +2,8 @@
 
 Every stage runs on the same ranks. Between its uses, a model's weights (reference,
 reward) or an optimizer's states move to pinned CPU memory and come back before the next
-use; the generator's KV cache is freed when generation returns. On CPU these are no-ops.
+use; the generator's KV cache is freed when generation returns; optimizer states and
+gradient buffers leave the GPU while the rollout and experience stages run. On CPU these are no-ops.
 """
 
 from __future__ import annotations
@@ -37,17 +38,18 @@ def move_model(model: torch.nn.Module, device) -> None:
     torch.cuda.synchronize()
 
 
-def move_optimizer(optimizer: torch.optim.Optimizer, device) -> None:
-    """Move every optimizer state tensor (Adam moments, fp32 masters) to ``device``."""
+def park_trainee(t, host: bool) -> None:
+    """Between training stages (``host=True``): megatron's optimizer moves its fp32 masters
+    and Adam states to host memory, and DDP frees its fp32 gradient buffers; before
+    training (``host=False``) both come back (the buffers zeroed)."""
     if not platform.has_cuda():
         return
-    device = torch.device(device)
-    for m in getattr(optimizer, "masters", []):  # fp32 master weights of a bf16 model
-        m.data = _move(m.data, device)
-    for state in optimizer.state.values():
-        for k, v in state.items():
-            if torch.is_tensor(v) and v.dim() > 0:
-                state[k] = _move(v, device)
+    if host:
+        t.optimizer.offload_to_cpu()
+        t.ddp.offload_grad_buffers()
+    else:
+        t.optimizer.restore_from_cpu()
+        t.ddp.restore_grad_buffers()
     torch.cuda.synchronize()
 
 

@@ -1,75 +1,87 @@
-"""AdamW, warmup + cosine learning rate, data-parallel gradient reduction, TP-aware clipping.
+"""Training on megatron-core's machinery: ``DistributedDataParallel`` and its (distributed)
+optimizer, with a warmup + cosine learning rate.
 
-Losses are normalised by the token count of the whole (all-DP) mini-batch, so summing
-gradients over data-parallel ranks gives exactly the gradient of the DP=1 run.
+- Gradients accumulate in DDP's fp32 buffers (``grad_reduce_in_fp32``) across micro-batches
+  and are reduced once per step: reduce-scattered over data-parallel ranks when the
+  distributed optimizer shards the fp32 masters and Adam states (ZeRO-1), all-reduced
+  otherwise.
+- Losses are normalised by the token count of the whole (all-DP) mini-batch and summed
+  over DP (``calculate_per_token_loss``: DDP does not divide by the DP size), so the update
+  is exactly the DP=1 update.
+- Clipping is megatron's: one global norm over every rank of the model, TP-sharded
+  parameters counted once per shard and replicated ones once.
+
+On CPU megatron's optimizer runs inside :func:`megatron_rlhf.platform.cuda_as_cpu`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_rlhf import platform
 from megatron_rlhf.config import OptimConfig
 
 
-def _groups(params: list, weight_decay: float) -> list[dict]:
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+@dataclass
+class Trainee:
+    """A model with what trains it."""
+
+    model: torch.nn.Module
+    """The model itself (forwards go through it; its parameters live in DDP's buffers)."""
+    ddp: torch.nn.Module
+    """megatron's ``DistributedDataParallel`` around ``model``: the gradient buffers."""
+    optimizer: object
+    """megatron's optimizer (``ChainedOptimizer`` of a ``DistributedOptimizer`` or not)."""
+    scheduler: "WarmupCosine"
+    pg: object
+    """The model's ProcessGroupCollection."""
+
+    def step(self) -> float:
+        """Reduce the accumulated gradients, clip, step, advance the LR, zero the buffers;
+        returns the gradient norm before clipping (the same on every rank)."""
+        self.ddp.finish_grad_sync()
+        with platform.cuda_as_cpu():
+            ok, norm, _ = self.optimizer.step()
+        if not ok:  # bf16 has no loss scale: a skipped step means inf/nan gradients
+            raise FloatingPointError(f"{self.model.mrlhf_role}: the optimizer found inf/nan gradients")
+        self.scheduler.step()
+        self.zero_grad()
+        return float(norm) if norm is not None else 0.0
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        with platform.cuda_as_cpu():
+            self.optimizer.zero_grad()
 
 
-class MixedPrecisionAdamW(torch.optim.AdamW):
-    """AdamW over fp32 master copies of low-precision (bf16) model parameters, as
-    Megatron's mixed-precision optimizer does: gradients are copied up to the masters,
-    the step runs in fp32, and the result is copied back into the model's bf16 weights.
-    The masters are part of the state dict (a resume keeps their fp32 precision)."""
+def build_trainee(model: torch.nn.Module, pg, cfg: OptimConfig, lr: float,
+                  schedule: tuple[float, int, int] | None = None) -> Trainee:
+    """Wrap ``model`` in megatron's DDP and build its AdamW (no weight decay on norms and
+    biases; bf16 models step fp32 masters). ``schedule = (min_lr, warmup, total)`` steps
+    for warmup + cosine from ``lr``; None: constant ``lr``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    def __init__(self, params: list, weight_decay: float, **kwargs):
-        self.model_params = list(params)
-        self.masters = [p.detach().float().clone() for p in self.model_params]
-        groups = _groups(self.masters, weight_decay)
-        super().__init__(groups, **kwargs)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for p, m in zip(self.model_params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
-        loss = super().step(closure)
-        for p, m in zip(self.model_params, self.masters):
-            p.copy_(m)
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.model_params:
-            p.grad = None
-        super().zero_grad(set_to_none)
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "fp32_masters": [m.detach().cpu() for m in self.masters]}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        state = dict(state)
-        for m, saved, p in zip(self.masters, state.pop("fp32_masters"), self.model_params):
-            m.copy_(saved)
-            p.copy_(m)
-        super().load_state_dict(state)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
-    """AdamW over ``model``'s trainable parameters; no weight decay on norms and biases.
-    Low-precision (bf16) models get fp32 master weights (:class:`MixedPrecisionAdamW`)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    kwargs = dict(lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-    if any(p.dtype != torch.float32 for p in params):
-        return MixedPrecisionAdamW(params, cfg.weight_decay, **kwargs)
-    return torch.optim.AdamW(_groups(params, cfg.weight_decay), **kwargs)
+    dtype = next(p.dtype for p in model.parameters())
+    model.config.calculate_per_token_loss = True  # sum over DP: losses are global token means
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.use_distributed_optimizer)
+    with platform.cuda_as_cpu():
+        ddp = DistributedDataParallel(model.config, ddp_cfg, model, pg_collection=pg)
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=lr, min_lr=0.0, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+            use_distributed_optimizer=cfg.use_distributed_optimizer)
+        optimizer = get_megatron_optimizer(opt_cfg, [ddp], pg_collection=pg,
+                                           use_gloo_process_groups=False)
+    min_lr, warmup, total = schedule or (lr, 0, 1)
+    scheduler = WarmupCosine(optimizer, lr, min_lr, warmup, total)
+    return Trainee(model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler, pg=pg)
 
 
 class WarmupCosine:
@@ -89,8 +101,14 @@ class WarmupCosine:
         return self.min_lr + 0.5 * (self.peak - self.min_lr) * (1 + math.cos(math.pi * progress))
 
     def _apply(self) -> None:
+        lr = self.lr(self.num_steps)
         for g in self.optimizer.param_groups:
-            g["lr"] = self.lr(self.num_steps)
+            # megatron's groups carry multipliers that its own scheduler applies: wd_mult 0
+            # exempts norms and biases from weight decay
+            g["lr"] = lr * g.get("lr_mult", 1.0)
+            if "wd_mult" in g:
+                g.setdefault("base_weight_decay", g["weight_decay"])
+                g["weight_decay"] = g["base_weight_decay"] * g["wd_mult"]
 
     def step(self) -> None:
         self.num_steps += 1
@@ -106,54 +124,3 @@ class WarmupCosine:
     def load_state_dict(self, state: dict) -> None:
         self.num_steps = int(state["num_steps"])
         self._apply()
-
-
-def reduce_gradients(model: torch.nn.Module, dp_group) -> None:
-    """Sum every gradient over the data-parallel group (one flat all-reduce per dtype)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    if dp_group is None or dist.get_world_size(dp_group) == 1:
-        return
-    by_dtype: dict[torch.dtype, list] = {}
-    for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=dp_group)
-        for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(r)
-
-
-def grad_norm(model: torch.nn.Module, tp_group) -> float:
-    """Global L2 norm of the gradients over the model's TP ranks.
-
-    TP-sharded parameters (megatron marks them ``tensor_model_parallel``) contribute their
-    shard from every rank; replicated ones (norms, value head) are counted once.
-    """
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum().cpu()
-        if getattr(p, "tensor_model_parallel", False):
-            sharded += sq
-        else:
-            replicated += sq
-    if tp_group is not None:
-        sharded = platform.all_reduce(sharded, group=tp_group)
-    return math.sqrt(float(sharded + replicated))
-
-
-def clip_gradients(model: torch.nn.Module, max_norm: float, tp_group) -> float:
-    """Scale gradients so their global norm is at most ``max_norm`` (0: no clipping).
-    Returns the norm before clipping."""
-    norm = grad_norm(model, tp_group)
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return norm

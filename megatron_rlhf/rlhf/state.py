@@ -6,17 +6,18 @@ Layout (one atomic iteration, Megatron's tracker convention)::
     SAVE/iter_0000010/
         actor/  critic/  draft/       model checkpoints (layout-free; load any one with
                                       --actor-load SAVE/iter_0000010/actor, or generate)
-        trainer/state.json            iteration, data position, layout, file manifest
-        trainer/optim_tp000.pt ...    per tensor-parallel rank: optimizers (fp32 masters
-                                      included) and LR schedules, written by data-parallel
-                                      rank 0 (DP replicas hold identical states)
+        trainer/state.json            iteration, data position, LR schedules, layout, manifest
+        trainer/optim_actor/ ...      megatron's optimizer states (fp32 masters, Adam moments)
+                                      through dist_checkpointing, in model space
+                                      ('fully_reshardable'): they load at any TP and DP size
         trainer/rng_00000.pt ...      per rank: RNG states
 
 Everything is written under ``iter_X.tmp`` and renamed when complete; the tracker moves
-last; with ``keep_last`` only the newest checkpoints stay. Optimizer states are per TP
-shard, so a resume needs the same world size and TP size (the message says so); the model
-checkpoints themselves load under any layout. Checkpoints of earlier versions (one
-``rank_00000.pt`` per rank with everything) still load.
+last; with ``keep_last`` only the newest checkpoints stay. A resume may change the number
+of ranks, TP and DP: models and optimizer states are resharded as they load; RNG states are
+restored where the world size is unchanged (sampling itself is keyed by seed and sample
+index, so it does not depend on them). Checkpoints of versions before the megatron
+optimizer (``optim_tp*.pt``) are refused with the way forward.
 """
 
 from __future__ import annotations
@@ -66,14 +67,69 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _optim_file(tp_rank: int) -> str:
-    return f"optim_tp{tp_rank:03d}.pt"
+OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _inner_optimizers(optimizer) -> list:
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _placeholder_adam_states(optimizer) -> None:
+    """Give every parameter of a fresh optimizer an all-zero Adam state, ``step`` included,
+    so that megatron can describe what a checkpoint is to load into: it asks torch's Adam
+    for their common ``step`` (TE's and apex's keep it per group). Stepping with zero
+    gradients instead, as megatron does for FSDP, would apply weight decay."""
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p].update(step=torch.zeros((), dtype=torch.float32),
+                                          exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+
+
+def _optimizer_state(t, is_loading: bool) -> dict:
+    """The trainee's optimizer state as a sharded state dict in model space."""
+    from megatron_rlhf import platform
+    from megatron_rlhf.models.checkpoint import sharded_state_dict
+
+    model_sd = sharded_state_dict(t.model, t.pg)
+    if is_loading:
+        _placeholder_adam_states(t.optimizer)
+    with platform.cuda_as_cpu():
+        sd = {"optimizer": t.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                          metadata=OPTIM_SHARDING)}
+    if is_loading:  # megatron's load_state_dict allocates the states it loads, step apart
+        for inner in _inner_optimizers(t.optimizer):
+            inner.state.clear()
+    return sd
+
+
+def _load_optimizer(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, working around megatron-core 0.16 with torch's
+    Adam (no TE or apex): its distributed optimizer gives every state a ``step`` and then
+    copies the loaded tensors over all of a state's keys, ``step`` included, which the
+    checkpoint keeps apart (KeyError). So: the common part first, the per-parameter states
+    with ``step`` set aside, then ``step`` back, one tensor per parameter."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(opts) != 1 or "param_state" not in state:
+        optimizer.load_state_dict(state)
+        return
+    opt, state = opts[0], dict(state)
+    param_state, kind = state.pop("param_state"), state.pop("param_state_sharding_type")
+    if kind != OPTIM_SHARDING["distrib_optim_sharding_type"]:
+        raise CheckpointError(f"optimizer states sharded as {kind!r}; this version reads "
+                              f"{OPTIM_SHARDING['distrib_optim_sharding_type']!r}")
+    opt.load_state_dict(state)
+    steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
+    opt.load_parameter_state_from_fully_reshardable(param_state)
+    for p, step in steps.items():  # megatron gave every state one shared tensor; Adam
+        opt.optimizer.state[p]["step"] = step.clone()  # increments each in place
 
 
 def save_training(root: str | os.PathLike, iteration: int, models: dict, trainees: dict,
                   state: dict, tokenizer=None, keep_last: int = 0) -> Path:
     """Save a resumable checkpoint; collective over the world. ``models``: name -> (model,
-    pg); ``trainees``: name -> :class:`~megatron_rlhf.rlhf.update.Trainee` (all under one
+    pg); ``trainees``: name -> :class:`~megatron_rlhf.rlhf.optim.Trainee` (all under one
     layout); ``state``: JSON-able loop state (data position, layout, ...). ``keep_last`` > 0
     deletes older checkpoints once this one is committed."""
     tmp = begin_iteration(root, iteration)
@@ -83,11 +139,14 @@ def save_training(root: str | os.PathLike, iteration: int, models: dict, trainee
     if rank == 0:
         (tmp / "trainer").mkdir()
     dist.barrier()
-    pg = next(iter(trainees.values())).pg
-    if pg.dp.rank() == 0:  # data-parallel replicas step identically: one copy per TP shard
-        torch.save({"optimizers": {n: t.optimizer.state_dict() for n, t in trainees.items()},
-                    "schedulers": {n: t.scheduler.state_dict() for n, t in trainees.items()}},
-                   tmp / "trainer" / _optim_file(pg.tp.rank()))
+    from megatron.core import dist_checkpointing
+
+    for name, t in trainees.items():
+        if rank == 0:
+            (tmp / "trainer" / f"optim_{name}").mkdir()
+        dist.barrier()
+        dist_checkpointing.save(_optimizer_state(t, is_loading=False), str(tmp / "trainer" / f"optim_{name}"))
+    state = dict(state, schedulers={n: t.scheduler.state_dict() for n, t in trainees.items()})
     torch.save(rng_state(), tmp / "trainer" / f"rng_{rank:05d}.pt")
     dist.barrier()
     if os.environ.get(KILL_IN_SAVE_ENV) == str(iteration):
@@ -118,7 +177,13 @@ def find_training_checkpoint(root: str | os.PathLike) -> Path:
     meta_path = d / "trainer" / STATE_FILE
     if not meta_path.is_file():
         raise CheckpointError(f"{d} is not a complete training checkpoint ({meta_path} is missing)")
-    verify_manifest(d / "trainer", json.loads(meta_path.read_text())["files"])
+    meta = json.loads(meta_path.read_text())
+    verify_manifest(d / "trainer", meta["files"])
+    if "schedulers" not in meta:
+        raise CheckpointError(
+            f"{d} was written before training moved to megatron's optimizer; its optimizer "
+            f"states cannot be resumed. Start a new run from its weights: --actor-load "
+            f"{d / 'actor'}" + (f" --critic-load {d / 'critic'}" if (d / "critic").is_dir() else ""))
     return d
 
 
@@ -127,15 +192,19 @@ def read_training_state(d: Path) -> dict:
 
 
 def load_trainer_states(d: Path, trainees: dict) -> None:
-    """Restore this rank's optimizers, LR schedules and RNG states."""
-    legacy = d / "trainer" / f"rank_{dist.get_rank():05d}.pt"
-    if legacy.is_file():  # written before optimizer states were saved once per TP shard
-        state = torch.load(legacy, weights_only=False)
-    else:
-        pg = next(iter(trainees.values())).pg
-        state = torch.load(d / "trainer" / _optim_file(pg.tp.rank()), weights_only=False)
-        state["rng"] = torch.load(d / "trainer" / f"rng_{dist.get_rank():05d}.pt", weights_only=False)
+    """Restore this rank's optimizers (resharded to this layout), LR schedules and, where
+    the world size is unchanged, RNG states."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rlhf import platform
+
+    meta = read_training_state(d)
     for name, t in trainees.items():
-        t.optimizer.load_state_dict(state["optimizers"][name])
-        t.scheduler.load_state_dict(state["schedulers"][name])
-    set_rng_state(state["rng"])
+        state = dist_checkpointing.load(_optimizer_state(t, is_loading=True),
+                                        str(d / "trainer" / f"optim_{name}"))
+        with platform.cuda_as_cpu():
+            _load_optimizer(t.optimizer, state["optimizer"])
+        t.scheduler.load_state_dict(meta["schedulers"][name])
+    rng = d / "trainer" / f"rng_{dist.get_rank():05d}.pt"
+    if meta["world_size"] == dist.get_world_size() and rng.is_file():
+        set_rng_state(torch.load(rng, weights_only=False))

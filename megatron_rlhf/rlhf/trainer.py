@@ -28,7 +28,8 @@ from megatron_rlhf.rlhf import offload
 from megatron_rlhf.rlhf.experience import ExperienceMaker
 from megatron_rlhf.rlhf.metrics import MetricsLog, progress
 from megatron_rlhf.rlhf.state import save_training
-from megatron_rlhf.rlhf.update import Trainee, train_actor, train_critic, train_draft
+from megatron_rlhf.rlhf.optim import Trainee
+from megatron_rlhf.rlhf.update import train_actor, train_critic, train_draft
 
 
 @dataclass
@@ -109,7 +110,7 @@ class RLHFTrainer:
         with stages.stage("rollout"):
             for t in (m.actor, m.critic, m.draft_trainee):
                 if t is not None:
-                    offload.move_optimizer(t.optimizer, host)
+                    offload.park_trainee(t, host=True)
             rollout = self.generator.generate(ids, self.gen, self.spec,
                                               seed=iteration_seed(self.loop.seed, it),
                                               sample_ids=list(range(first, first + len(ids))),
@@ -126,13 +127,13 @@ class RLHFTrainer:
         with stages.stage("train"):
             for t in (m.actor, m.critic):
                 if t is not None:
-                    offload.move_optimizer(t.optimizer, dev)
+                    offload.park_trainee(t, host=False)
             metrics.update(train_actor(m.actor, exp, self.ppo))
             if m.critic is not None:
                 metrics.update(train_critic(m.critic, exp, self.ppo))
         if m.draft_trainee is not None:
             with stages.stage("draft"):
-                offload.move_optimizer(m.draft_trainee.optimizer, dev)
+                offload.park_trainee(m.draft_trainee, host=False)
                 metrics.update(train_draft(m.draft_trainee, m.actor.model, exp,
                                            self.ppo.micro_batch_size, self.loop.draft_distill_topk))
         metrics.update(stages.metrics)

@@ -27,18 +27,7 @@ from megatron_rlhf.rlhf.losses import (
     policy_loss,
     value_loss,
 )
-from megatron_rlhf.rlhf.optim import clip_gradients, reduce_gradients
-
-
-@dataclass
-class Trainee:
-    """A model with what trains it."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    clip_grad: float
-    pg: object  # the model's ProcessGroupCollection
+from megatron_rlhf.rlhf.optim import Trainee
 
 
 @dataclass
@@ -67,15 +56,6 @@ def _mini_batches(exp: Experience, cfg: PPOConfig) -> list[Experience]:
     return exp.split(exp.batch_size // cfg.num_mini_batches)
 
 
-def _step(t: Trainee) -> float:
-    reduce_gradients(t.model, t.pg.dp)
-    norm = clip_gradients(t.model, t.clip_grad, t.pg.tp)
-    t.optimizer.step()
-    t.scheduler.step()
-    t.optimizer.zero_grad(set_to_none=True)
-    return norm
-
-
 def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_loss) -> dict:
     """PPO epochs x mini-batches (one optimizer step each) x micro-batches (accumulated).
 
@@ -90,7 +70,7 @@ def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_lo
             tokens = _global_tokens(mini.response_mask, t.pg.dp)
             for mb in mini.split(cfg.micro_batch_size):
                 ((micro_loss(mb, sums) * mb.response_mask).sum() / tokens).backward()
-            norms.append(_step(t))
+            norms.append(t.step())
             all_tokens += float(mini.response_mask.sum())
     out = sums.means(torch.tensor(all_tokens), t.pg.dp)
     out[f"{name}_grad_norm"] = sum(norms) / len(norms)
@@ -173,7 +153,7 @@ def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk:
                if feature else torch.zeros_like(kl))  # on kl's device: both are stacked below
         (kl + reg).backward()
         sums += torch.stack([kl.detach(), reg.detach()]).double().cpu()
-    _step(t)
+    t.step()
     kl, reg = platform.all_reduce(sums, group=t.pg.dp).tolist()
     out = {"draft_kl": kl}
     if feature:

@@ -1,6 +1,7 @@
 """RLHF training at DP=2 (two gloo ranks) equals DP=1 on the same global batch, and a
-DP=2 run resumed from its checkpoint continues as the uninterrupted run."""
+DP=2 run resumed from its checkpoint, at DP=2, 1 or 4, continues as the uninterrupted run."""
 
+import shutil
 import subprocess
 import sys
 
@@ -80,10 +81,21 @@ def test_dp2_equals_dp1_and_resumes(world1, tmp_path):
         assert dp1.returncode == 0, log1.read()[-6000:]
     init = _load(actor, "actor", world1)
     _compare(run1, run2, 2, init, world1)
-    # DP replicas hold identical optimizer states: one copy (TP shard 0), RNG per rank
+    # the distributed optimizer's shards, saved in model space (dist_checkpointing); RNG per rank
     trainer = run2 / "save" / "iter_0000002" / "trainer"
     assert sorted(p.name for p in trainer.iterdir()) == [
-        "optim_tp000.pt", "rng_00000.pt", "rng_00001.pt", "state.json"]
+        "optim_actor", "optim_critic", "rng_00000.pt", "rng_00001.pt", "state.json"]
+
+    # resumed at DP=1 and DP=4 from the DP=2 checkpoint, iteration 3 is the uninterrupted
+    # DP=1 run's: Adam's moments and step came back whole, resharded over the new DP size
+    # (moments off by a factor, or lost, change every weight of the update)
+    for dp in (1, 4):
+        run = tmp_path / f"dp2_to_dp{dp}"
+        shutil.copytree(run2 / "save", run / "save")
+        torchrun(dp, ["-m", "megatron_rlhf.train", *F.train_args(actor, prompts, run, **FLAGS),
+                      "--train-iters", "3", "--load", str(run / "save")])
+        _compare(run1, run, 3, init, world1)
+        assert [m["iteration"] for m in F.read_metrics(run / "log")] == [3]
 
     torchrun(2, [*args2, "--train-iters", "3", "--load", str(run2 / "save")])
     _compare(run1, run2, 3, init, world1)

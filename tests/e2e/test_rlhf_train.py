@@ -70,17 +70,21 @@ def test_resume_repeats_the_uninterrupted_run(tiny, tmp_path, uninterrupted):
     for part in ("actor", "critic", "trainer"):
         assert (save / "iter_0000002" / part).is_dir(), part
 
-    # a checkpoint is resumed only by the layout that wrote it, and only forwards
-    bad = F.run_validation([(args + ["--train-iters", "4", "--load", str(save)], 2),
-                            (args + ["--train-iters", "2", "--load", str(save)], 1)])
-    assert bad[0]["code"] == 2 and "was saved on 1 rank(s) at TP=1" in bad[0]["output"], bad[0]
-    assert bad[1]["code"] == 2, bad[1]
-    assert "is at iteration 2: raise --train-iters" in bad[1]["output"], bad[1]
+    # a checkpoint is resumed only forwards, and one of the hand-written optimizer's days
+    # (no LR schedules in its state.json, optim_tp000.pt) is refused with the way forward
+    legacy = _as_legacy_checkpoint(save / "iter_0000002", tmp_path / "legacy")
+    bad = F.run_validation([(args + ["--train-iters", "2", "--load", str(save)], 1),
+                            (args + ["--train-iters", "4", "--load", str(legacy)], 1)])
+    assert bad[0]["code"] == 2, bad[0]
+    assert "is at iteration 2: raise --train-iters" in bad[0]["output"], bad[0]
+    assert bad[1]["code"] == 2 and "before training moved to megatron's optimizer" in bad[1]["output"]
+    assert f"--actor-load {legacy / 'actor'}" in bad[1]["output"], bad[1]
 
-    # one copy of the optimizer states per TP shard, RNG states per rank
+    # megatron's optimizer states (dist_checkpointing, any layout), RNG states per rank
     trainer = save / "iter_0000002" / "trainer"
-    assert sorted(p.name for p in trainer.iterdir()) == ["optim_tp000.pt", "rng_00000.pt", "state.json"]
-    _to_legacy_layout(trainer)  # and checkpoints of the earlier per-rank layout still resume
+    assert sorted(p.name for p in trainer.iterdir()) == [
+        "optim_actor", "optim_critic", "rng_00000.pt", "state.json"]
+    assert (trainer / "optim_actor" / "metadata.json").is_file()
 
     F.check_ok(F.run_train(args + ["--train-iters", "4", "--load", str(save)]))
     rows = F.read_metrics(tmp_path / "log")
@@ -90,21 +94,22 @@ def test_resume_repeats_the_uninterrupted_run(tiny, tmp_path, uninterrupted):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
 
-def _to_legacy_layout(trainer):
-    """Rewrite a trainer directory as the previous version wrote it: rank_00000.pt with
-    optimizers, schedulers and RNG together."""
+def _as_legacy_checkpoint(src, dst):
+    """A copy of ``src`` as the hand-written optimizer wrote it: optim_tp000.pt, and a
+    state.json without LR schedules."""
     import json
+    import shutil
 
-    import torch
-
-    state = torch.load(trainer / "optim_tp000.pt", weights_only=False)
-    state["rng"] = torch.load(trainer / "rng_00000.pt", weights_only=False)
-    torch.save(state, trainer / "rank_00000.pt")
-    (trainer / "optim_tp000.pt").unlink()
-    (trainer / "rng_00000.pt").unlink()
+    shutil.copytree(src, dst)
+    trainer = dst / "trainer"
+    for d in ("optim_actor", "optim_critic"):
+        shutil.rmtree(trainer / d)
+    (trainer / "optim_tp000.pt").write_bytes(b"old")
     meta = json.loads((trainer / "state.json").read_text())
-    meta["files"] = {"rank_00000.pt": (trainer / "rank_00000.pt").stat().st_size}
+    del meta["schedulers"]
+    meta["files"] = {p.name: p.stat().st_size for p in trainer.iterdir() if p.name != "state.json"}
     (trainer / "state.json").write_text(json.dumps(meta))
+    return dst
 
 
 def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tiny, tmp_path, uninterrupted):

@@ -1,25 +1,14 @@
-"""The optimizer pieces of the RLHF trainer: LR schedule, fp32 masters for bf16 models,
-gradient norm and clipping."""
+"""The optimizer of the RLHF trainer (megatron-core's DDP and optimizer, distributed or
+not): fp32 masters for bf16 models, clipping, the warmup + cosine schedule."""
 
 import math
 
 import pytest
 import torch
 
-from megatron_rlhf.config import OptimConfig
-from megatron_rlhf.rlhf.optim import (
-    MixedPrecisionAdamW,
-    WarmupCosine,
-    build_optimizer,
-    clip_gradients,
-    grad_norm,
-)
-
-
-def _model(dtype):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
-                               torch.nn.Linear(16, 4)).to(dtype)
+from megatron_rlhf.config import OptimConfig, preset
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.rlhf.optim import WarmupCosine, build_trainee
 
 
 def test_warmup_then_cosine():
@@ -42,46 +31,58 @@ def test_warmup_then_cosine():
     assert fresh.current_lr == s.current_lr
 
 
-def test_bf16_model_steps_on_fp32_masters():
-    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
-    low, ref = _model(torch.bfloat16), _model(torch.float32)
-    with torch.no_grad():  # the fp32 twin starts from the bf16 values
-        for a, b in zip(ref.parameters(), low.parameters()):
-            a.copy_(b.float())
-    opt_low, opt_ref = build_optimizer(low, cfg, 1e-2), build_optimizer(ref, cfg, 1e-2)
-    assert isinstance(opt_low, MixedPrecisionAdamW) and not isinstance(opt_ref, MixedPrecisionAdamW)
+def _tiny(world1, dtype):
+    return build_model(preset("tiny"), "actor", world1, dtype=dtype, seed=3)
+
+
+def _reference_adamw(params, cfg, lr):
+    """torch's AdamW on fp32 copies, no weight decay on 1-D tensors (norms)."""
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    groups = [{"params": [m for m in masters if m.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [m for m in masters if m.dim() < 2], "weight_decay": 0.0}]
+    return masters, torch.optim.AdamW(groups, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                      eps=cfg.adam_eps)
+
+
+@pytest.mark.parametrize("distributed", [True, False])
+def test_megatron_optimizer_steps_fp32_masters_of_a_bf16_model(world1, distributed):
+    """megatron's DDP + optimizer on a bf16 model equals AdamW on fp32 masters fed the same
+    fp32 gradients, rounded to bf16 afterwards; with clipping active in one step."""
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, use_distributed_optimizer=distributed)
+    model = _tiny(world1, torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters, ref = _reference_adamw(params, cfg, 1e-2)
+    t = build_trainee(model, world1, cfg, 1e-2)
     for step in range(3):
         torch.manual_seed(step)
-        grads = [torch.randn_like(p, dtype=torch.float32) for p in ref.parameters()]
-        for p, g in zip(low.parameters(), grads):
-            p.grad = g.to(torch.bfloat16)
-        for p, g in zip(ref.parameters(), grads):
-            p.grad = g.to(torch.bfloat16).float()  # the same (rounded) gradient
-        opt_low.step(), opt_ref.step()
-        opt_low.zero_grad(), opt_ref.zero_grad()
-    for m, p, r in zip(opt_low.masters, low.parameters(), ref.parameters()):
-        torch.testing.assert_close(m, r, rtol=0, atol=0)  # fp32 step, not a bf16 one
-        assert p.dtype == torch.bfloat16 and torch.equal(p, m.to(torch.bfloat16))
-    # a bf16-only update would lose most of these small steps: the masters kept them
-    assert any(not torch.equal(m, p.float()) for m, p in zip(opt_low.masters, low.parameters()))
-    # resume: masters come back exactly, the model weights follow
-    state = opt_low.state_dict()
-    other = _model(torch.bfloat16)
-    opt_other = build_optimizer(other, cfg, 1e-2)
-    opt_other.load_state_dict(state)
-    for a, b in zip(opt_other.masters, opt_low.masters):
-        assert torch.equal(a, b)
-    for a, b in zip(other.parameters(), low.parameters()):
-        assert torch.equal(a, b)
+        grads = [torch.randn(p.shape) for p in params]
+        clip = 2.0 if step == 1 else 0.0
+        t.optimizer.config.clip_grad = clip
+        for p, g in zip(params, grads):
+            p.main_grad.copy_(g)  # DDP's fp32 gradient buffer
+        norm = t.step()
+        want = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
+        assert norm == pytest.approx(want, rel=1e-5)
+        scale = min(1.0, clip / (want + 1e-6)) if clip else 1.0
+        for m, g in zip(masters, grads):
+            m.grad = g * scale
+        ref.step()
+        for p, m in zip(params, masters):
+            assert p.dtype == torch.bfloat16
+            torch.testing.assert_close(p.float(), m.detach().to(torch.bfloat16).float(),
+                                       rtol=0, atol=0)
+        assert all(float(p.main_grad.abs().max()) == 0 for p in params)  # zeroed for the next
+    # a bf16-only update would lose most of these small steps: the fp32 masters kept them
+    assert any(not torch.equal(m.detach(), p.float()) for m, p in zip(masters, params))
 
 
-def test_grad_norm_and_clipping_single_rank():
-    m = _model(torch.float32)
-    for p in m.parameters():
-        p.grad = torch.randn_like(p)
-    want = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in m.parameters())).item()
-    assert grad_norm(m, None) == pytest.approx(want, rel=1e-12)
-    before = clip_gradients(m, want / 4, None)
-    assert before == pytest.approx(want, rel=1e-12)
-    assert grad_norm(m, None) == pytest.approx(want / 4, rel=1e-5)
-    assert clip_gradients(m, 0.0, None) == pytest.approx(want / 4, rel=1e-5)  # 0: no clip
+def test_learning_rate_follows_the_schedule(world1):
+    cfg = OptimConfig(lr=1e-3)
+    t = build_trainee(_tiny(world1, torch.float32), world1, cfg, 1e-3, (1e-4, 2, 6))
+    seen = []
+    for _ in range(8):
+        seen.append([g["lr"] for g in t.optimizer.param_groups])
+        t.step()
+    for step, lrs in enumerate(seen):
+        assert all(lr == pytest.approx(t.scheduler.lr(step)) for lr in lrs), step
+    assert seen[0][0] == pytest.approx(5e-4) and seen[7][0] == pytest.approx(1e-4)
