@@ -53,6 +53,16 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="PP size (only 1 is supported yet)")
 
 
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("layouts per stage (parameter reallocation)")
+    g.add_argument("--train-layout", default=None, metavar="TPxPPxDP",
+                   help="layout of training and inference, e.g. 2x1x2 (default: "
+                        "--tensor-model-parallel-size x 1 x the rest)")
+    g.add_argument("--gen-layout", default=None, metavar="TPxDP",
+                   help="layout of generation, e.g. 1x4; the actor's weights move to it after "
+                        "every update (default: the train layout's TP x the rest: no move)")
+
+
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("runtime")
     g.add_argument("--load", default=None, help="checkpoint to load (root or iter_* directory)")

@@ -134,32 +134,73 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How one model is split over ranks."""
+    """How the models are split over ranks: one layout for training and inference, one for
+    generation (the actor and the draft; weights are reallocated between the two)."""
 
     tensor_model_parallel_size: int = 1
-    """TP size: must divide heads, KV heads, ffn size, vocabulary and the world size."""
+    """TP size of the train layout when ``train_layout`` is not given."""
     pipeline_model_parallel_size: int = 1
     """PP size: only 1 is supported so far."""
+    train_layout: str | None = None
+    """``TPxPPxDP`` of training and inference (None: ``tensor_model_parallel_size`` x
+    ``pipeline_model_parallel_size`` x the rest of the world)."""
+    gen_layout: str | None = None
+    """``TPxDP`` of generation (None: the train layout's TP x the rest of the world, i.e.
+    no reallocation)."""
 
     def __post_init__(self) -> None:
         _positive("tensor parallel size", self.tensor_model_parallel_size)
+        _positive("pipeline parallel size", self.pipeline_model_parallel_size)
+        from megatron_rlhf.parallel.layout import Layout
+
+        if self.train_layout is not None:
+            t = Layout.parse(self.train_layout)
+            for flag, given, want in (("--tensor-model-parallel-size", self.tensor_model_parallel_size, t.tp),
+                                      ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size, t.pp)):
+                if given not in (1, want):
+                    raise ValueError(f"{flag} {given} contradicts --train-layout {self.train_layout}; "
+                                     f"give one of them")
+            self.tensor_model_parallel_size, self.pipeline_model_parallel_size = t.tp, t.pp
+        if self.gen_layout is not None:
+            Layout.parse(self.gen_layout, pipeline=False)
         if self.pipeline_model_parallel_size != 1:
             raise ValueError(
                 f"pipeline parallel size {self.pipeline_model_parallel_size} is not supported "
-                "yet: use --pipeline-model-parallel-size 1 and scale with "
-                "--tensor-model-parallel-size and data parallelism"
+                "yet: use a train layout TPx1xDP (--pipeline-model-parallel-size 1) and scale "
+                "with tensor and data parallelism"
             )
 
     def check_world(self, world_size: int) -> int:
-        """Return the data-parallel size, or raise if TP x PP does not divide the world."""
-        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-        if world_size % mp:
-            raise ValueError(
-                f"tensor parallel size {self.tensor_model_parallel_size} x pipeline parallel "
-                f"size {self.pipeline_model_parallel_size} must divide the world size "
-                f"{world_size} (launch with a multiple of {mp} ranks)"
-            )
-        return world_size // mp
+        """Return the train layout's data-parallel size, or raise if it does not fit."""
+        return self.layouts(world_size)[0].dp
+
+    def layouts(self, world_size: int):
+        """``(train, gen)`` :class:`~megatron_rlhf.parallel.layout.Layout` over
+        ``world_size`` ranks; ValueError naming the fix when one does not cover the world."""
+        from megatron_rlhf.parallel.layout import Layout
+
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if self.train_layout is not None:
+            train = Layout.parse(self.train_layout)
+            if train.size != world_size:
+                raise ValueError(f"--train-layout {self.train_layout} covers {train.size} ranks, "
+                                 f"the world has {world_size}: TP x PP x DP must equal it")
+        else:
+            if world_size % (tp * pp):
+                raise ValueError(
+                    f"tensor parallel size {tp} x pipeline parallel size {pp} must divide the "
+                    f"world size {world_size} (launch with a multiple of {tp * pp} ranks)")
+            train = Layout(tp=tp, pp=pp, dp=world_size // (tp * pp))
+        if self.gen_layout is None:
+            if world_size % train.tp:
+                raise ValueError(f"the train layout's TP {train.tp} must divide the world size {world_size}")
+            return train, Layout(tp=train.tp, dp=world_size // train.tp)
+        gen = Layout.parse(self.gen_layout, pipeline=False)
+        if gen.size != world_size:
+            raise ValueError(f"--gen-layout {self.gen_layout} covers {gen.size} ranks, the world "
+                             f"has {world_size}: TP x DP must equal it (e.g. --gen-layout "
+                             f"{gen.tp}x{max(world_size // gen.tp, 1)})")
+        return train, gen
 
 
 @dataclass

@@ -31,6 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     arguments.add_rlhf_args(p)
     arguments.add_parallel_args(p)
+    arguments.add_layout_args(p)
     arguments.add_runtime_args(p)
     arguments.add_generation_args(p)
     arguments.add_migration_args(p)
@@ -68,13 +69,15 @@ def main(argv=None) -> int:
 
     # --- distributed from here on ---
     from megatron_rlhf.parallel.groups import build_process_groups
-    from megatron_rlhf.parallel.layout import Layout
     from megatron_rlhf.rlhf.build import build_trainer
     from megatron_rlhf.rlhf.rewards import RewardError
 
     rank, world = platform.init_distributed(seed=plan.loop.seed)
-    pg = build_process_groups(Layout.for_world(world, tp=plan.par.tensor_model_parallel_size))
-    trainer = build_trainer(plan, pg)
+    train_layout, gen_layout = plan.par.layouts(world)
+    pg = build_process_groups(train_layout)
+    same = (gen_layout.tp, gen_layout.dp, 1) == (train_layout.tp, train_layout.dp, train_layout.pp)
+    gen_pg = pg if same else build_process_groups(gen_layout)
+    trainer = build_trainer(plan, pg, gen_pg)
     try:
         history = trainer.run()
     except RewardError as e:

@@ -106,8 +106,12 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
         raise ValueError("--num-draft-tokens > 0 needs --draft-load")
     if loop.draft_distill and not paths.draft:
         raise ValueError("--draft-distill needs a draft model (--draft-load)")
-    dp = par.check_world(world_size)
-    ppo.check_data_parallel(dp)
+    train_layout, gen_layout = par.layouts(world_size)
+    ppo.check_data_parallel(train_layout.dp)
+    if ppo.global_batch_size % gen_layout.dp:
+        raise ValueError(f"--global-batch-size {ppo.global_batch_size} prompts must split evenly "
+                         f"over the generation layout's {gen_layout.dp} data-parallel ranks "
+                         f"(--gen-layout {gen_layout.tp}x{gen_layout.dp})")
     resume, state = None, {}
     if paths.resume:
         resume = find_training_checkpoint(paths.resume)
@@ -116,8 +120,10 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
             raise ValueError(f"{resume} is at iteration {state['iteration']}: raise "
                              f"--train-iters above it to train further")
     infos = _infos(paths, ppo, resume)
-    for info in infos.values():
-        info.config.check_tensor_parallel(par.tensor_model_parallel_size)
+    for name, info in infos.items():
+        _check_tp(info, name, "train", train_layout.tp)
+        if name in ("actor", "draft"):
+            _check_tp(info, name, "gen", gen_layout.tp)
         if info.config.vocab_size != infos["actor"].config.vocab_size:
             raise ValueError(f"{info.path} has a {info.config.vocab_size}-token vocabulary, the "
                              f"actor {infos['actor'].config.vocab_size}: models must share a tokenizer")
@@ -135,6 +141,13 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                      prompts=prompts, prompt_ids=prompt_ids, world_size=world_size,
                      save_dir=save_dir, log_dir=log_dir, resume_dir=resume, resume_state=state,
                      migration=migration or MigrationConfig())
+
+
+def _check_tp(info, name: str, stage: str, tp: int) -> None:
+    try:
+        info.config.check_tensor_parallel(tp)
+    except ValueError as e:
+        raise ValueError(f"the {name} ({info.path}) in the {stage} layout: {e}") from None
 
 
 def _check_lengths(prompts, prompt_ids, loop, gen, drafts: int, infos) -> None:
@@ -175,8 +188,10 @@ def _trainee(plan: TrainPlan, model, pg, lr: float, schedule: bool):
                                             o.lr_warmup_iters * steps, total))
 
 
-def build_trainer(plan: TrainPlan, pg):
-    """Models, optimizers, generator and experience maker on this rank; resumes if asked."""
+def build_trainer(plan: TrainPlan, pg, gen_pg=None):
+    """Models, optimizers, generator and experience maker on this rank; resumes if asked.
+    ``pg``: the train layout's process groups; ``gen_pg``: the generation layout's (None or
+    ``pg``: the same layout, one copy of the actor)."""
     from megatron_rlhf.generation.engine import Generator
     from megatron_rlhf.rlhf.experience import ExperienceMaker, recompute_by_default
     from megatron_rlhf.rlhf.state import load_trainer_states
@@ -191,10 +206,13 @@ def build_trainer(plan: TrainPlan, pg):
         models.critic = _trainee(plan, critic, pg, plan.optim.critic_lr, True)
     if "reward" in plan.infos:
         models.reward_model = _model(plan, "reward", "reward", pg)
+    gen_pg = pg if gen_pg is None else gen_pg
+    if gen_pg is not pg:
+        models.actor_gen = _model(plan, "actor", "actor", gen_pg)
     if "draft" in plan.infos:
-        models.draft = _model(plan, "draft", "draft", pg)
+        models.draft = _model(plan, "draft", "draft", gen_pg)
         if plan.loop.draft_distill:
-            models.draft_trainee = _trainee(plan, models.draft, pg, plan.optim.draft_lr, False)
+            models.draft_trainee = _trainee(plan, models.draft, gen_pg, plan.optim.draft_lr, False)
     start = 0
     if plan.resume_dir is not None:
         trainees = {"actor": models.actor, "critic": models.critic, "draft": models.draft_trainee}
@@ -203,15 +221,18 @@ def build_trainer(plan: TrainPlan, pg):
     tok = plan.tokenizer
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
     eos = plan.infos["actor"].config.eos_token_id
-    generator = Generator(actor, models.draft, pad_id=pad)
+    generator = Generator(models.generating_actor, models.draft, pad_id=pad)
     if plan.ppo.recompute_logprobs is None:
         plan.ppo.recompute_logprobs = recompute_by_default(plan.dtype, plan.gen)
     maker = ExperienceMaker(plan.ppo, reference, actor=actor, critic=models.critic and models.critic.model,
                             reward_model=models.reward_model, reward_fn=plan.reward_fn,
                             tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=pg.dp, gen=plan.gen)
-    run_info = {"tp": plan.par.tensor_model_parallel_size, "seed": plan.loop.seed,
+    train_layout, gen_layout = plan.par.layouts(plan.world_size)
+    run_info = {"tp": train_layout.tp, "seed": plan.loop.seed,
+                "train_layout": f"{train_layout.tp}x{train_layout.pp}x{train_layout.dp}",
+                "gen_layout": f"{gen_layout.tp}x{gen_layout.dp}",
                 "actor_init": str(plan.paths.actor), "reference": str(plan.infos["reference"].path)}
     return RLHFTrainer(models, generator, maker, plan.ppo, plan.loop, plan.gen, plan.spec,
                        plan.prompts, plan.prompt_ids, pg, tokenizer=tok, save_dir=plan.save_dir,
                        log_dir=plan.log_dir, start_iteration=start, run_info=run_info,
-                       migration=plan.migration)
+                       migration=plan.migration, gen_pg=gen_pg)

@@ -5,7 +5,11 @@
     train       PPO epochs for the actor (and the critic); optionally the draft
 
 Data-parallel ranks take disjoint prompts; tensor-parallel ranks of one replica run in
-lockstep on the same prompts and seeds. Each iteration's prompts and sampling seed are a
+lockstep on the same prompts and seeds. Generation may run under its own layout
+(``--gen-layout``, with the draft): its samples are then regrouped onto the train layout's
+data-parallel ranks for the experience, and after the update the actor's weights are
+reallocated to the generation copy (``reallocate`` stage, before draft distillation, whose
+teacher is the updated actor). Each iteration's prompts and sampling seed are a
 function of (seed, iteration) alone, and a sample's random numbers are keyed by its index
 in the iteration's global batch, so a resumed run repeats the uninterrupted one and (with
 a fixed draft length) the samples do not depend on the data-parallel size. With more than
@@ -29,6 +33,7 @@ from megatron_rlhf.rlhf.experience import ExperienceMaker
 from megatron_rlhf.rlhf.metrics import MetricsLog, progress
 from megatron_rlhf.rlhf.state import save_training
 from megatron_rlhf.rlhf.optim import Trainee
+from megatron_rlhf.rlhf.regroup import regroup, token_batch
 from megatron_rlhf.rlhf.update import train_actor, train_critic, train_draft
 
 
@@ -42,6 +47,13 @@ class Models:
     draft: torch.nn.Module | None = None
     draft_trainee: Trainee | None = None
     reward_model: torch.nn.Module | None = None
+    actor_gen: torch.nn.Module | None = None
+    """The actor in the generation layout, when it differs from the train layout (the
+    draft lives there too); its weights are reallocated from ``actor`` after each update."""
+
+    @property
+    def generating_actor(self) -> torch.nn.Module:
+        return self.actor_gen if self.actor_gen is not None else self.actor.model
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
@@ -56,8 +68,14 @@ class RLHFTrainer:
                  loop: LoopConfig, gen: GenerationConfig, spec: SpecConfig, prompts: list,
                  prompt_ids: list[list[int]], pg, tokenizer=None, save_dir=None, log_dir=None,
                  start_iteration: int = 0, run_info: dict | None = None,
-                 migration: MigrationConfig | None = None):
+                 migration: MigrationConfig | None = None, gen_pg=None):
         self.m, self.generator, self.maker = models, generator, maker
+        self.gen_pg = gen_pg if gen_pg is not None else pg
+        self.reallocate = None
+        if models.actor_gen is not None:
+            from megatron_rlhf.parallel.reshard import Reallocator
+
+            self.reallocate = Reallocator()
         self.ppo, self.loop, self.gen, self.spec = ppo, loop, gen, spec
         self.prompts, self.prompt_ids, self.pg, self.tokenizer = prompts, prompt_ids, pg, tokenizer
         self.save_dir, self.start = save_dir, start_iteration
@@ -68,11 +86,11 @@ class RLHFTrainer:
         self.history: list[dict] = []
         self.migrator = None
         migration = migration or MigrationConfig()
-        if migration.enabled(self.dp):
+        if migration.enabled(self.gen_pg.dp.size()):
             from megatron_rlhf.generation.migration import Migrator
 
             dev = models.actor.model.embedding.word_embeddings.weight.device
-            self.migrator = Migrator(pg.dp, migration, dev, tp_group=pg.tp)
+            self.migrator = Migrator(self.gen_pg.dp, migration, dev, tp_group=self.gen_pg.tp)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[dict]:
@@ -93,37 +111,44 @@ class RLHFTrainer:
         self.log.close()
         return self.history
 
-    def _my_samples(self, it: int):
+    def _my_samples(self, it: int, dp_group):
+        """This rank's share of iteration ``it``'s samples under a layout's DP group:
+        prompt ids, prompt texts and global sample indices (whole prompt groups)."""
         g = self.ppo.global_batch_size
         idx = batch_indices(len(self.prompt_ids), g, it, self.loop.seed)
-        per = g // self.dp
-        mine = idx[self.dp_rank * per:(self.dp_rank + 1) * per]
+        per, rank = g // dp_group.size(), dp_group.rank()
+        mine = idx[rank * per:(rank + 1) * per]
         n = self.ppo.rollout_n
         ids = [self.prompt_ids[i] for i in mine for _ in range(n)]
         texts = [self.prompts[i].prompt for i in mine for _ in range(n)]
-        return ids, texts, self.dp_rank * per * n
+        first = rank * per * n
+        return ids, texts, list(range(first, first + len(ids)))
 
     def iteration(self, it: int) -> dict:
         m, stages = self.m, offload.StageMemory()
-        ids, texts, first = self._my_samples(it)
+        gen_ids, _, gen_sids = self._my_samples(it, self.gen_pg.dp)
         host, dev = torch.device("cpu"), m.actor.model.embedding.word_embeddings.weight.device
         with stages.stage("rollout"):
             for t in (m.actor, m.critic, m.draft_trainee):
                 if t is not None:
                     offload.park_trainee(t, host=True)
-            rollout = self.generator.generate(ids, self.gen, self.spec,
-                                              seed=iteration_seed(self.loop.seed, it),
-                                              sample_ids=list(range(first, first + len(ids))),
-                                              migrator=self.migrator)
+            generated = self.generator.generate(gen_ids, self.gen, self.spec,
+                                                seed=iteration_seed(self.loop.seed, it),
+                                                sample_ids=gen_sids, migrator=self.migrator)
+        ids, texts, sids = self._my_samples(it, self.pg.dp)
+        rollout = generated
+        if m.actor_gen is not None:  # to the train layout's data-parallel ranks
+            rollout = regroup(generated, gen_sids, self.gen_pg, sids, ids, self.generator.pad_id)
+            offload.move_model(m.actor_gen, host)
         with stages.stage("experience"):
             for extra in (m.reference, m.reward_model):
                 if extra is not None:
                     offload.move_model(extra, dev)
-            exp = self.maker.make(ids, texts, rollout, first_index=first)
+            exp = self.maker.make(ids, texts, rollout, first_index=sids[0] if sids else 0)
             for extra in (m.reference, m.reward_model):
                 if extra is not None:
                     offload.move_model(extra, host)
-        metrics = self._rollout_metrics(rollout, exp)
+        metrics = self._rollout_metrics(generated, rollout, exp)
         with stages.stage("train"):
             for t in (m.actor, m.critic):
                 if t is not None:
@@ -131,33 +156,44 @@ class RLHFTrainer:
             metrics.update(train_actor(m.actor, exp, self.ppo))
             if m.critic is not None:
                 metrics.update(train_critic(m.critic, exp, self.ppo))
+        if m.actor_gen is not None:
+            with stages.stage("reallocate"):
+                offload.move_model(m.actor_gen, dev)
+                r = self.reallocate(m.actor.model, m.actor_gen)
+            moved = platform.all_reduce(torch.tensor([float(r.bytes_received)], dtype=torch.float64))
+            metrics["realloc_mb"] = float(moved) / 2**20
         if m.draft_trainee is not None:
             with stages.stage("draft"):
                 offload.park_trainee(m.draft_trainee, host=False)
-                metrics.update(train_draft(m.draft_trainee, m.actor.model, exp,
+                batch = exp if m.actor_gen is None else token_batch(gen_ids, generated, self.generator.pad_id)
+                metrics.update(train_draft(m.draft_trainee, m.generating_actor, batch,
                                            self.ppo.micro_batch_size, self.loop.draft_distill_topk))
         metrics.update(stages.metrics)
         metrics["time_iteration_s"] = sum(v for k, v in stages.metrics.items() if k.startswith("time_"))
         return metrics
 
-    def _rollout_metrics(self, rollout, exp) -> dict:
-        """Reward, KL, length and generation statistics over all data-parallel ranks."""
+    def _rollout_metrics(self, generated, rollout, exp) -> dict:
+        """Reward, KL and length statistics over the train layout's data-parallel ranks,
+        generation statistics over the generation layout's (``generated``: this rank's
+        samples as generated, ``rollout``: as regrouped for training)."""
         mask = exp.response_mask
-        s = rollout.stats
+        s = generated.stats
         local = torch.tensor([
             float(exp.scores.sum()), float((exp.scores.double() ** 2).sum()), exp.batch_size,
             float((exp.kl * mask).sum()), float(mask.sum()),
             sum(r == "eos" for r in rollout.finish_reasons),
-            s.new_tokens, s.verifications, s.accepted_tokens,
         ], dtype=torch.float64)
+        gen = torch.tensor([s.new_tokens, s.verifications, s.accepted_tokens], dtype=torch.float64)
         slowest = torch.tensor([s.elapsed_s, s.idle_s, s.idle_s / max(s.elapsed_s, 1e-9),
                                 s.migration_s], dtype=torch.float64)
         hist = torch.tensor(s.rounds_by_draft_len + [s.migrated_out, s.migration_bytes],
                             dtype=torch.float64)
         local = platform.all_reduce(local, group=self.pg.dp)
-        slowest = platform.all_reduce(slowest, dist.ReduceOp.MAX, self.pg.dp)
-        hist = platform.all_reduce(hist, group=self.pg.dp).tolist()
-        rsum, rsq, n, kl, tokens, eos, new, ver, acc = local.tolist()
+        gen = platform.all_reduce(gen, group=self.gen_pg.dp)
+        slowest = platform.all_reduce(slowest, dist.ReduceOp.MAX, self.gen_pg.dp)
+        hist = platform.all_reduce(hist, group=self.gen_pg.dp).tolist()
+        rsum, rsq, n, kl, tokens, eos = local.tolist()
+        new, ver, acc = gen.tolist()
         elapsed, idle, idle_frac, mig_s = slowest.tolist()
         mean = rsum / n
         return {
@@ -185,7 +221,7 @@ class RLHFTrainer:
             models["critic"] = (m.critic.model, m.critic.pg)
             trainees["critic"] = m.critic
         if m.draft is not None:
-            models["draft"] = (m.draft, m.actor.pg)
+            models["draft"] = (m.draft, self.gen_pg)
         if m.draft_trainee is not None:
             trainees["draft"] = m.draft_trainee
         state = dict(self.run_info, consumed_prompts=it * self.ppo.global_batch_size,

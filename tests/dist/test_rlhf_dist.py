@@ -148,3 +148,35 @@ def test_tp2_equals_tp1(world1, tmp_path):
         # clipping was active: the (pre-clip) norms lie above --clip-grad
         for m in (a, b):
             assert m["actor_grad_norm"] > 0.05 and m["critic_grad_norm"] > 0.05, m
+
+
+@pytest.mark.parametrize("train_layout, gen_layout", [("2x1x1", "1x2"), ("1x1x2", "2x1")])
+def test_generation_layout_trains_as_one_layout(world1, tmp_path, train_layout, gen_layout):
+    """Generation under its own layout (the actor's weights reallocated after every update,
+    the samples regrouped onto the train layout's data-parallel ranks) trains exactly as
+    one process does: same updated weights after 2 iterations, same metrics."""
+    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
+    run1, run2 = tmp_path / "one", tmp_path / "layouts"
+    log1 = (tmp_path / "one.stderr").open("w+")
+    one = subprocess.Popen(
+        [sys.executable, "-m", "megatron_rlhf.train",
+         *F.train_args(actor, prompts, run1, train_iters=2, **FLAGS)],
+        cwd=ROOT, env=F.env(), stdout=subprocess.DEVNULL, stderr=log1)
+    with log1:
+        try:
+            torchrun(2, ["-m", "megatron_rlhf.train",
+                         *F.train_args(actor, prompts, run2, train_iters=2, **FLAGS),
+                         "--train-layout", train_layout, "--gen-layout", gen_layout])
+            one.wait(timeout=300)
+        finally:
+            if one.poll() is None:
+                one.kill()
+                one.wait()
+        log1.seek(0)
+        assert one.returncode == 0, log1.read()[-6000:]
+    _compare(run1, run2, 2, _load(actor, "actor", world1), world1)
+    m1, m2 = F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log")
+    for a, b in zip(m1, m2, strict=True):
+        F.assert_metrics_equal(a, b)
+        assert b["realloc_mb"] > 0 and "time_reallocate_s" in b and "realloc_mb" not in a

@@ -10,3 +10,8 @@ pytestmark = pytest.mark.dist
 def test_tp2_generation_equals_tp1():
     r = torchrun(2, ["tp_generation.py"])
     assert "OK" in r.stdout
+
+
+def test_reallocation_round_trip_and_generation():
+    r = torchrun(2, ["reallocation.py"])
+    assert "OK" in r.stdout

@@ -1,0 +1,98 @@
+"""Parameter reallocation: copy one model's weights between two layouts (ReaLHF).
+
+A model may live in several layouts at once (say the actor trained at TP=2 x DP=2 and
+generating at TP=1 x DP=4). :class:`Reallocator` moves the weights from one copy to the
+other with megatron-core's resharding (``megatron.core.resharding``): its planner matches
+every destination shard to source shards (TP slicing, GLU strides, pipeline stages, DP
+replicas balanced as senders), once per pair of models; each call then runs the planned
+point-to-point copies. Collective over the world: every rank must call it, whether it
+holds either copy or not.
+
+On CPU the transfers go over gloo (megatron's gloo service, without the CUDA stream it
+creates); on GPU over NCCL.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rlhf import platform
+
+
+def _copy_service():
+    if platform.has_cuda():
+        from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService
+
+        return NCCLCopyService()
+    from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopyService
+
+    class CpuGlooCopyService(GlooCopyService):
+        """megatron's gloo service less the ``torch.cuda.Stream`` its constructor makes
+        (it only orders device copies; on CPU there are none)."""
+
+        def __init__(self):
+            stream = torch.cuda.Stream
+            torch.cuda.Stream = lambda *a, **k: None
+            try:
+                super().__init__()
+            finally:
+                torch.cuda.Stream = stream
+
+    return CpuGlooCopyService()
+
+
+@dataclass
+class ReallocationStats:
+    """One reallocation, as this rank saw it."""
+
+    seconds: float
+    """Wall time of the copies (plan excluded after the first call)."""
+    bytes_received: int
+    """Bytes this rank received from other ranks."""
+    bytes_local: int
+    """Bytes copied within this rank (a shard both layouts place here)."""
+
+
+class Reallocator:
+    """Moves weights from ``src`` to ``dst`` (the same architecture, other layouts); one
+    plan per pair, built at the first call (collective)."""
+
+    def __init__(self):
+        self._service = None
+
+    def __call__(self, src: torch.nn.Module, dst: torch.nn.Module) -> ReallocationStats:
+        from megatron.core.resharding.refit import swap_model_weights
+
+        if self._service is None:
+            self._service = _copy_service()
+        start = time.perf_counter()
+        with torch.no_grad():
+            swap_model_weights(src, dst, self._service)
+        if platform.has_cuda():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        return ReallocationStats(seconds, *_planned_bytes(dst))
+
+
+def _planned_bytes(dst: torch.nn.Module) -> tuple[int, int]:
+    """(bytes received from other ranks, bytes copied locally) by this rank's plan."""
+    import torch.distributed as dist
+
+    plan = getattr(dst, "_cached_reshard_plan", None)
+    if plan is None:
+        return 0, 0
+    params = dict(dst.named_parameters())
+    me, remote, local = dist.get_rank(), 0, 0
+    for op in plan.recv_ops:
+        p = params.get(op.param_name)
+        if p is None:
+            continue
+        n = p.data[op.my_slice].numel() * p.element_size()
+        if op.peer_rank == me:
+            local += n
+        else:
+            remote += n
+    return remote, local
