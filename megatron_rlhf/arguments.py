@@ -50,7 +50,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="TP size; must divide heads, KV heads and the number of ranks")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="PP size (only 1 is supported yet)")
+                   help="PP size of training and inference (generation runs unpipelined)")
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:

@@ -110,6 +110,16 @@ class ModelConfig:
                     f"sizes that work for this model: {valid}"
                 )
 
+    def check_pipeline_parallel(self, pp: int) -> None:
+        """Raise a message naming the fix when ``pp`` stages cannot split the layers evenly."""
+        _positive("pipeline parallel size", pp)
+        if self.num_layers % pp:
+            valid = [d for d in range(1, self.num_layers + 1) if self.num_layers % d == 0]
+            raise ValueError(f"pipeline parallel size {pp} must divide {self.num_layers} layers; "
+                             f"sizes that work for this model: {valid}")
+        if self.feature_draft and pp > 1:
+            raise ValueError("a feature draft runs unpipelined (PP=1): it serves generation")
+
     def _tp_ok(self, tp: int) -> bool:
         return all(
             n % tp == 0
@@ -140,7 +150,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     """TP size of the train layout when ``train_layout`` is not given."""
     pipeline_model_parallel_size: int = 1
-    """PP size: only 1 is supported so far."""
+    """PP size of the train layout when ``train_layout`` is not given (generation never
+    pipelines: with PP > 1 the actor gets a generation copy)."""
     train_layout: str | None = None
     """``TPxPPxDP`` of training and inference (None: ``tensor_model_parallel_size`` x
     ``pipeline_model_parallel_size`` x the rest of the world)."""
@@ -163,12 +174,6 @@ class ParallelConfig:
             self.tensor_model_parallel_size, self.pipeline_model_parallel_size = t.tp, t.pp
         if self.gen_layout is not None:
             Layout.parse(self.gen_layout, pipeline=False)
-        if self.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                f"pipeline parallel size {self.pipeline_model_parallel_size} is not supported "
-                "yet: use a train layout TPx1xDP (--pipeline-model-parallel-size 1) and scale "
-                "with tensor and data parallelism"
-            )
 
     def check_world(self, world_size: int) -> int:
         """Return the train layout's data-parallel size, or raise if it does not fit."""

@@ -58,6 +58,9 @@ def validate(args: argparse.Namespace):
     infos = [read_checkpoint(args.load)]
     if args.draft_load:
         infos.append(read_checkpoint(args.draft_load))
+    if par.pipeline_model_parallel_size != 1:
+        raise ValueError(f"generation runs unpipelined: use --pipeline-model-parallel-size 1 "
+                         f"(got {par.pipeline_model_parallel_size}) and --tensor-model-parallel-size")
     tp = par.tensor_model_parallel_size
     for info in infos:
         info.config.check_tensor_parallel(tp)

@@ -32,8 +32,9 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype):
-    """megatron-core ``TransformerConfig`` for a Llama-family model at TP size ``tp``."""
+def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 1):
+    """megatron-core ``TransformerConfig`` for a Llama-family model at TP size ``tp`` and
+    PP size ``pp`` (layers split evenly over the pipeline stages)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = platform.has_cuda()
@@ -53,7 +54,8 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         # CPU init builds the full weight and slices it, so a seed gives the same model
@@ -88,22 +90,27 @@ def build_model(
     use_te: bool | None = None,
     seed: int = 1234,
 ):
-    """Build the model of ``role`` on this rank's device, sharded over ``pg_collection.tp``.
+    """Build the model of ``role`` on this rank's device, sharded over ``pg_collection.tp``
+    and, with ``pg_collection.pp`` larger than 1, this rank's pipeline stage of it (the
+    embedding on the first stage, the head on the last, ``num_layers / PP`` layers each).
 
     ``seed`` fixes the random initialisation (identical at every TP size on CPU).
     """
     from megatron.core.models.gpt import GPTModel
 
     check_role(role)
-    tp = pg_collection.tp.size()
+    tp, pp = pg_collection.tp.size(), pg_collection.pp.size()
     cfg.check_tensor_parallel(tp)
+    cfg.check_pipeline_parallel(pp)
+    stage = pg_collection.pp.rank()
     dtype = dtype or platform.default_dtype()
     platform.seed_model_parallel_rng(seed, pg_collection.tp.rank())
-    with torch.random.fork_rng(devices=[]):
+    # (a tied embedding's last-stage copy is synchronised with ``.cuda()`` under PP)
+    with torch.random.fork_rng(devices=[]), platform.cuda_as_cpu():
         torch.manual_seed(seed)
         value = role in VALUE_ROLES
         model = GPTModel(
-            config=transformer_config(cfg, tp, dtype),
+            config=transformer_config(cfg, tp, dtype, pp),
             transformer_layer_spec=layer_spec(use_te),
             vocab_size=cfg.padded_vocab_size,
             max_sequence_length=cfg.max_position_embeddings,
@@ -112,14 +119,16 @@ def build_model(
             position_embedding_type="rope",
             rotary_base=cfg.rotary_base,
             pg_collection=pg_collection,
+            pre_process=stage == 0,
+            post_process=stage == pp - 1,
         )
         model.mrlhf_config = cfg
         model.mrlhf_role = role
-        if value:
+        if value and model.post_process:
             from megatron_rlhf.models.heads import attach_value_head
 
             attach_value_head(model)
-        elif cfg.head_vocab_size:
+        elif cfg.head_vocab_size and model.post_process:
             from megatron_rlhf.models.heads import attach_subset_head
 
             attach_subset_head(model)

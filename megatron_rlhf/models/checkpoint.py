@@ -114,8 +114,19 @@ def tracked_iteration(root: Path) -> tuple[int, Path] | None:
 
 
 def sharded_state_dict(model, pg_collection) -> dict:
-    """The model's sharded state dict, as saved under the key ``model``."""
-    return {"model": model.sharded_state_dict(metadata={"dp_cp_group": pg_collection.dp_cp})}
+    """The model's sharded state dict, as saved under the key ``model``.
+
+    megatron-core 0.16 reads the data-parallel rank from its global ``parallel_state`` for
+    one entry: a tied embedding's copy on the last pipeline stage. This program keeps no
+    global layout (several coexist), so that one call answers with the model's own."""
+    from megatron.core import parallel_state
+
+    global_rank_of = parallel_state.get_data_parallel_rank
+    parallel_state.get_data_parallel_rank = lambda *a, **k: pg_collection.dp.rank()
+    try:
+        return {"model": model.sharded_state_dict(metadata={"dp_cp_group": pg_collection.dp_cp})}
+    finally:
+        parallel_state.get_data_parallel_rank = global_rank_of
 
 
 def _tmp_dir(final: Path) -> Path:

@@ -40,10 +40,19 @@ def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
 def lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
     """``[B, T, V]`` full-vocabulary logits (gathered over TP, vocab padding removed)."""
-    logits = _forward(model, input_ids, attention_mask)
-    return logits[..., : model.mrlhf_config.vocab_size]
+    return logits_of(model, _forward(model, input_ids, attention_mask))
 
 
 def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
     """``[B, T]`` scalar values from a critic/reward model."""
-    return _forward(model, input_ids, attention_mask).squeeze(-1)
+    return values_of(_forward(model, input_ids, attention_mask))
+
+
+def logits_of(model, output: torch.Tensor) -> torch.Tensor:
+    """An LM's raw output ``[B, T, V_padded]`` -> its logits ``[B, T, V]``."""
+    return output[..., : model.mrlhf_config.vocab_size]
+
+
+def values_of(output: torch.Tensor) -> torch.Tensor:
+    """A critic's or reward model's raw output ``[B, T, 1]`` -> values ``[B, T]``."""
+    return output.squeeze(-1)

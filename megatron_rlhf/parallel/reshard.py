@@ -14,6 +14,7 @@ creates); on GPU over NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -69,12 +70,50 @@ class Reallocator:
         if self._service is None:
             self._service = _copy_service()
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), _without_tied_copy(dst):
             swap_model_weights(src, dst, self._service)
+        _sync_tied_copy(dst)
         if platform.has_cuda():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         return ReallocationStats(seconds, *_planned_bytes(dst))
+
+
+def _tied(model) -> bool:
+    """Whether ``model`` is a pipeline stage of a model whose LM head is its embedding."""
+    return (getattr(model, "share_embeddings_and_output_weights", False)
+            and model.pg_collection.pp.size() > 1)
+
+
+@contextlib.contextmanager
+def _without_tied_copy(dst):
+    """Under PP the last stage holds its own copy of a tied embedding (``output_layer.weight``),
+    which a model outside the pipeline does not have: megatron's planner would look for a
+    source. Hide it from the plan; :func:`_sync_tied_copy` fills it afterwards."""
+    if not (_tied(dst) and dst.post_process and not dst.pre_process):
+        yield
+        return
+    everything = dst.named_parameters
+    dst.named_parameters = lambda *a, **k: ((n, p) for n, p in everything(*a, **k)
+                                            if n != "output_layer.weight")
+    try:
+        yield
+    finally:
+        del dst.named_parameters
+
+
+def _sync_tied_copy(dst) -> None:
+    """The last stage's copy of a tied embedding := the first stage's (megatron's own
+    start-up step: the copy zeroed, then summed over the embedding group)."""
+    if not (_tied(dst) and (dst.pre_process or dst.post_process)):
+        return
+    import torch.distributed as dist
+
+    weight = dst.shared_embedding_or_output_weight()
+    with torch.no_grad():
+        if not dst.pre_process:
+            weight.zero_()
+        dist.all_reduce(weight.data, group=dst.pg_collection.embd)
 
 
 def _planned_bytes(dst: torch.nn.Module) -> tuple[int, int]:

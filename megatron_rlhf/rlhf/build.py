@@ -121,7 +121,8 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                              f"--train-iters above it to train further")
     infos = _infos(paths, ppo, resume)
     for name, info in infos.items():
-        _check_tp(info, name, "train", train_layout.tp)
+        if name != "draft":
+            _check_tp(info, name, "train", train_layout.tp, train_layout.pp)
         if name in ("actor", "draft"):
             _check_tp(info, name, "gen", gen_layout.tp)
         if info.config.vocab_size != infos["actor"].config.vocab_size:
@@ -143,9 +144,10 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                      migration=migration or MigrationConfig())
 
 
-def _check_tp(info, name: str, stage: str, tp: int) -> None:
+def _check_tp(info, name: str, stage: str, tp: int, pp: int = 1) -> None:
     try:
         info.config.check_tensor_parallel(tp)
+        info.config.check_pipeline_parallel(pp)
     except ValueError as e:
         raise ValueError(f"the {name} ({info.path}) in the {stage} layout: {e}") from None
 

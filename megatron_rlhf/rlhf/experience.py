@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, PPOConfig
-from megatron_rlhf.models.forward import lm_logits, token_values
+from megatron_rlhf.models.forward import logits_of, values_of
+from megatron_rlhf.models.pipeline import map_micro_batches
 from megatron_rlhf.rlhf.advantages import gae, grpo_advantages, masked_whiten
 from megatron_rlhf.rlhf.batch import Experience, last_token_index, pack, response_slice
 from megatron_rlhf.rlhf.losses import kl_estimate, policy_logprobs, reshapes_policy, token_rewards
@@ -30,11 +31,10 @@ from megatron_rlhf.rlhf.rewards import RewardError, RewardInput, score_samples
 def response_logprobs(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
     """``[B, T]`` log-probs of the response tokens under ``model``'s policy for
     ``exp.policy`` (:func:`~megatron_rlhf.rlhf.losses.policy_logits`), 0 at padding."""
-    out = []
-    for mb in exp.split(micro_batch_size):
-        logits = response_slice(lm_logits(model, mb.input_ids, mb.attention_mask), mb)
-        out.append(policy_logprobs(logits, mb.response_ids, exp.policy) * mb.response_mask)
-    return torch.cat(out)
+    def fn(output, mb):
+        logits = response_slice(logits_of(model, output), mb)
+        return policy_logprobs(logits, mb.response_ids, exp.policy) * mb.response_mask
+    return torch.cat(map_micro_batches(model, exp.split(micro_batch_size), fn))
 
 
 def recompute_by_default(dtype: torch.dtype, policy: GenerationConfig | None) -> bool:
@@ -54,21 +54,17 @@ def generation_logprobs(rollout, policy: GenerationConfig | None) -> torch.Tenso
 @torch.no_grad()
 def response_values(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
     """``[B, T]`` critic values ``V(s_t)`` of the states before each response token."""
-    out = []
-    for mb in exp.split(micro_batch_size):
-        v = response_slice(token_values(model, mb.input_ids, mb.attention_mask), mb)
-        out.append(v.float() * mb.response_mask)
-    return torch.cat(out)
+    def fn(output, mb):
+        return response_slice(values_of(output), mb).float() * mb.response_mask
+    return torch.cat(map_micro_batches(model, exp.split(micro_batch_size), fn))
 
 
 @torch.no_grad()
 def reward_model_scores(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
     """``[B]`` a reward model's value at each response's last token."""
-    out = []
-    for mb in exp.split(micro_batch_size):
-        v = token_values(model, mb.input_ids, mb.attention_mask).float()
-        out.append(v.gather(1, last_token_index(mb)[:, None])[:, 0])
-    return torch.cat(out)
+    def fn(output, mb):
+        return values_of(output).float().gather(1, last_token_index(mb)[:, None])[:, 0]
+    return torch.cat(map_micro_batches(model, exp.split(micro_batch_size), fn))
 
 
 class ExperienceMaker:

@@ -40,10 +40,13 @@ class Trainee:
     """The model's ProcessGroupCollection."""
 
     def step(self) -> float:
-        """Reduce the accumulated gradients, clip, step, advance the LR, zero the buffers;
+        """Reduce the accumulated gradients (over DP, and a tied embedding's gradient over
+        its first and last pipeline stages), clip, step, advance the LR, zero the buffers;
         returns the gradient norm before clipping (the same on every rank)."""
-        self.ddp.finish_grad_sync()
-        with platform.cuda_as_cpu():
+        from megatron.core.distributed import finalize_model_grads
+
+        with platform.cuda_as_cpu():  # DP reduction; a tied embedding's two PP copies summed
+            finalize_model_grads([self.ddp], pg_collection=self.pg)
             ok, norm, _ = self.optimizer.step()
         if not ok:  # bf16 has no loss scale: a skipped step means inf/nan gradients
             raise FloatingPointError(f"{self.model.mrlhf_role}: the optimizer found inf/nan gradients")

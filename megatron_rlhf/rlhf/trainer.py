@@ -89,7 +89,7 @@ class RLHFTrainer:
         if migration.enabled(self.gen_pg.dp.size()):
             from megatron_rlhf.generation.migration import Migrator
 
-            dev = models.actor.model.embedding.word_embeddings.weight.device
+            dev = next(models.actor.model.parameters()).device
             self.migrator = Migrator(self.gen_pg.dp, migration, dev, tp_group=self.gen_pg.tp)
 
     # ------------------------------------------------------------------ the loop
@@ -127,7 +127,7 @@ class RLHFTrainer:
     def iteration(self, it: int) -> dict:
         m, stages = self.m, offload.StageMemory()
         gen_ids, _, gen_sids = self._my_samples(it, self.gen_pg.dp)
-        host, dev = torch.device("cpu"), m.actor.model.embedding.word_embeddings.weight.device
+        host, dev = torch.device("cpu"), next(m.actor.model.parameters()).device
         with stages.stage("rollout"):
             for t in (m.actor, m.critic, m.draft_trainee):
                 if t is not None:

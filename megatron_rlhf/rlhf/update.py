@@ -19,7 +19,8 @@ import torch
 
 from megatron_rlhf import platform
 from megatron_rlhf.config import PPOConfig
-from megatron_rlhf.models.forward import lm_logits, token_values
+from megatron_rlhf.models.forward import logits_of, values_of
+from megatron_rlhf.models.pipeline import forward_backward, from_last_stage, model_output
 from megatron_rlhf.rlhf.batch import Experience, response_slice
 from megatron_rlhf.rlhf.losses import (
     kl_estimate,
@@ -57,36 +58,44 @@ def _mini_batches(exp: Experience, cfg: PPOConfig) -> list[Experience]:
 
 
 def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_loss) -> dict:
-    """PPO epochs x mini-batches (one optimizer step each) x micro-batches (accumulated).
+    """PPO epochs x mini-batches (one optimizer step each) x micro-batches (accumulated,
+    through the pipeline when the model is a pipeline stage).
 
-    ``micro_loss(mb, sums)`` returns the per-token loss ``[b, T]`` of a micro-batch and
-    adds its metrics to ``sums``; it is summed over response tokens and divided by the
-    mini-batch's token count over all DP ranks. Returns token-mean metrics over all ranks.
+    ``micro_loss(output, mb, sums)`` returns the per-token loss ``[b, T]`` of a micro-batch
+    from the model's raw output and adds its metrics to ``sums`` (on the last pipeline
+    stage); it is summed over response tokens and divided by the mini-batch's token count
+    over all DP ranks. Returns token-mean metrics over all ranks.
     """
     t.model.train()
     sums, norms, all_tokens = _Sums(), [], 0.0
     for _ in range(cfg.ppo_epochs):
         for mini in _mini_batches(exp, cfg):
             tokens = _global_tokens(mini.response_mask, t.pg.dp)
-            for mb in mini.split(cfg.micro_batch_size):
-                ((micro_loss(mb, sums) * mb.response_mask).sum() / tokens).backward()
+            forward_backward(t.model, mini.split(cfg.micro_batch_size),
+                             lambda out, mb: (micro_loss(out, mb, sums) * mb.response_mask).sum() / tokens)
             norms.append(t.step())
             all_tokens += float(mini.response_mask.sum())
+    sums.values = from_last_stage(t.model, sums.values)
     out = sums.means(torch.tensor(all_tokens), t.pg.dp)
     out[f"{name}_grad_norm"] = sum(norms) / len(norms)
     return out
 
 
-def policy_forward(actor, mb: Experience) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log pi(a_t | s_t), entropy of pi(. | s_t))``, both ``[b, T]`` with gradients,
-    under the policy ``mb.policy`` (what PPO trains)."""
-    logits = response_slice(lm_logits(actor, mb.input_ids, mb.attention_mask), mb)
+def policy_from_output(actor, output, mb: Experience) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log pi(a_t | s_t), entropy of pi(. | s_t))``, both ``[b, T]``, from the actor's
+    raw output, under the policy ``mb.policy`` (what PPO trains)."""
+    logits = response_slice(logits_of(actor, output), mb)
     return policy_logprobs_and_entropy(logits, mb.response_ids, mb.policy)
 
 
-def _policy_micro(actor, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.Tensor:
+def policy_forward(actor, mb: Experience) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`policy_from_output` of the actor's forward over ``mb`` (no pipeline)."""
+    return policy_from_output(actor, model_output(actor, mb), mb)
+
+
+def _policy_loss(actor, output, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.Tensor:
     mask = mb.response_mask
-    logp, entropy = policy_forward(actor, mb)
+    logp, entropy = policy_from_output(actor, output, mb)
     pg_loss, clipped = policy_loss(logp, mb.old_logprobs, mb.advantages, cfg.clip_eps)
     loss = pg_loss
     if cfg.entropy_coef:
@@ -102,8 +111,13 @@ def _policy_micro(actor, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.T
     return loss
 
 
-def _value_micro(critic, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.Tensor:
-    v = response_slice(token_values(critic, mb.input_ids, mb.attention_mask), mb)
+def _policy_micro(actor, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.Tensor:
+    """The per-token PPO loss of one micro-batch (no pipeline)."""
+    return _policy_loss(actor, model_output(actor, mb), mb, cfg, sums)
+
+
+def _value_loss(output, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.Tensor:
+    v = response_slice(values_of(output), mb)
     loss, clipped = value_loss(v.float(), mb.values, mb.returns, cfg.value_clip_eps or None)
     sums.add("value_loss", loss, mb.response_mask)
     sums.add("value_clip_frac", clipped.float(), mb.response_mask)
@@ -112,14 +126,14 @@ def _value_micro(critic, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.T
 
 def train_actor(t: Trainee, exp: Experience, cfg: PPOConfig) -> dict:
     """PPO epochs over ``exp`` for the actor; token-mean metrics over all ranks."""
-    out = _ppo_passes(t, exp, cfg, "actor", lambda mb, sums: _policy_micro(t.model, mb, cfg, sums))
+    out = _ppo_passes(t, exp, cfg, "actor", lambda out, mb, sums: _policy_loss(t.model, out, mb, cfg, sums))
     out["actor_lr"] = t.scheduler.current_lr
     return out
 
 
 def train_critic(t: Trainee, exp: Experience, cfg: PPOConfig) -> dict:
     """Clipped value-loss epochs over ``exp`` for the critic."""
-    return _ppo_passes(t, exp, cfg, "critic", lambda mb, sums: _value_micro(t.model, mb, cfg, sums))
+    return _ppo_passes(t, exp, cfg, "critic", lambda out, mb, sums: _value_loss(out, mb, cfg, sums))
 
 
 def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk: int) -> dict:

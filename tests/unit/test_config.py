@@ -32,8 +32,13 @@ def test_world_size_and_pipeline():
     assert ParallelConfig(tensor_model_parallel_size=2).check_world(8) == 4
     with pytest.raises(ValueError, match="must divide the world size 3"):
         ParallelConfig(tensor_model_parallel_size=2).check_world(3)
-    with pytest.raises(ValueError, match="pipeline parallel size 2 is not supported yet"):
-        ParallelConfig(pipeline_model_parallel_size=2)
+    # PP: training and inference pipeline, generation gets its own unpipelined layout
+    train, gen = ParallelConfig(pipeline_model_parallel_size=2).layouts(8)
+    assert (train.tp, train.pp, train.dp) == (1, 2, 4) and (gen.tp, gen.pp, gen.dp) == (1, 1, 8)
+    train, gen = ParallelConfig(train_layout="2x2x2", gen_layout="1x8").layouts(8)
+    assert (train.tp, train.pp, train.dp, gen.tp, gen.dp) == (2, 2, 2, 1, 8)
+    with pytest.raises(ValueError, match="pipeline parallel size 4 must divide 30 layers"):
+        preset("smollm2-135m").check_pipeline_parallel(4)
 
 
 def test_model_config_validation_and_padding():
@@ -62,8 +67,9 @@ def test_flags_map_onto_dataclasses():
     assert arguments.parallel_config_from_args(args).tensor_model_parallel_size == 2
     assert str(arguments.dtype_from_args(args)) == "torch.bfloat16"
     args = p.parse_args(["--pipeline-model-parallel-size", "4"])
-    with pytest.raises(ValueError, match="not supported yet"):
-        arguments.parallel_config_from_args(args)
+    assert arguments.parallel_config_from_args(args).layouts(8)[0].pp == 4
+    with pytest.raises(ValueError, match="must be a positive"):
+        arguments.parallel_config_from_args(p.parse_args(["--pipeline-model-parallel-size", "0"]))
     with pytest.raises(ValueError, match="give --model PRESET or --load"):
         arguments.model_config_from_args(p.parse_args([]))
 

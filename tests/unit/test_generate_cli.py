@@ -60,7 +60,7 @@ def test_generates(tiny_ckpt):
     [
         (["--tensor-model-parallel-size", "3"], 3, "tensor parallel size 3 must divide 4 attention heads"),
         (["--tensor-model-parallel-size", "2"], 3, "must divide the world size 3"),
-        (["--pipeline-model-parallel-size", "2"], 2, "pipeline parallel size 2 is not supported yet"),
+        (["--pipeline-model-parallel-size", "2"], 2, "generation runs unpipelined: use --pipeline-model-parallel-size 1"),
         (["--max-new-tokens", "13"], 1, "prompt 0 has 3 tokens: with max_new_tokens 13 (+1 for verification) it exceeds the cache of 16 positions"),
         (["--num-draft-tokens", "-1"], 1, "--num-draft-tokens must be an integer >= 0 or 'auto', got -1"),
         (["--num-draft-tokens", "2"], 1, "needs a draft model (--draft-load)"),

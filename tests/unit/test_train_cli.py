@@ -60,9 +60,9 @@ CASES = [
     ("gen_layout_dp_and_batch",
      dict(gen_layout="1x4", train_layout="4x1x1", global_batch_size=6, rollout_n=2, micro_batch_size=1), 4,
      "--global-batch-size 6 prompts must split evenly over the generation layout's 4 data-parallel ranks"),
-    ("pipeline_layout",
-     dict(train_layout="1x2x1"), 2,
-     "pipeline parallel size 2 is not supported yet"),
+    ("layers_not_divisible_by_pp",
+     dict(train_layout="1x3x1", global_batch_size=3, micro_batch_size=1, rollout_n=2), 3,
+     "in the train layout: pipeline parallel size 3 must divide 2 layers; sizes that work for this model: [1, 2]"),
     ("layout_form",
      dict(gen_layout="1x1x2"), 2,
      "layout '1x1x2' is not of the form TPxDP, e.g. 1x8"),
@@ -71,6 +71,7 @@ CASES = [
      "--tensor-model-parallel-size 2 contradicts --train-layout 1x1x2"),
     ("valid", {}, 2, None),  # the control: good flags get as far as the first collective
     ("valid_layouts", dict(train_layout="2x1x1", gen_layout="1x2"), 2, None),
+    ("valid_pipeline", dict(train_layout="1x2x1"), 2, None),
 ]
 
 

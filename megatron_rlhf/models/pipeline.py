@@ -1,0 +1,119 @@
+"""Whole-sequence forwards (and backwards) of micro-batches, pipelined or not.
+
+A model built on a layout with PP > 1 holds one pipeline stage; its micro-batches then go
+through megatron-core's schedules (``get_forward_backward_func``: 1F1B, or forward only),
+with activations sent between stages point to point (NCCL on GPU, gloo on CPU). Every
+stage receives the same micro-batches (the first reads their tokens, every stage their
+attention masks); what the last stage computes from the model's output comes back to
+every stage of the pipeline, so callers see the same results at any PP size.
+
+- :func:`map_micro_batches`: ``fn(output, mb)`` per micro-batch without gradients (log-probs,
+  values, rewards);
+- :func:`forward_backward`: ``loss(output, mb)`` per micro-batch, back-propagated
+  (gradients accumulate in DDP's buffers).
+
+``output`` is the model's raw output on the last stage: ``[b, s, V]`` logits of an LM
+(vocabulary padding included), ``[b, s, 1]`` values of a critic or reward model.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf import platform
+from megatron_rlhf.models.forward import causal_padding_mask, position_ids
+
+
+def pipelined(model) -> bool:
+    return model.pg_collection.pp.size() > 1
+
+
+def model_output(model, mb) -> torch.Tensor:
+    """The model's raw output for a micro-batch (one stage's, under PP)."""
+    return model(mb.input_ids, position_ids(mb.attention_mask), causal_padding_mask(mb.attention_mask))
+
+
+def map_micro_batches(model, micro_batches: list, fn) -> list:
+    """``[fn(output, mb) for mb in micro_batches]`` on every rank, without gradients."""
+    with torch.no_grad():
+        if not pipelined(model):
+            return [fn(model_output(model, mb), mb) for mb in micro_batches]
+        store = _schedule(model, micro_batches, partial(_keep, fn), forward_only=True)
+        return from_last_stage(model, [d["out"] for d in store])
+
+
+def forward_backward(model, micro_batches: list, loss) -> None:
+    """Back-propagate ``loss(output, mb)`` (a scalar, on the last stage) of every micro-batch."""
+    if not pipelined(model):
+        for mb in micro_batches:
+            loss(model_output(model, mb), mb).backward()
+        return
+    _schedule(model, micro_batches, partial(_loss, loss), forward_only=False)
+
+
+def last_stage(model) -> bool:
+    pp = model.pg_collection.pp
+    return pp.rank() == pp.size() - 1
+
+
+def from_last_stage(model, obj):
+    """``obj`` as the pipeline's last stage has it, on every stage (identity at PP=1)."""
+    if not pipelined(model):
+        return obj
+    pp = model.pg_collection.pp
+    box = [obj if last_stage(model) else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(pp, pp.size() - 1), group=pp,
+                               device=_object_device())
+    return _to(box[0], next(model.parameters()).device)
+
+
+# ---------------------------------------------------------------------------- internals
+def _keep(fn, mb, output):
+    return torch.zeros((), device=output.device), {"out": fn(output, mb)}
+
+
+def _loss(loss, mb, output):
+    value = loss(output, mb)
+    # (loss, tokens, reduced): with calculate_per_token_loss megatron neither divides the
+    # loss by its token count nor by the number of micro-batches: ours is normalised already
+    return value, torch.ones((), dtype=torch.int, device=value.device), {}
+
+
+def _schedule(model, micro_batches: list, loss_func, forward_only: bool) -> list:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    pg, config = model.pg_collection, model.config
+    shapes = {tuple(mb.input_ids.shape) for mb in micro_batches}
+    if len(shapes) != 1:
+        raise ValueError(f"pipelined micro-batches must share one shape [b, s], got {sorted(shapes)}")
+    b, s = shapes.pop()
+    config.calculate_per_token_loss = True
+
+    def step(data_iterator, chunk):
+        mb = next(data_iterator)
+        return model_output(chunk, mb), partial(loss_func, mb)
+
+    run = get_forward_backward_func(pp_size=pg.pp.size())
+    with platform.cuda_as_cpu():
+        return run(forward_step_func=step, data_iterator=iter(micro_batches), model=[model],
+                   num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
+                   forward_only=forward_only, p2p_communicator=P2PCommunicator(pg.pp, config),
+                   pg_collection=pg)
+
+
+def _object_device():
+    return torch.device("cuda", torch.cuda.current_device()) if platform.has_cuda() else None
+
+
+def _to(obj, dev):
+    if torch.is_tensor(obj):
+        return obj.to(dev)
+    if isinstance(obj, list):
+        return [_to(x, dev) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to(v, dev) for k, v in obj.items()}
+    return obj
