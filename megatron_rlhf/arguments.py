@@ -61,6 +61,9 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-layout", default=None, metavar="TPxDP",
                    help="layout of generation, e.g. 1x4; the actor's weights move to it after "
                         "every update (default: the train layout's TP x the rest: no move)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="activation recompute while training: full (re-run each layer in "
+                        "backward) or selective (the attention core only); default: none")
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:

@@ -158,6 +158,9 @@ class ParallelConfig:
     gen_layout: str | None = None
     """``TPxDP`` of generation (None: the train layout's TP x the rest of the world, i.e.
     no reallocation)."""
+    recompute_granularity: str | None = None
+    """Activation recompute of the models that train: ``full`` (each layer re-run in
+    backward from its input), ``selective`` (the attention core only), None (keep all)."""
 
     def __post_init__(self) -> None:
         _positive("tensor parallel size", self.tensor_model_parallel_size)
@@ -174,6 +177,8 @@ class ParallelConfig:
             self.tensor_model_parallel_size, self.pipeline_model_parallel_size = t.tp, t.pp
         if self.gen_layout is not None:
             Layout.parse(self.gen_layout, pipeline=False)
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(f"--recompute-granularity {self.recompute_granularity!r}: use full or selective")
 
     def check_world(self, world_size: int) -> int:
         """Return the train layout's data-parallel size, or raise if it does not fit."""

@@ -32,9 +32,12 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 1):
+def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 1,
+                       recompute: str | None = None):
     """megatron-core ``TransformerConfig`` for a Llama-family model at TP size ``tp`` and
-    PP size ``pp`` (layers split evenly over the pipeline stages)."""
+    PP size ``pp`` (layers split evenly over the pipeline stages); ``recompute``: megatron's
+    activation recompute in training, ``full`` (every layer's input kept, the layer re-run
+    in backward) or ``selective`` (the attention core only)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = platform.has_cuda()
@@ -68,6 +71,9 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        recompute_granularity=recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
     )
 
 
@@ -89,6 +95,7 @@ def build_model(
     dtype: torch.dtype | None = None,
     use_te: bool | None = None,
     seed: int = 1234,
+    recompute: str | None = None,
 ):
     """Build the model of ``role`` on this rank's device, sharded over ``pg_collection.tp``
     and, with ``pg_collection.pp`` larger than 1, this rank's pipeline stage of it (the
@@ -110,7 +117,7 @@ def build_model(
         torch.manual_seed(seed)
         value = role in VALUE_ROLES
         model = GPTModel(
-            config=transformer_config(cfg, tp, dtype, pp),
+            config=transformer_config(cfg, tp, dtype, pp, recompute),
             transformer_layer_spec=layer_spec(use_te),
             vocab_size=cfg.padded_vocab_size,
             max_sequence_length=cfg.max_position_embeddings,

@@ -168,12 +168,14 @@ def _check_lengths(prompts, prompt_ids, loop, gen, drafts: int, infos) -> None:
 
 
 # ---------------------------------------------------------------------------- building
-def _model(plan: TrainPlan, name: str, role: str, pg, skip: tuple[str, ...] = ()):
+def _model(plan: TrainPlan, name: str, role: str, pg, skip: tuple[str, ...] = (),
+           trains: bool = False):
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.checkpoint import load_checkpoint
 
     info = plan.infos[name]
-    model = build_model(info.config, role, pg, dtype=plan.dtype, seed=plan.loop.seed)
+    model = build_model(info.config, role, pg, dtype=plan.dtype, seed=plan.loop.seed,
+                        recompute=plan.par.recompute_granularity if trains else None)
     load_checkpoint(model, pg, info.path, skip=skip)
     return model
 
@@ -199,12 +201,13 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     from megatron_rlhf.rlhf.state import load_trainer_states
     from megatron_rlhf.rlhf.trainer import Models, RLHFTrainer
 
-    actor = _model(plan, "actor", "actor", pg)
+    actor = _model(plan, "actor", "actor", pg, trains=True)
     reference = _model(plan, "reference", "reference", pg)
     models = Models(actor=_trainee(plan, actor, pg, plan.optim.lr, True), reference=reference)
     if plan.ppo.use_critic:
         from_actor = plan.infos["critic"].role not in ("critic", "reward")
-        critic = _model(plan, "critic", "critic", pg, skip=("output_layer.",) if from_actor else ())
+        critic = _model(plan, "critic", "critic", pg, skip=("output_layer.",) if from_actor else (),
+                        trains=True)
         models.critic = _trainee(plan, critic, pg, plan.optim.critic_lr, True)
     if "reward" in plan.infos:
         models.reward_model = _model(plan, "reward", "reward", pg)

@@ -150,13 +150,13 @@ def test_tp2_equals_tp1(world1, tmp_path):
             assert m["actor_grad_norm"] > 0.05 and m["critic_grad_norm"] > 0.05, m
 
 
-LAYOUTS = [("2x1x1", "1x2"), ("1x1x2", "2x1"),  # TP <-> DP, 2 ranks
-           ("1x2x1", "1x2"),                      # PP=2 (1F1B over gloo), 2 ranks
-           ("1x2x2", "1x4"), ("2x2x1", "2x2")]    # PP=2 x DP=2, TP=2 x PP=2, 4 ranks
+LAYOUTS = [("2x1x1", "1x2", ()), ("1x1x2", "2x1", ()),  # TP <-> DP, 2 ranks
+           ("1x2x1", "1x2", ("--recompute-granularity", "full")),  # PP=2 (1F1B over gloo)
+           ("1x2x2", "1x4", ()), ("2x2x1", "2x2", ())]    # PP=2 x DP=2, TP=2 x PP=2, 4 ranks
 
 
-@pytest.mark.parametrize("train_layout, gen_layout", LAYOUTS)
-def test_generation_layout_trains_as_one_layout(world1, tmp_path, train_layout, gen_layout):
+@pytest.mark.parametrize("train_layout, gen_layout, extra", LAYOUTS)
+def test_generation_layout_trains_as_one_layout(world1, tmp_path, train_layout, gen_layout, extra):
     """Training and inference under a train layout (TP, PP, DP), generation under its own
     (the actor's weights reallocated after every update, the samples regrouped onto the
     train layout's data-parallel ranks): the same updated weights after 2 iterations as one
@@ -174,7 +174,7 @@ def test_generation_layout_trains_as_one_layout(world1, tmp_path, train_layout, 
             world = eval(train_layout.replace("x", "*"))
             torchrun(world, ["-m", "megatron_rlhf.train",
                              *F.train_args(actor, prompts, run2, train_iters=2, **FLAGS),
-                             "--train-layout", train_layout, "--gen-layout", gen_layout])
+                             "--train-layout", train_layout, "--gen-layout", gen_layout, *extra])
             one.wait(timeout=300)
         finally:
             if one.poll() is None:

@@ -86,3 +86,33 @@ def test_learning_rate_follows_the_schedule(world1):
     for step, lrs in enumerate(seen):
         assert all(lr == pytest.approx(t.scheduler.lr(step)) for lr in lrs), step
     assert seen[0][0] == pytest.approx(5e-4) and seen[7][0] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_activation_recompute_keeps_the_gradients(world1, recompute):
+    """megatron's activation recompute re-runs (parts of) layers in backward: the same loss
+    and gradients as keeping every activation."""
+    from megatron_rlhf.models.forward import lm_logits
+
+    ids = torch.randint(2, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    att = torch.ones_like(ids)
+    att[0, :4] = 0  # left padding
+    grads = []
+    for granularity in (None, recompute):
+        model = build_model(preset("tiny"), "actor", world1, dtype=torch.float32, seed=3,
+                            recompute=granularity)
+        assert model.config.recompute_granularity == granularity
+        model.train()
+        calls = {"layer": 0, "core": 0}
+        layer = model.decoder.layers[0]
+        layer.register_forward_hook(lambda *a: calls.__setitem__("layer", calls["layer"] + 1))
+        layer.self_attention.core_attention.register_forward_hook(
+            lambda *a: calls.__setitem__("core", calls["core"] + 1))
+        loss = lm_logits(model, ids, att).log_softmax(-1)[..., 5].mean()
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        # what ran again in backward: nothing, the whole layer, or the attention core
+        want = {None: (1, 1), "full": (2, 2), "selective": (1, 2)}[granularity]
+        assert (calls["layer"], calls["core"]) == want, (granularity, calls)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
