@@ -8,6 +8,8 @@ rank, loads weights, optimizer states and the loop position.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,11 +139,49 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                          f"{ppo.global_batch_size}")
     prompt_ids = [encode_prompt(tokenizer, p.prompt, chat=loop.chat) for p in prompts]
     _check_lengths(prompts, prompt_ids, loop, gen, spec.max_tokens(bool(paths.draft)), infos)
-    return TrainPlan(ppo=ppo, optim=optim, loop=loop, gen=gen, spec=spec, par=par, dtype=dtype,
+    plan = TrainPlan(ppo=ppo, optim=optim, loop=loop, gen=gen, spec=spec, par=par, dtype=dtype,
                      paths=paths, reward_fn=reward_fn, infos=infos, tokenizer=tokenizer,
                      prompts=prompts, prompt_ids=prompt_ids, world_size=world_size,
                      save_dir=save_dir, log_dir=log_dir, resume_dir=resume, resume_state=state,
                      migration=migration or MigrationConfig())
+    if torch.cuda.is_available():  # a warning on stderr, by the first rank of each node
+        gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
+        warning = memory_warning(plan, gb, local)
+        if warning and os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"warning: {warning}", file=sys.stderr)
+    return plan
+
+
+def memory_warning(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int) -> str | None:
+    """The memory estimator's verdict on this run (:mod:`megatron_rlhf.plan.memory`): None
+    when every stage fits GPUs of ``gpu_memory_gb``, else its message. A warning, not an
+    error: the estimate errs on the safe side (see docs/memory_plan.md)."""
+    from megatron_rlhf.plan import memory as mem
+
+    train, gen = plan.par.layouts(plan.world_size)
+    roles = {"actor": "actor", "reference": "reference", "critic": "critic",
+             "reward": "reward", "draft": "draft"}
+    models = {roles[n]: info.config for n, info in plan.infos.items() if n in roles}
+    nodes = max(plan.world_size // gpus_per_node, 1)
+    try:
+        est = mem.estimate(
+            models, mem.Cluster(nodes=nodes, gpus_per_node=plan.world_size // nodes,
+                                gpu_memory_gb=gpu_memory_gb),
+            mem.StageLayouts(train=train, gen=gen),
+            mem.Workload(rollout_batch=plan.ppo.samples_per_iteration,
+                         max_prompt_length=plan.loop.max_prompt_length,
+                         max_new_tokens=plan.gen.max_new_tokens,
+                         micro_batch_size=plan.ppo.micro_batch_size,
+                         num_mini_batches=plan.ppo.num_mini_batches,
+                         num_draft_tokens=plan.spec.max_tokens("draft" in plan.infos)),
+            mem.MemoryOptions(param_bytes=plan.dtype.itemsize,
+                              distributed_optimizer=plan.optim.use_distributed_optimizer,
+                              recompute=plan.par.recompute_granularity or "none"))
+        mem.fits_or_raise(est)
+    except ValueError as e:
+        return f"memory estimate: {e}"
+    return None
 
 
 def _check_tp(info, name: str, stage: str, tp: int, pp: int = 1) -> None:

@@ -186,3 +186,19 @@ def test_cli_reports_no_fit_with_exit_0_and_refuses_bad_layouts():
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     peaks = [d["peak_gb"] for d in rows if d["kind"] == "layout"]
     assert peaks and peaks == sorted(peaks) and max(peaks) <= 72
+
+
+def test_the_trainer_validation_asks_the_estimator(world1, tmp_path):
+    """On GPU, make_plan warns with the estimator's verdict: silent when the run fits, the
+    stage and what to change when it does not."""
+    import rlhf_fixtures as F
+    from megatron_rlhf import train
+    from megatron_rlhf.rlhf.build import memory_warning
+
+    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
+    plan = train.validate(train.parse_args(F.train_args(actor, prompts, tmp_path / "out")))
+    assert memory_warning(plan, gpu_memory_gb=80.0, gpus_per_node=8) is None
+    warning = memory_warning(plan, gpu_memory_gb=1e-4, gpus_per_node=8)
+    assert warning.startswith("memory estimate: the iteration does not fit in GPU memory")
+    assert "training on layout 1x1x1 needs" in warning and "--search" in warning
