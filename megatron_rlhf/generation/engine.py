@@ -110,6 +110,7 @@ class Generator:
 
     def __init__(self, actor, draft=None, pad_id: int = 0, selector=None):
         self.actor, self.draft, self.pad_id = actor, draft, pad_id
+        self._upkeep_s = 0.0  # this round's seconds spent keeping the draft current
         if draft is not None:
             check_draft(actor.mrlhf_config, draft.mrlhf_config)
             if draft.pg_collection.tp.size() != actor.pg_collection.tp.size():
@@ -187,7 +188,7 @@ class Generator:
             if dead and dead * 4 >= len(rows):
                 rows.compact()
             n = self._choose(selector, live, big_n)
-            start = time.perf_counter()
+            start, self._upkeep_s = time.perf_counter(), 0.0
             if n:
                 k = self._spec_round(rows, out, cfg, n, key, rope, d_rope, stats, accept_rule)
             else:
@@ -195,8 +196,8 @@ class Generator:
                 k = None
             stats.actor_steps += 1
             stats.rounds_by_draft_len[n] += 1
-            if selector is not None:
-                selector.observe(live, n, time.perf_counter() - start, k)
+            if selector is not None:  # the draft's upkeep is no round's own cost
+                selector.observe(live, n, time.perf_counter() - start - self._upkeep_s, k)
         if migrator is not None:
             migrator.return_results(out, sids)
         stats.elapsed_s = time.perf_counter() - t0
@@ -296,7 +297,11 @@ class Generator:
                 rows[name] = grown
         rows["catch_count"] = count + 1
         if width >= CATCH_UP_MAX:
+            # keeping the draft current costs the same whatever the selector picks: timed
+            # apart, so that a plain step that happens to pay it is not judged by it
+            start = time.perf_counter()
             self._catch_up(rows, d_rope, keep_last=True)
+            self._upkeep_s += time.perf_counter() - start
 
     def _catch_up(self, rows: Rows, d_rope, keep_last: bool = False):
         """Feed the draft its buffered tokens (each row's own number, padded); returns its
