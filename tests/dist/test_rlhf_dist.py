@@ -1,6 +1,7 @@
 """RLHF training at DP=2 (two gloo ranks) equals DP=1 on the same global batch, and a
 DP=2 run resumed from its checkpoint, at DP=2, 1 or 4, continues as the uninterrupted run."""
 
+import math
 import shutil
 import subprocess
 import sys
@@ -59,26 +60,32 @@ def _compare(run1, run2, iteration, init, pg, moved=1e-4):
                 assert diff <= 1e-4 * change, f"{where}: {diff:.2e} vs update {change:.2e}"
 
 
+def _beside_one_process(tmp_path, one_args: list[str], ranks: int, dist_args: list[str]) -> None:
+    """``python -m megatron_rlhf.train ONE_ARGS`` in one process, alongside (the two start
+    up in parallel) ``torchrun --nproc_per_node RANKS -m megatron_rlhf.train DIST_ARGS``;
+    both must succeed."""
+    log1 = (tmp_path / "one_process.stderr").open("w+")
+    one = subprocess.Popen([sys.executable, "-m", "megatron_rlhf.train", *one_args],
+                           cwd=ROOT, env=F.env(), stdout=subprocess.DEVNULL, stderr=log1)
+    with log1:
+        try:
+            torchrun(ranks, ["-m", "megatron_rlhf.train", *dist_args])
+            one.wait(timeout=300)
+        finally:
+            if one.poll() is None:
+                one.kill()
+                one.wait()
+        log1.seek(0)
+        assert one.returncode == 0, log1.read()[-6000:]
+
+
 def test_dp2_equals_dp1_and_resumes(world1, tmp_path):
     actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
     prompts = F.write_prompts(tmp_path / "prompts.jsonl")
     run1, run2 = tmp_path / "dp1", tmp_path / "dp2"
-    log1 = (tmp_path / "dp1.stderr").open("w+")
-    dp1 = subprocess.Popen(  # alongside the DP=2 run: the two start up in parallel
-        [sys.executable, "-m", "megatron_rlhf.train",
-         *F.train_args(actor, prompts, run1, train_iters=3, save_interval=2, **FLAGS)],
-        cwd=ROOT, env=F.env(), stdout=subprocess.DEVNULL, stderr=log1)
-    with log1:
-        try:
-            args2 = ["-m", "megatron_rlhf.train", *F.train_args(actor, prompts, run2, **FLAGS)]
-            torchrun(2, [*args2, "--train-iters", "2"])
-            dp1.wait(timeout=300)
-        finally:
-            if dp1.poll() is None:
-                dp1.kill()
-                dp1.wait()
-        log1.seek(0)
-        assert dp1.returncode == 0, log1.read()[-6000:]
+    args2 = ["-m", "megatron_rlhf.train", *F.train_args(actor, prompts, run2, **FLAGS)]
+    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, train_iters=3, save_interval=2, **FLAGS),
+                        2, [*args2[2:], "--train-iters", "2"])
     init = _load(actor, "actor", world1)
     _compare(run1, run2, 2, init, world1)
     # the distributed optimizer's shards, saved in model space (dist_checkpointing); RNG per rank
@@ -120,23 +127,9 @@ def test_tp2_equals_tp1(world1, tmp_path):
     prompts = F.write_prompts(tmp_path / "prompts.jsonl")
     run1, run2 = tmp_path / "tp1", tmp_path / "tp2"
     flags = dict(FLAGS, clip_grad=0.05)
-    log1 = (tmp_path / "tp1.stderr").open("w+")
-    tp1 = subprocess.Popen(  # alongside the TP=2 run: the two start up in parallel
-        [sys.executable, "-m", "megatron_rlhf.train",
-         *F.train_args(actor, prompts, run1, train_iters=2, **flags)],
-        cwd=ROOT, env=F.env(), stdout=subprocess.DEVNULL, stderr=log1)
-    with log1:
-        try:
-            torchrun(2, ["-m", "megatron_rlhf.train",
-                         *F.train_args(actor, prompts, run2, train_iters=2, **flags),
+    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, train_iters=2, **flags), 2,
+                        [*F.train_args(actor, prompts, run2, train_iters=2, **flags),
                          "--tensor-model-parallel-size", "2"])
-            tp1.wait(timeout=300)
-        finally:
-            if tp1.poll() is None:
-                tp1.kill()
-                tp1.wait()
-        log1.seek(0)
-        assert tp1.returncode == 0, log1.read()[-6000:]
     init = _load(actor, "actor", world1)
     _compare(run1, run2, 2, init, world1, moved=1e-5)
     m1, m2 = F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log")
@@ -164,24 +157,10 @@ def test_generation_layout_trains_as_one_layout(world1, tmp_path, train_layout, 
     actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
     prompts = F.write_prompts(tmp_path / "prompts.jsonl")
     run1, run2 = tmp_path / "one", tmp_path / "layouts"
-    log1 = (tmp_path / "one.stderr").open("w+")
-    one = subprocess.Popen(
-        [sys.executable, "-m", "megatron_rlhf.train",
-         *F.train_args(actor, prompts, run1, train_iters=2, **FLAGS)],
-        cwd=ROOT, env=F.env(), stdout=subprocess.DEVNULL, stderr=log1)
-    with log1:
-        try:
-            world = eval(train_layout.replace("x", "*"))
-            torchrun(world, ["-m", "megatron_rlhf.train",
-                             *F.train_args(actor, prompts, run2, train_iters=2, **FLAGS),
-                             "--train-layout", train_layout, "--gen-layout", gen_layout, *extra])
-            one.wait(timeout=300)
-        finally:
-            if one.poll() is None:
-                one.kill()
-                one.wait()
-        log1.seek(0)
-        assert one.returncode == 0, log1.read()[-6000:]
+    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, train_iters=2, **FLAGS),
+                        math.prod(int(x) for x in train_layout.split("x")),
+                        [*F.train_args(actor, prompts, run2, train_iters=2, **FLAGS),
+                         "--train-layout", train_layout, "--gen-layout", gen_layout, *extra])
     _compare(run1, run2, 2, _load(actor, "actor", world1), world1)
     m1, m2 = F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log")
     for a, b in zip(m1, m2, strict=True):
