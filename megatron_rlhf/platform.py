@@ -107,6 +107,7 @@ def quiet_third_party_warnings() -> None:
         "CUDA_DEVICE_MAX_CONNECTIONS",
         "Apex are not installed",
         "all_gather_into_tensor",
+        "reduce_scatter_tensor",
         "`load_state_dict` is deprecated",
     ):
         warnings.filterwarnings("ignore", message=f".*{pattern}.*")
