@@ -238,6 +238,12 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
                    help="shard fp32 masters and Adam states over data-parallel ranks (default)")
     o.add_argument("--no-distributed-optimizer", dest="use_distributed_optimizer",
                    action="store_false", help="every data-parallel rank keeps the whole optimizer")
+    v = g.add_mutually_exclusive_group()
+    v.add_argument("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true",
+                   default=None, help="reduce gradients during the last micro-batch's backward "
+                                      "(default on GPU)")
+    v.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                   help="reduce gradients after the backward (default on CPU)")
     g = p.add_argument_group("run")
     g.add_argument("--train-iters", type=int, default=20, help="RLHF iterations")
     g.add_argument("--save-interval", type=int, default=0,

@@ -425,6 +425,9 @@ class OptimConfig:
     use_distributed_optimizer: bool = True
     """Shard the fp32 master weights and Adam states over data-parallel ranks (megatron's
     distributed optimizer, ZeRO-1); False: every DP rank holds them all."""
+    overlap_grad_reduce: bool | None = None
+    """Reduce gradients bucket by bucket during the last micro-batch's backward (megatron's
+    DDP) instead of after it; None: on GPU only."""
 
     def __post_init__(self) -> None:
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:

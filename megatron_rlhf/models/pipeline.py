@@ -18,6 +18,7 @@ every stage of the pipeline, so callers see the same results at any PP size.
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -45,12 +46,16 @@ def map_micro_batches(model, micro_batches: list, fn) -> list:
         return from_last_stage(model, [d["out"] for d in store])
 
 
-def forward_backward(model, micro_batches: list, loss) -> None:
-    """Back-propagate ``loss(output, mb)`` (a scalar, on the last stage) of every micro-batch."""
+def forward_backward(model, micro_batches: list, loss, accumulating=None) -> None:
+    """Back-propagate ``loss(output, mb)`` (a scalar, on the last stage) of every micro-batch.
+    ``accumulating(last)``: the context of a micro-batch's backward (holds the gradient
+    reduction back until the last; :meth:`~megatron_rlhf.rlhf.optim.Trainee.accumulating`)."""
     if not pipelined(model):
-        for mb in micro_batches:
-            loss(model_output(model, mb), mb).backward()
+        for i, mb in enumerate(micro_batches):
+            with accumulating(i == len(micro_batches) - 1) if accumulating else contextlib.nullcontext():
+                loss(model_output(model, mb), mb).backward()
         return
+    model.config.no_sync_func = (lambda: accumulating(False)) if accumulating else None
     _schedule(model, micro_batches, partial(_loss, loss), forward_only=False)
 
 

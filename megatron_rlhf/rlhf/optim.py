@@ -2,7 +2,8 @@
 optimizer, with a warmup + cosine learning rate.
 
 - Gradients accumulate in DDP's fp32 buffers (``grad_reduce_in_fp32``) across micro-batches
-  and are reduced once per step: reduce-scattered over data-parallel ranks when the
+  and are reduced once per step (during the last micro-batch's backward, bucket by bucket,
+  with ``overlap_grad_reduce``, the default on GPU): reduce-scattered over data-parallel ranks when the
   distributed optimizer shards the fp32 masters and Adam states (ZeRO-1), all-reduced
   otherwise.
 - Losses are normalised by the token count of the whole (all-DP) mini-batch and summed
@@ -54,6 +55,14 @@ class Trainee:
         self.zero_grad()
         return float(norm) if norm is not None else 0.0
 
+    def accumulating(self, last: bool):
+        """The context of one micro-batch's backward: gradient reduction held back unless
+        it is the ``last`` of the step (DDP's ``no_sync``; with ``overlap_grad_reduce`` the
+        last one reduces bucket by bucket as its gradients become ready)."""
+        import contextlib
+
+        return contextlib.nullcontext() if last else self.ddp.no_sync()
+
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
         with platform.cuda_as_cpu():
@@ -70,8 +79,9 @@ def build_trainee(model: torch.nn.Module, pg, cfg: OptimConfig, lr: float,
 
     dtype = next(p.dtype for p in model.parameters())
     model.config.calculate_per_token_loss = True  # sum over DP: losses are global token means
+    overlap = platform.has_cuda() if cfg.overlap_grad_reduce is None else cfg.overlap_grad_reduce
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
         use_distributed_optimizer=cfg.use_distributed_optimizer)
     with platform.cuda_as_cpu():
         ddp = DistributedDataParallel(model.config, ddp_cfg, model, pg_collection=pg)

@@ -72,7 +72,8 @@ def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_lo
         for mini in _mini_batches(exp, cfg):
             tokens = _global_tokens(mini.response_mask, t.pg.dp)
             forward_backward(t.model, mini.split(cfg.micro_batch_size),
-                             lambda out, mb: (micro_loss(out, mb, sums) * mb.response_mask).sum() / tokens)
+                             lambda out, mb: (micro_loss(out, mb, sums) * mb.response_mask).sum() / tokens,
+                             t.accumulating)
             norms.append(t.step())
             all_tokens += float(mini.response_mask.sum())
     sums.values = from_last_stage(t.model, sums.values)
@@ -152,7 +153,8 @@ def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk:
     t.model.train()
     tokens = _global_tokens(exp.response_mask, t.pg.dp)
     sums = torch.zeros(2, dtype=torch.float64)  # KL, hidden-state regression
-    for mb in exp.split(micro_batch_size):
+    micro_batches = exp.split(micro_batch_size)
+    for i, mb in enumerate(micro_batches):
         mask = mb.response_mask
         with torch.no_grad():
             full, feats = target_logits_and_features(actor, mb.input_ids, mb.attention_mask)
@@ -165,7 +167,8 @@ def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk:
         kl = topk_distill_loss(response_slice(logits, mb), mask, index, logp) * share
         reg = (feature_loss(response_slice(hidden, mb), response_slice(feats, mb), mask) * share
                if feature else torch.zeros_like(kl))  # on kl's device: both are stacked below
-        (kl + reg).backward()
+        with t.accumulating(i == len(micro_batches) - 1):
+            (kl + reg).backward()
         sums += torch.stack([kl.detach(), reg.detach()]).double().cpu()
     t.step()
     kl, reg = platform.all_reduce(sums, group=t.pg.dp).tolist()

@@ -143,9 +143,10 @@ def test_tp2_equals_tp1(world1, tmp_path):
             assert m["actor_grad_norm"] > 0.05 and m["critic_grad_norm"] > 0.05, m
 
 
-LAYOUTS = [("2x1x1", "1x2", ()), ("1x1x2", "2x1", ()),  # TP <-> DP, 2 ranks
+OVERLAP = ("--overlap-grad-reduce",)  # gradients reduced during the last micro-batch's backward
+LAYOUTS = [("2x1x1", "1x2", ()), ("1x1x2", "2x1", OVERLAP),  # TP <-> DP, 2 ranks
            ("1x2x1", "1x2", ("--recompute-granularity", "full")),  # PP=2 (1F1B over gloo)
-           ("1x2x2", "1x4", ()), ("2x2x1", "2x2", ())]    # PP=2 x DP=2, TP=2 x PP=2, 4 ranks
+           ("1x2x2", "1x4", OVERLAP), ("2x2x1", "2x2", ())]  # PP=2 x DP=2, TP=2 x PP=2, 4 ranks
 
 
 @pytest.mark.parametrize("train_layout, gen_layout, extra", LAYOUTS)
@@ -166,3 +167,8 @@ def test_generation_layout_trains_as_one_layout(world1, tmp_path, train_layout, 
     for a, b in zip(m1, m2, strict=True):
         F.assert_metrics_equal(a, b)
         assert b["realloc_mb"] > 0 and "time_reallocate_s" in b and "realloc_mb" not in a
+
+
+def test_overlapped_gradient_reduction():
+    r = torchrun(2, ["overlap.py"])
+    assert "OK" in r.stdout

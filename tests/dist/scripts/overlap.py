@@ -1,0 +1,65 @@
+"""Under torchrun (2 ranks, DP=2): megatron's overlapped gradient reduction.
+
+With ``overlap_grad_reduce`` a bucket's reduction starts during the backward of the last
+micro-batch of a step (from the second step on: the first one counts which parameters get
+gradients), never during an earlier one, and the updates equal those without overlap.
+(Megatron starts a bucket once every parameter has reported as often as in the first
+step, so with a fixed number of micro-batches this holds even without ``no_sync``;
+``Trainee.accumulating`` uses it anyway, as megatron's protocol asks, so that a step with
+another number of micro-batches cannot start early. On gloo the collective runs when it
+is waited for, so equality alone could not see an early start; the counts can.)"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf import platform
+from megatron_rlhf.config import OptimConfig, preset
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.forward import lm_logits
+from megatron_rlhf.parallel.groups import build_process_groups
+from megatron_rlhf.parallel.layout import Layout
+from megatron_rlhf.rlhf.optim import build_trainee
+
+
+def train(pg, overlap: bool):
+    model = build_model(preset("tiny"), "actor", pg, dtype=torch.float32, seed=3)
+    t = build_trainee(model, pg, OptimConfig(lr=1e-2, overlap_grad_reduce=overlap), 1e-2)
+    started = []
+    for group in t.ddp.bucket_groups:
+        def counted(*a, _start=group.start_grad_sync, **k):
+            started.append(1)
+            return _start(*a, **k)
+        group.start_grad_sync = counted
+    g = torch.Generator().manual_seed(dist.get_rank())
+    during = []  # syncs started by each micro-batch's backward
+    for _ in range(3):
+        for i in range(3):
+            ids = torch.randint(2, 200, (2, 8), generator=g)
+            before = len(started)
+            with t.accumulating(i == 2):
+                lm_logits(model, ids, torch.ones_like(ids)).log_softmax(-1)[..., 3].mean().backward()
+            during.append(len(started) - before)
+        t.step()
+    return [p.detach().clone() for p in model.parameters()], during, len(t.ddp.bucket_groups)
+
+
+def main():
+    platform.quiet_third_party_warnings()
+    rank, _ = platform.init_distributed()
+    pg = build_process_groups(Layout(dp=2))
+    ref, during, _ = train(pg, overlap=False)
+    assert sum(during) == 0  # without overlap: all in finish_grad_sync
+    weights, during, buckets = train(pg, overlap=True)
+    assert during == [0, 0, 0] + [0, 0, buckets] * 2, during
+    for a, b in zip(ref, weights):
+        assert torch.equal(a, b)
+    if rank == 0:
+        print("OK")
+    platform.shutdown()
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
