@@ -52,6 +52,8 @@ def apply_cpu_shim() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
     # dist_checkpointing.save synchronises the device before writing: nothing to wait for.
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    # megatron's optimizer offload helpers free the CUDA cache: nothing to free.
+    torch.cuda.empty_cache = lambda: None
     # The model-parallel RNG tracker saves/restores "the CUDA generator": use the CPU one.
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
@@ -88,10 +90,7 @@ def cuda_as_cpu():
     pays a Python dispatch, so the model's forward stays outside it."""
     import contextlib
 
-    if not _SHIM_ACTIVE:
-        return contextlib.nullcontext()
-    torch.cuda.empty_cache = lambda: None  # (the optimizer's offload helpers call it)
-    return _CudaAsCpu()
+    return _CudaAsCpu() if _SHIM_ACTIVE else contextlib.nullcontext()
 
 
 def quiet_third_party_warnings() -> None:

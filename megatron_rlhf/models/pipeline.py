@@ -82,8 +82,9 @@ def _keep(fn, mb, output):
 
 def _loss(loss, mb, output):
     value = loss(output, mb)
-    # (loss, tokens, reduced): with calculate_per_token_loss megatron neither divides the
-    # loss by its token count nor by the number of micro-batches: ours is normalised already
+    # (loss, tokens, reduced): with calculate_per_token_loss (set on every model that
+    # trains, rlhf.optim.build_trainee) megatron neither divides the loss by its token
+    # count nor by the number of micro-batches: ours is normalised already
     return value, torch.ones((), dtype=torch.int, device=value.device), {}
 
 
@@ -96,7 +97,6 @@ def _schedule(model, micro_batches: list, loss_func, forward_only: bool) -> list
     if len(shapes) != 1:
         raise ValueError(f"pipelined micro-batches must share one shape [b, s], got {sorted(shapes)}")
     b, s = shapes.pop()
-    config.calculate_per_token_loss = True
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)

@@ -408,14 +408,12 @@ def kv_cache_bytes(cfg: ModelConfig, samples: int, length: int, tp: int, param_b
 # ---------------------------------------------------------------- validation
 
 def check_pipeline(cfg: ModelConfig, pp: int, role: str = "model") -> None:
-    """ValueError naming the sizes that work when ``pp`` does not divide the layers."""
-    _positive_int("pipeline parallel size", pp)
-    if cfg.num_layers % pp:
-        valid = [d for d in range(1, cfg.num_layers + 1) if cfg.num_layers % d == 0]
-        raise ValueError(
-            f"pipeline parallel size {pp} must divide {cfg.num_layers} layers of the {role}; "
-            f"sizes that work: {valid}"
-        )
+    """ValueError naming the sizes that work when ``pp`` does not divide the layers (the
+    model's own check, :meth:`~megatron_rlhf.config.ModelConfig.check_pipeline_parallel`)."""
+    try:
+        cfg.check_pipeline_parallel(pp)
+    except ValueError as e:
+        raise ValueError(f"{e} (the {role})") from None
 
 
 def check_layout(stage: str, layout: Layout, models: dict[str, ModelConfig],

@@ -124,9 +124,9 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
     infos = _infos(paths, ppo, resume)
     for name, info in infos.items():
         if name != "draft":
-            _check_tp(info, name, "train", train_layout.tp, train_layout.pp)
+            _check_layout(info, name, "train", train_layout.tp, train_layout.pp)
         if name in ("actor", "draft"):
-            _check_tp(info, name, "gen", gen_layout.tp)
+            _check_layout(info, name, "gen", gen_layout.tp)
         if info.config.vocab_size != infos["actor"].config.vocab_size:
             raise ValueError(f"{info.path} has a {info.config.vocab_size}-token vocabulary, the "
                              f"actor {infos['actor'].config.vocab_size}: models must share a tokenizer")
@@ -160,9 +160,7 @@ def memory_warning(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int) ->
     from megatron_rlhf.plan import memory as mem
 
     train, gen = plan.par.layouts(plan.world_size)
-    roles = {"actor": "actor", "reference": "reference", "critic": "critic",
-             "reward": "reward", "draft": "draft"}
-    models = {roles[n]: info.config for n, info in plan.infos.items() if n in roles}
+    models = {role: info.config for role, info in plan.infos.items()}
     nodes = max(plan.world_size // gpus_per_node, 1)
     try:
         est = mem.estimate(
@@ -184,7 +182,7 @@ def memory_warning(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int) ->
     return None
 
 
-def _check_tp(info, name: str, stage: str, tp: int, pp: int = 1) -> None:
+def _check_layout(info, name: str, stage: str, tp: int, pp: int = 1) -> None:
     try:
         info.config.check_tensor_parallel(tp)
         info.config.check_pipeline_parallel(pp)

@@ -70,8 +70,14 @@ def set_rng_state(state: dict) -> None:
 OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def _chained(optimizer) -> list:
+    """megatron's optimizers behind ``optimizer`` (a ChainedOptimizer or one of them)."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
 def _inner_optimizers(optimizer) -> list:
-    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    """The torch optimizers (with the Adam states) behind megatron's ``optimizer``."""
+    return [opt.optimizer for opt in _chained(optimizer)]
 
 
 def _placeholder_adam_states(optimizer) -> None:
@@ -110,7 +116,7 @@ def _load_optimizer(optimizer, state: dict) -> None:
     copies the loaded tensors over all of a state's keys, ``step`` included, which the
     checkpoint keeps apart (KeyError). So: the common part first, the per-parameter states
     with ``step`` set aside, then ``step`` back, one tensor per parameter."""
-    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    opts = _chained(optimizer)
     if len(opts) != 1 or "param_state" not in state:
         optimizer.load_state_dict(state)
         return
