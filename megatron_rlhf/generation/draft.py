@@ -198,7 +198,7 @@ def head_logits(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     (from :func:`target_logits_and_features`; shifted here). ``return_features`` adds the
     draft's own final-norm hidden states ``[B, T, h]`` (trained towards the target's).
     """
-    from megatron_rlhf.models.forward import causal_padding_mask, lm_logits, position_ids
+    from megatron_rlhf.models.forward import lm_logits, masked_forward, position_ids
     from megatron_rlhf.models.heads import head_logits_only
 
     fusion = getattr(draft, "feature_fusion", None)
@@ -213,7 +213,7 @@ def head_logits(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             pos = position_ids(attention_mask)
             x = fusion(draft.embedding(input_ids=input_ids, position_ids=pos),
                        shifted_features(features, attention_mask).transpose(0, 1))
-            logits = draft(input_ids, pos, causal_padding_mask(attention_mask), decoder_input=x)
+            logits = masked_forward(draft, input_ids, attention_mask, decoder_input=x)
     if not subset:
         logits = logits[..., : draft.mrlhf_config.vocab_size]
     return (logits, seen["h"]) if return_features else logits

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,14 @@ def transformer_engine_available() -> bool:
     except Exception:
         return False
     return True
+
+
+@functools.cache
+def fused_softmax_available() -> bool:
+    """True when megatron's fused masked-softmax kernel (built only with apex) imports and a
+    GPU is present: megatron's ``FusedScaleMaskSoftmax`` imports ``scaled_masked_softmax_cuda``
+    at the first half-precision call when ``masked_softmax_fusion`` is on, and raises without it."""
+    return platform.has_cuda() and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
 
 
 def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 1,
@@ -67,7 +76,7 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 
         # Fused kernels exist only on GPU.
         bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=fused_softmax_available(),
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
@@ -77,15 +86,44 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 
     )
 
 
+MASK_HONOURING = ("arbitrary",)
+"""Attention mask types under which every backend applies the explicit ``[B, 1, T, T]`` mask
+of :func:`~megatron_rlhf.models.forward.causal_padding_mask`. Under ``causal`` the fused
+kernels (apex's upper-triangular softmax, Transformer Engine) drop it, and left padding
+would be attended silently."""
+
+
 def layer_spec(use_te: bool | None = None):
-    """Transformer-Engine spec when available (or requested), local spec otherwise."""
+    """Transformer-Engine spec when available (or requested), local spec otherwise, with
+    self-attention under the ``arbitrary`` mask type: whole-sequence forwards pass a mask
+    that combines causality and padding, and every backend honours it."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.enums import AttnMaskType
 
     if use_te is None:
         use_te = transformer_engine_available()
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
+    return spec
+
+
+def check_mask_honoured(model) -> None:
+    """Raise unless every attention layer of ``model`` applies explicit masks (checked once
+    per model): a model built elsewhere with megatron's default ``causal`` spec would ignore
+    the padding of left-padded batches under fused kernels."""
+    if getattr(model, "_mrlhf_mask_ok", False):
+        return
+    for i, layer in enumerate(model.decoder.layers):
+        kind = getattr(layer.self_attention, "attn_mask_type", None)
+        if kind is None or kind.name not in MASK_HONOURING:
+            raise ValueError(
+                f"layer {i}'s attention mask type is {getattr(kind, 'name', kind)!r}, which "
+                "may ignore the padding mask of whole-sequence forwards: build models with "
+                "megatron_rlhf.models.builder.build_model (mask type 'arbitrary')")
+    model._mrlhf_mask_ok = True
 
 
 def build_model(

@@ -28,24 +28,26 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return ~allowed[:, None]
 
 
-def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+def masked_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **kw):
+    """``model``'s raw output for a (left-)padded batch: positions counting real tokens, the
+    causal-and-padding mask, after checking that the model applies it
+    (:func:`~megatron_rlhf.models.builder.check_mask_honoured`). ``kw`` go to the model."""
+    from megatron_rlhf.models.builder import check_mask_honoured
+
+    check_mask_honoured(model)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    return model(
-        input_ids,
-        position_ids(attention_mask),
-        causal_padding_mask(attention_mask),
-    )
+    return model(input_ids, position_ids(attention_mask), causal_padding_mask(attention_mask), **kw)
 
 
 def lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
     """``[B, T, V]`` full-vocabulary logits (gathered over TP, vocab padding removed)."""
-    return logits_of(model, _forward(model, input_ids, attention_mask))
+    return logits_of(model, masked_forward(model, input_ids, attention_mask))
 
 
 def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
     """``[B, T]`` scalar values from a critic/reward model."""
-    return values_of(_forward(model, input_ids, attention_mask))
+    return values_of(masked_forward(model, input_ids, attention_mask))
 
 
 def logits_of(model, output: torch.Tensor) -> torch.Tensor:

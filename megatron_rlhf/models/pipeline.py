@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf import platform
-from megatron_rlhf.models.forward import causal_padding_mask, position_ids
+from megatron_rlhf.models.forward import masked_forward
 
 
 def pipelined(model) -> bool:
@@ -34,7 +34,7 @@ def pipelined(model) -> bool:
 
 def model_output(model, mb) -> torch.Tensor:
     """The model's raw output for a micro-batch (one stage's, under PP)."""
-    return model(mb.input_ids, position_ids(mb.attention_mask), causal_padding_mask(mb.attention_mask))
+    return masked_forward(model, mb.input_ids, mb.attention_mask)
 
 
 def map_micro_batches(model, micro_batches: list, fn) -> list:
