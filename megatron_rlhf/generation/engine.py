@@ -38,6 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import rng, speculative
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, pad_right, prefill
@@ -401,19 +402,14 @@ class Generator:
         return drafts, q_probs
 
     def _rollout(self, prompts, sids, out: Outputs, stats: GenerationStats, dev) -> Rollout:
-        b = len(prompts)
-        t = max((len(out.tokens[s]) for s in sids), default=0)
-        ids = torch.full((b, t), self.pad_id, dtype=torch.long)
-        lps = torch.zeros(b, t)
-        slps = torch.zeros(b, t)
-        for i, s in enumerate(sids):
-            m = len(out.tokens[s])
-            ids[i, :m] = torch.tensor(out.tokens[s], dtype=torch.long)
-            lps[i, :m] = torch.tensor(out.logprobs[s])
-            slps[i, :m] = torch.tensor(out.sampling_logprobs[s])
-        lengths = torch.tensor([len(out.tokens[s]) for s in sids], dtype=torch.long)
-        stats.new_tokens = int(lengths.sum())
-        return Rollout(prompt_ids=[list(p) for p in prompts], response_ids=ids.to(dev),
-                       response_logprobs=lps.to(dev), sampling_logprobs=slps.to(dev),
-                       lengths=lengths.to(dev), finish_reasons=[out.reasons[s] for s in sids],
+        lengths = torch.tensor([len(out.tokens[s]) for s in sids], dtype=torch.long, device=dev)
+        stats.new_tokens = sum(len(out.tokens[s]) for s in sids)
+        return Rollout(prompt_ids=[list(p) for p in prompts],
+                       response_ids=platform.padded([out.tokens[s] for s in sids], self.pad_id,
+                                                    torch.long, dev),
+                       response_logprobs=platform.padded([out.logprobs[s] for s in sids], 0.0,
+                                                         torch.float32, dev),
+                       sampling_logprobs=platform.padded([out.sampling_logprobs[s] for s in sids],
+                                                         0.0, torch.float32, dev),
+                       lengths=lengths, finish_reasons=[out.reasons[s] for s in sids],
                        stats=stats)

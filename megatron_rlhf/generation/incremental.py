@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron_rlhf import platform
 from megatron_rlhf.generation.kv_cache import KVCache
 
 
@@ -441,8 +442,4 @@ def _prefill_rows(model, cache, suffixes: list[list[int]], rope: RopeTable, pad_
 
 def pad_right(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
     """``[B, longest]`` right-padded token ids."""
-    tokens = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long,
-                        device=device)
-    for i, s in enumerate(seqs):
-        tokens[i, : len(s)] = torch.tensor(s, device=device)
-    return tokens
+    return platform.padded(seqs, pad_id, torch.long, device)

@@ -53,7 +53,7 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
 
 def seed_key(seed: int) -> int:
     """The 64-bit key of a generation seed (python int, as int64)."""
-    return int(_mix(torch.tensor(_signed(seed * 0x9E3779B97F4A7C15 + 1))))
+    return int(_mix(torch.tensor(_signed(seed * 0x9E3779B97F4A7C15 + 1), device="cpu")))
 
 
 def uniform(key: int, sample: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig
 
 
@@ -61,20 +62,17 @@ class Experience:
         return [self.select(slice(i, i + size)) for i in range(0, self.batch_size, size)]
 
 
-def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
-    """``(input_ids [B, P+T], attention_mask [B, P+T], response_mask [B, T])``."""
-    b = len(prompts)
+def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device=None):
+    """``(input_ids [B, P+T], attention_mask [B, P+T], response_mask [B, T])`` on ``device``
+    (default: this rank's): prompts left-padded to the longest, responses right-padded."""
     p = max(len(x) for x in prompts)
     t = max(1, max(len(x) for x in responses))
-    ids = torch.full((b, p + t), pad_id, dtype=torch.long)
-    att = torch.zeros(b, p + t, dtype=torch.long)
-    for i, (x, y) in enumerate(zip(prompts, responses)):
-        ids[i, p - len(x):p] = torch.tensor(x, dtype=torch.long)
-        att[i, p - len(x):p] = 1
-        if y:
-            ids[i, p:p + len(y)] = torch.tensor(y, dtype=torch.long)
-            att[i, p:p + len(y)] = 1
-    return ids, att, att[:, p:].float()
+    prompt_ids = platform.padded(prompts, pad_id, torch.long, device, width=p, left=True)
+    response_ids = platform.padded(responses, pad_id, torch.long, device, width=t)
+    lens = platform.padded([[len(x), len(y)] for x, y in zip(prompts, responses)], 0, torch.long, device)
+    cols = torch.arange(p + t, device=lens.device)
+    att = ((cols >= p - lens[:, :1]) & (cols < p + lens[:, 1:])).long()
+    return torch.cat([prompt_ids, response_ids], 1), att, att[:, p:].float()
 
 
 def response_slice(full: Tensor, exp: Experience) -> Tensor:

@@ -100,8 +100,8 @@ class ExperienceMaker:
         this rank's first sample in the global batch (named in reward errors)."""
         cfg, mbs = self.cfg, self.cfg.micro_batch_size
         responses = rollout.responses()
-        dev = rollout.response_ids.device
-        ids, att, mask = (x.to(dev) for x in pack(prompts, responses, self.pad_id))
+        dev = platform.device()
+        ids, att, mask = pack(prompts, responses, self.pad_id, dev)
         t = mask.shape[1]
         old = _pad_to(generation_logprobs(rollout, self.gen).float(), t) * mask
         exp = Experience(input_ids=ids, attention_mask=att, response_mask=mask,
@@ -141,7 +141,7 @@ class ExperienceMaker:
                 ]
                 scores = score_samples(self.reward_fn, samples, first_index)
         except RewardError as e:
-            error, scores = e, torch.zeros(len(prompts))
+            error, scores = e, torch.zeros(len(prompts), device=platform.device())
         _stop_together(error)
         return scores
 
@@ -149,7 +149,8 @@ class ExperienceMaker:
 def _stop_together(error: Exception | None) -> None:
     """Raise on every rank of the world if any rank failed, so none waits forever in a
     collective."""
-    failed = platform.all_reduce(torch.tensor([0 if error is None else 1]), dist.ReduceOp.MAX)
+    failed = platform.all_reduce(torch.tensor([0 if error is None else 1], device=platform.device()),
+                                 dist.ReduceOp.MAX)
     if error is not None:
         raise error
     if failed.item():

@@ -109,7 +109,7 @@ def score_samples(fn_name: str, samples: list[RewardInput], first_index: int = 0
                 "rewards must be finite numbers"
             )
         values.append(float(value))
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor(values, dtype=torch.float32, device="cpu")  # moved with the batch's
 
 
 # ---------------------------------------------------------------------------- rules

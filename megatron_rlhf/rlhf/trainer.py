@@ -160,7 +160,8 @@ class RLHFTrainer:
             with stages.stage("reallocate"):
                 offload.move_model(m.actor_gen, dev)
                 r = self.reallocate(m.actor.model, m.actor_gen)
-            moved = platform.all_reduce(torch.tensor([float(r.bytes_received)], dtype=torch.float64))
+            moved = platform.all_reduce(torch.tensor([float(r.bytes_received)], dtype=torch.float64,
+                                                     device=dev))
             metrics["realloc_mb"] = float(moved) / 2**20
         if m.draft_trainee is not None:
             with stages.stage("draft"):
@@ -178,21 +179,23 @@ class RLHFTrainer:
         samples as generated, ``rollout``: as regrouped for training)."""
         mask = exp.response_mask
         s = generated.stats
-        local = torch.tensor([
-            float(exp.scores.sum()), float((exp.scores.double() ** 2).sum()), exp.batch_size,
-            float((exp.kl * mask).sum()), float(mask.sum()),
-            sum(r == "eos" for r in rollout.finish_reasons),
-        ], dtype=torch.float64)
-        gen = torch.tensor([s.new_tokens, s.verifications, s.accepted_tokens], dtype=torch.float64)
+        dev, scores = mask.device, exp.scores.double()
+        local = torch.cat([  # device values stay there: one host read after the reduction
+            torch.stack([scores.sum(), (scores ** 2).sum(), (exp.kl * mask).sum().double(),
+                         mask.sum().double()]),
+            torch.tensor([exp.batch_size, sum(r == "eos" for r in rollout.finish_reasons)],
+                         dtype=torch.float64, device=dev)])
+        gen = torch.tensor([s.new_tokens, s.verifications, s.accepted_tokens], dtype=torch.float64,
+                           device=dev)
         slowest = torch.tensor([s.elapsed_s, s.idle_s, s.idle_s / max(s.elapsed_s, 1e-9),
-                                s.migration_s], dtype=torch.float64)
+                                s.migration_s], dtype=torch.float64, device=dev)
         hist = torch.tensor(s.rounds_by_draft_len + [s.migrated_out, s.migration_bytes],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device=dev)
         local = platform.all_reduce(local, group=self.pg.dp)
         gen = platform.all_reduce(gen, group=self.gen_pg.dp)
         slowest = platform.all_reduce(slowest, dist.ReduceOp.MAX, self.gen_pg.dp)
         hist = platform.all_reduce(hist, group=self.gen_pg.dp).tolist()
-        rsum, rsq, n, kl, tokens, eos = local.tolist()
+        rsum, rsq, kl, tokens, n, eos = local.tolist()
         new, ver, acc = gen.tolist()
         elapsed, idle, idle_frac, mig_s = slowest.tolist()
         mean = rsum / n

@@ -38,15 +38,15 @@ class _Sums:
     values: dict = field(default_factory=dict)
 
     def add(self, name: str, per_token: torch.Tensor, mask: torch.Tensor) -> None:
-        v = (per_token.detach().float() * mask).sum().cpu()
-        self.values[name] = self.values.get(name, 0.0) + v
+        v = (per_token.detach().double() * mask).sum()  # stays on the device: no sync per micro-batch
+        self.values[name] = v + self.values[name] if name in self.values else v
 
     def means(self, tokens: torch.Tensor, group) -> dict:
         names = sorted(self.values)
-        t = torch.stack([torch.as_tensor(self.values[n], dtype=torch.float64) for n in names]
-                        + [tokens.double().cpu()])
+        t = torch.stack([self.values[n].to(tokens.device) for n in names] + [tokens.double()])
         t = platform.all_reduce(t, group=group)
-        return {n: float(t[i] / t[-1].clamp(min=1)) for i, n in enumerate(names)}
+        t = (t[:-1] / t[-1].clamp(min=1)).tolist()
+        return dict(zip(names, t))
 
 
 def _global_tokens(mask: torch.Tensor, group) -> torch.Tensor:
@@ -67,7 +67,7 @@ def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_lo
     over all DP ranks. Returns token-mean metrics over all ranks.
     """
     t.model.train()
-    sums, norms, all_tokens = _Sums(), [], 0.0
+    sums, norms, all_tokens = _Sums(), [], torch.zeros((), dtype=torch.float64, device=exp.response_mask.device)
     for _ in range(cfg.ppo_epochs):
         for mini in _mini_batches(exp, cfg):
             tokens = _global_tokens(mini.response_mask, t.pg.dp)
@@ -75,9 +75,9 @@ def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_lo
                              lambda out, mb: (micro_loss(out, mb, sums) * mb.response_mask).sum() / tokens,
                              t.accumulating)
             norms.append(t.step())
-            all_tokens += float(mini.response_mask.sum())
+            all_tokens += mini.response_mask.sum()
     sums.values = from_last_stage(t.model, sums.values)
-    out = sums.means(torch.tensor(all_tokens), t.pg.dp)
+    out = sums.means(all_tokens, t.pg.dp)
     out[f"{name}_grad_norm"] = sum(norms) / len(norms)
     return out
 
@@ -152,7 +152,7 @@ def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk:
     feature = t.model.mrlhf_config.feature_draft
     t.model.train()
     tokens = _global_tokens(exp.response_mask, t.pg.dp)
-    sums = torch.zeros(2, dtype=torch.float64)  # KL, hidden-state regression
+    sums = torch.zeros(2, dtype=torch.float64, device=exp.response_mask.device)  # KL, regression
     micro_batches = exp.split(micro_batch_size)
     for i, mb in enumerate(micro_batches):
         mask = mb.response_mask
@@ -169,7 +169,7 @@ def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk:
                if feature else torch.zeros_like(kl))  # on kl's device: both are stacked below
         with t.accumulating(i == len(micro_batches) - 1):
             (kl + reg).backward()
-        sums += torch.stack([kl.detach(), reg.detach()]).double().cpu()
+        sums += torch.stack([kl.detach(), reg.detach()]).double()
     t.step()
     kl, reg = platform.all_reduce(sums, group=t.pg.dp).tolist()
     out = {"draft_kl": kl}
