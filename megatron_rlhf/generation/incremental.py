@@ -401,14 +401,14 @@ def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int
         shared = 0
     logits, hidden = _prefill_rows(model, target, [p[shared:] for p in distinct], rope, pad_id,
                                    return_features, chunk_tokens)
-    target.lengths = torch.tensor([len(p) for p in distinct], device=dev, dtype=cache.lengths.dtype)
+    target.lengths.copy_(torch.tensor([len(p) for p in distinct], device=dev, dtype=cache.lengths.dtype))
     if return_features and prefix_hidden is not None:
         hidden = torch.cat([prefix_hidden.expand(len(distinct), -1, -1), hidden], 1)
     if target is not cache:  # copy each distinct prompt's rows to its duplicates
         rows = torch.tensor(rep, device=dev)
         for dst, src in zip(cache.keys + cache.values, target.keys + target.values):
             dst[:, :, :longest] = src.index_select(0, rows)
-        cache.lengths = target.lengths[rows]
+        cache.lengths.copy_(target.lengths[rows])
         logits = logits[rows]
         hidden = hidden[rows] if return_features else None
     return (logits, hidden) if return_features else logits

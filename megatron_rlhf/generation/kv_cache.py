@@ -8,6 +8,12 @@ so ``lengths`` is per sample; positions beyond a sample's length are garbage and
 
 Rows (whole samples) can be packed into one tensor and appended to another cache:
 sample migration between data-parallel ranks moves them.
+
+The tensors live in a store of ``capacity`` rows that never moves while the batch shrinks
+(finished rows compacted to the front) or grows within it (migrated rows appended):
+``keys``, ``values`` and ``lengths`` are views of its first ``batch`` rows, and every
+change to them is made in place. CUDA graphs of decode steps
+(:mod:`megatron_rlhf.generation.graphs`) read and write the store at fixed addresses.
 """
 
 from __future__ import annotations
@@ -38,21 +44,35 @@ class KVCache:
     """Keys and values of every layer for a batch of samples."""
 
     def __init__(self, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
+                 dtype: torch.dtype, device: torch.device | str = "cpu", capacity: int | None = None):
+        shape = (max(batch, capacity or 0), kv_heads, max_len, head_dim)
+        self.store_keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.store_values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.store_lengths = torch.zeros(shape[0], dtype=torch.long, device=device)
         self.max_len = max_len
+        self.resize(batch)
+
+    def resize(self, batch: int) -> None:
+        """Make the store's first ``batch`` rows the cache's (rows past them hold length 0)."""
+        if batch > self.capacity:
+            raise ValueError(f"{batch} rows do not fit a cache of {self.capacity}")
+        self.keys = [k[:batch] for k in self.store_keys]  # [B, kv_heads, max_len, head_dim]
+        self.values = [v[:batch] for v in self.store_values]
+        self.lengths = self.store_lengths[:batch]  # [B] tokens held per sample
+        self.store_lengths[batch:] = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.store_lengths.shape[0]
 
     @classmethod
-    def for_model(cls, model, batch: int, max_len: int) -> "KVCache":
+    def for_model(cls, model, batch: int, max_len: int, capacity: int | None = None) -> "KVCache":
         """A cache shaped for this rank's shard of ``model``'s attention."""
         cfg = model.mrlhf_config
         tp = model.pg_collection.tp.size()
         weight = model.embedding.word_embeddings.weight
         return cls(cfg.num_layers, batch, max_len, cfg.num_query_groups // tp, cfg.kv_channels,
-                   cache_dtype(weight, batch), weight.device)
+                   cache_dtype(weight, max(batch, capacity or 0)), weight.device, capacity)
 
     @classmethod
     def like(cls, other: "KVCache", batch: int, max_len: int) -> "KVCache":
@@ -66,7 +86,8 @@ class KVCache:
         return self.lengths.shape[0]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        """Bytes of the store (every row of its capacity)."""
+        return sum(t.numel() * t.element_size() for t in self.store_keys + self.store_values)
 
     def check_room(self, n: int) -> None:
         need = int(self.lengths.max()) + n if self.batch else n
@@ -99,10 +120,11 @@ class KVCache:
         self.lengths += n
 
     def truncate(self, lengths: torch.Tensor) -> None:
-        """Roll back to ``lengths`` ([B], each at most the current length): drops rejected tokens."""
-        if bool((lengths > self.lengths).any()) or bool((lengths < 0).any()):
+        """Roll back to ``lengths`` ([B], each at most the current length): drops rejected tokens.
+        Checked on the CPU only (on a GPU the check would be a host sync per round)."""
+        if not self.lengths.is_cuda and (bool((lengths > self.lengths).any()) or bool((lengths < 0).any())):
             raise ValueError("truncate can only shorten samples")
-        self.lengths = lengths.to(self.lengths).clone()
+        self.lengths.copy_(lengths)
 
     def pack_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``rows`` as one tensor ``[2 * layers, n, kv_heads, length_max, head_dim]``
@@ -119,26 +141,32 @@ class KVCache:
             raise ValueError(f"packed rows hold {layers // 2} layers, this cache {len(self.keys)}")
         if filled > self.max_len:
             raise ValueError(f"rows hold {filled} tokens, the cache holds {self.max_len}")
-        grown = []
-        for old, new in zip(self.keys + self.values, packed):
-            extra = old.new_zeros((n, *old.shape[1:]))
-            extra[:, :, :filled] = new
-            grown.append(torch.cat([old, extra]))
-        self.keys, self.values = grown[: len(self.keys)], grown[len(self.keys):]
-        self.lengths = torch.cat([self.lengths, lengths.to(self.lengths)])
+        b = self.batch
+        if b + n > self.capacity:  # a new store (graphs bound to the old one stop serving it)
+            grown = [torch.cat([t[:b], t.new_zeros((n, *t.shape[1:]))])
+                     for t in self.store_keys + self.store_values]
+            self.store_keys, self.store_values = grown[: len(self.keys)], grown[len(self.keys):]
+            self.store_lengths = torch.cat([self.lengths, self.lengths.new_zeros(n)])
+        for store, new in zip(self.store_keys + self.store_values, packed):
+            store[b:b + n, :, :filled] = new
+        self.store_lengths[b:b + n] = lengths.to(self.lengths)
+        self.resize(b + n)
 
     def view_rows(self, start: int, end: int) -> "KVCache":
         """A cache over rows ``start:end`` that shares this one's storage (writes land here);
         its lengths are its own: set this cache's lengths after using it."""
         sub = KVCache.__new__(KVCache)
-        sub.keys = [k[start:end] for k in self.keys]
-        sub.values = [v[start:end] for v in self.values]
-        sub.lengths = self.lengths[start:end].clone()
+        sub.store_keys = [k[start:end] for k in self.keys]
+        sub.store_values = [v[start:end] for v in self.values]
+        sub.store_lengths = self.lengths[start:end].clone()
         sub.max_len = self.max_len
+        sub.resize(end - start)
         return sub
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (in that order), shrinking the batch: drops finished samples."""
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-        self.lengths = self.lengths[rows]
+        """Keep only ``rows`` (in that order), shrinking the batch: drops finished samples.
+        The kept rows move to the front of the store, in place."""
+        for store, t in zip(self.store_keys + self.store_values, self.keys + self.values):
+            store[: len(rows)] = t.index_select(0, rows)
+        self.store_lengths[: len(rows)] = self.lengths.index_select(0, rows)
+        self.resize(len(rows))
