@@ -235,6 +235,9 @@ class GenerationConfig:
     """Sample among the smallest set of tokens whose probability reaches top_p (1.0: all)."""
     stop_on_eos: bool = True
     """Finish a sample at the model's EOS token."""
+    cuda_graphs: bool = True
+    """On a GPU, decode steps, verifications and draft steps replay captured CUDA graphs
+    (:mod:`megatron_rlhf.generation.graphs`); off: every step is launched eagerly."""
 
     def __post_init__(self) -> None:
         _positive("max_new_tokens", self.max_new_tokens)

@@ -109,8 +109,16 @@ class Generator:
     the generator: across the calls of an RLHF run it keeps following the actor.
     """
 
-    def __init__(self, actor, draft=None, pad_id: int = 0, selector=None):
+    def __init__(self, actor, draft=None, pad_id: int = 0, selector=None, graphs: str = "auto"):
+        if graphs not in ("auto", "eager", "off"):
+            raise ValueError(f"graphs must be auto, eager or off, got {graphs!r}")
         self.actor, self.draft, self.pad_id = actor, draft, pad_id
+        self.graphs = graphs
+        """``auto``: decode steps replay CUDA graphs on a GPU (with ``cuda_graphs`` set in the
+        request's :class:`GenerationConfig`), the dynamic step on the CPU; ``eager``: the
+        graphed step's code without capture, anywhere (how the CPU tests it); ``off``."""
+        self._steps: dict[str, object] = {}  # model name -> graphs.StepGraphs, kept across calls
+        self._mode, self._capacity = None, 0  # this call's graph mode and batch
         self._upkeep_s = 0.0  # this round's seconds spent keeping the draft current
         if draft is not None:
             check_draft(actor.mrlhf_config, draft.mrlhf_config)
@@ -132,7 +140,8 @@ class Generator:
         from megatron_rlhf.generation import strategy
 
         if self.selector is None or self.selector.max_n != spec.max_draft_tokens:
-            costs = strategy.load_or_profile(self.actor, self.draft, spec, batch, max_len)
+            costs = strategy.load_or_profile(self.actor, self.draft, spec, batch, max_len,
+                                             graphs=self._mode == "cuda")
             self.selector = strategy.Selector(costs, spec.max_draft_tokens,
                                               strategy.Acceptance(spec.max_draft_tokens,
                                                                   spec.acceptance_decay))
@@ -158,10 +167,12 @@ class Generator:
             if m is not None:
                 m.eval()
         dev = self.actor.embedding.word_embeddings.weight.device
+        self._mode, self._capacity = self._graph_mode(cfg, dev), batch
         sids = list(range(len(prompts))) if sample_ids is None else [int(i) for i in sample_ids]
         if len(sids) != len(prompts) or len(set(sids)) != len(sids):
             raise ValueError("sample_ids must give one distinct index per prompt")
         selector = self.selector_for(spec, batch, max_len) if spec.auto and big_n else None
+        capture_before = sum(g.capture_s for g in self._steps.values())
         stats = GenerationStats(num_draft_tokens=big_n,
                                 mode="auto" if selector else ("fixed" if big_n else "plain"),
                                 accepted_per_position=[0] * big_n, drafted_per_position=[0] * big_n,
@@ -202,7 +213,49 @@ class Generator:
         if migrator is not None:
             migrator.return_results(out, sids)
         stats.elapsed_s = time.perf_counter() - t0
+        stats.graph_capture_s = sum(g.capture_s for g in self._steps.values()) - capture_before
         return self._rollout(prompts, sids, out, stats, dev)
+
+    # ------------------------------------------------------------------ graphed steps
+    def _graph_mode(self, cfg: GenerationConfig, dev) -> str | None:
+        if self.graphs == "eager":
+            return "eager"
+        if self.graphs == "auto" and cfg.cuda_graphs and dev.type == "cuda":
+            return "cuda"
+        return None
+
+    def release(self) -> None:
+        """Free the KV cache stores and graphs kept for the next call (between rollouts,
+        when training needs the memory); the next call captures its graphs again."""
+        held = bool(self._steps)
+        self._steps.clear()
+        if held and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # graph pools hand their memory back
+
+    def _new_cache(self, name: str, model, batch: int, max_len: int) -> KVCache:
+        """A cache for ``batch`` rows: the rows of the model's graphed store when this call
+        uses graphs (a new store, and new graphs, when the request does not fit the kept
+        one or the weights moved), else a cache of its own."""
+        from megatron_rlhf.generation import graphs
+
+        if self._mode is None or not graphs.graphable(model):
+            return KVCache.for_model(model, batch, max_len)
+        runner = self._steps.get(name)
+        if runner is None or not runner.fits(model, max(batch, self._capacity), max_len):
+            self._steps.pop(name, None)  # free the old store before allocating the new one
+            if runner is not None:
+                max_len = max(max_len, runner.cache.max_len) if runner.model is model else max_len
+            runner = self._steps[name] = graphs.StepGraphs(
+                model, max(batch, self._capacity), max_len, capture=self._mode == "cuda")
+        return runner.new_cache(batch)
+
+    def _forward(self, name: str, model, cache: KVCache, tokens: torch.Tensor, rope, **kw):
+        """One cached forward of ``model`` (``name``: actor or draft): a replayed graph where
+        one serves this cache and shape, the dynamic step otherwise."""
+        runner = self._steps.get(name) if self._mode is not None else None
+        if runner is not None and runner.serves(cache, tokens.shape[1]):
+            return runner(tokens, kw.get("features"), kw.get("return_features", False))
+        return forward_cached(model, cache, tokens, rope, **kw)
 
     def _choose(self, selector, live: int, big_n: int) -> int:
         """This round's draft length: fixed, or the selector's (the same on every TP rank)."""
@@ -224,13 +277,13 @@ class Generator:
         order = sorted(range(b), key=lambda i: len(prompts[i]))
         ordered = [prompts[i] for i in order]
         sid = torch.tensor([sids[i] for i in order], dtype=torch.long, device=dev)
-        cache = KVCache.for_model(self.actor, b, max_len)
+        cache = self._new_cache("actor", self.actor, b, max_len)
         feature = bool(big_n) and self.feature_draft
         fields = {"sid": sid, "emitted": torch.zeros(b, dtype=torch.long, device=dev),
                   "alive": torch.ones(b, dtype=torch.bool, device=dev)}
         caches = {"actor": cache}
         if big_n:
-            caches["draft"] = KVCache.for_model(self.draft, b, max_len + CATCH_UP_MAX)
+            caches["draft"] = self._new_cache("draft", self.draft, b, max_len + CATCH_UP_MAX)
         for s in sids:
             out.open(s)
         if not b:
@@ -267,7 +320,7 @@ class Generator:
         cache.lengths[~alive] = 0  # dead rows compute garbage at position 0
         feed = torch.where(alive, rows["pending"], self.pad_id)[:, None]
         feature = drafting and self.feature_draft
-        logits = forward_cached(self.actor, cache, feed, rope, return_features=feature)
+        logits = self._forward("actor", self.actor, cache, feed, rope, return_features=feature)
         hidden = None
         if feature:
             logits, hidden = logits
@@ -344,7 +397,7 @@ class Generator:
         drafts_t = torch.stack(drafts, 1)  # [R, n]
 
         # actor: verify all n+1 positions in one forward
-        a_logits = forward_cached(self.actor, cache, torch.cat([pending[:, None], drafts_t], 1), rope,
+        a_logits = self._forward("actor", self.actor, cache, torch.cat([pending[:, None], drafts_t], 1), rope,
                                   return_features=self.feature_draft)
         if self.feature_draft:
             a_logits, a_hidden = a_logits  # hidden states the draft catches up with next round
@@ -396,7 +449,7 @@ class Generator:
             q_probs.append(q)
             if i + 1 < n:
                 kw = dict(features=hidden, return_features=True) if self.feature_draft else {}
-                res = forward_cached(self.draft, d_cache, tok[:, None], d_rope, **kw)
+                res = self._forward("draft", self.draft, d_cache, tok[:, None], d_rope, **kw)
                 logits, hidden = res if self.feature_draft else (res, None)
         d_cache.truncate(caught_up)
         return drafts, q_probs

@@ -298,7 +298,8 @@ def _plain_head(model) -> str | None:
 
 def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
                    last_index: torch.Tensor | None = None, features: torch.Tensor | None = None,
-                   return_features: bool = False, valid: torch.Tensor | None = None):
+                   return_features: bool = False, valid: torch.Tensor | None = None,
+                   static: bool = False):
     """Feed ``tokens [B, n]`` after each sample's cached prefix; returns logits.
 
     Logits are ``[B, n, V]`` (vocabulary padding removed, gathered over TP), or ``[B, 1, V]``
@@ -309,11 +310,19 @@ def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     every fed position (what a feature draft reads next). ``valid [B]``: real tokens per
     row (the rest is right padding, whose outputs are garbage): the layers then compute the
     real tokens only (:class:`_Packing`); the cache still advances by ``n``.
+
+    ``static``: the step a CUDA graph captures (:mod:`megatron_rlhf.generation.graphs`):
+    no host value is read (no room check: the caller guarantees it; the attention reads
+    the whole cache, positions past each sample's length masked), so every shape and
+    address is fixed by the batch and ``n``. Same result as the dynamic step.
     """
     b, n = tokens.shape
-    cache.check_room(n)
+    if static and (last_index is not None or valid is not None):
+        raise ValueError("a static step feeds every row n tokens and returns every position")
+    if not static:
+        cache.check_room(n)
     pos = cache.lengths[:, None] + torch.arange(n, device=tokens.device)  # [B, n]
-    k_len = attended_length(cache, int(cache.lengths.max()) + n)
+    k_len = cache.max_len if static else attended_length(cache, int(cache.lengths.max()) + n)
     mask = attention_mask(cache.lengths, n, k_len)
     x = model.embedding(input_ids=tokens, position_ids=pos)  # [n, B, h]
     cfg = model.mrlhf_config

@@ -33,6 +33,9 @@ class GenerationStats:
     """Wall time of the whole call, prefill included."""
     prefill_s: float = 0.0
     """Wall time of the prefill (actor and draft)."""
+    graph_capture_s: float = 0.0
+    """Wall time spent capturing CUDA graphs of decode steps in this call (included in
+    ``elapsed_s``; graphs are kept for the next call unless the generator released them)."""
     migrated_out: int = 0
     """Samples this rank sent to another data-parallel rank."""
     migrated_in: int = 0

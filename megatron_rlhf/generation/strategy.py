@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -206,8 +205,9 @@ def profile_batches(max_batch: int) -> list[int]:
     return out + [max(max_batch, 1)]
 
 
-def describe(actor, draft) -> str:
-    """What a profile depends on: the models' shapes, TP size, dtype and device."""
+def describe(actor, draft, graphs: bool = False) -> str:
+    """What a profile depends on: the models' shapes, TP size, dtype and device, and
+    whether steps replay CUDA graphs."""
     def one(m):
         c = m.mrlhf_config
         w = m.embedding.word_embeddings.weight
@@ -215,66 +215,39 @@ def describe(actor, draft) -> str:
                 f"/{c.num_query_groups} v{c.head_vocab_size or c.vocab_size}"
                 f"{' feature' if c.feature_draft else ''} {w.dtype} {w.device.type}")
     tp = actor.pg_collection.tp.size()
-    return f"actor {one(actor)}; draft {one(draft) if draft is not None else None}; tp {tp}"
-
-
-def _timed(fn, repeats: int, cuda: bool) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return (f"actor {one(actor)}; draft {one(draft) if draft is not None else None}; tp {tp}"
+            + ("; cuda graphs" if graphs else ""))
 
 
 @torch.inference_mode()
-def profile(actor, draft, max_n: int, max_batch: int, context: int = 64, repeats: int = 3) -> CostTable:
+def profile(actor, draft, max_n: int, max_batch: int, context: int = 64, repeats: int = 3,
+            graphs: bool = False) -> CostTable:
     """Time one forward of the actor (``1..max_n+1`` tokens per sample) and of the draft
-    (1 and 2) after ``context`` cached tokens, at :func:`profile_batches` ``(max_batch)``.
+    (1 and 2) after ``context`` cached tokens, at :func:`profile_batches` ``(max_batch)``,
+    the way the generator runs them (``graphs``: replayed CUDA graphs).
     Every rank of a TP group must call this together (the forwards all-reduce)."""
-    from megatron_rlhf.generation.incremental import RopeTable, forward_cached
-    from megatron_rlhf.generation.kv_cache import KVCache
+    from megatron_rlhf.generation.graphs import time_step
 
     batches = profile_batches(max_batch)
-    length = context + max_n + 2
-    table = CostTable(batches=batches, actor={}, draft={}, models=describe(actor, draft))
+    table = CostTable(batches=batches, actor={}, draft={}, models=describe(actor, draft, graphs))
     for model, widths, out in ((actor, range(1, max_n + 2), table.actor), (draft, (1, 2), table.draft)):
         if model is None:
             continue
-        w = model.embedding.word_embeddings.weight
-        rope = RopeTable(model, length)
-        vocab = model.mrlhf_config.vocab_size
         for t in widths:
-            out[t] = []
-            for b in batches:
-                cache = KVCache.for_model(model, b, length)
-                tokens = torch.randint(0, vocab, (b, t), device=w.device)
-                feats = None
-                if getattr(model, "feature_fusion", None) is not None:
-                    feats = torch.zeros(b, t, model.mrlhf_config.hidden_size, dtype=w.dtype, device=w.device)
-
-                def step():
-                    cache.lengths.fill_(context)
-                    forward_cached(model, cache, tokens, rope, features=feats)
-                out[t].append(_timed(step, repeats, w.is_cuda))
+            out[t] = [time_step(model, b, t, context, repeats, graphs) / 1e3 for b in batches]
     return table
 
 
-def load_or_profile(actor, draft, spec, max_batch: int, max_len: int) -> CostTable:
+def load_or_profile(actor, draft, spec, max_batch: int, max_len: int, graphs: bool = False) -> CostTable:
     """``spec.cost_profile`` when it exists and describes these models; else a new profile
     (saved there by global rank 0 when a path is given)."""
     path = spec.cost_profile
     if path and Path(path).exists():
         table = CostTable.load(path)
-        if table.models == describe(actor, draft):
+        if table.models == describe(actor, draft, graphs):
             return table
     context = max(1, min(64, max_len - spec.max_draft_tokens - 2))
-    table = profile(actor, draft, spec.max_draft_tokens, max_batch, context=context)
+    table = profile(actor, draft, spec.max_draft_tokens, max_batch, context=context, graphs=graphs)
     if path and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         table.save(path)
     return table

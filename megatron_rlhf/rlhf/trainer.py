@@ -135,6 +135,7 @@ class RLHFTrainer:
             generated = self.generator.generate(gen_ids, self.gen, self.spec,
                                                 seed=iteration_seed(self.loop.seed, it),
                                                 sample_ids=gen_sids, migrator=self.migrator)
+            self.generator.release()  # the KV cache store (and its graphs) until the next rollout
         ids, texts, sids = self._my_samples(it, self.pg.dp)
         rollout = generated
         if m.actor_gen is not None:  # to the train layout's data-parallel ranks
@@ -188,7 +189,7 @@ class RLHFTrainer:
         gen = torch.tensor([s.new_tokens, s.verifications, s.accepted_tokens], dtype=torch.float64,
                            device=dev)
         slowest = torch.tensor([s.elapsed_s, s.idle_s, s.idle_s / max(s.elapsed_s, 1e-9),
-                                s.migration_s], dtype=torch.float64, device=dev)
+                                s.migration_s, s.graph_capture_s], dtype=torch.float64, device=dev)
         hist = torch.tensor(s.rounds_by_draft_len + [s.migrated_out, s.migration_bytes],
                             dtype=torch.float64, device=dev)
         local = platform.all_reduce(local, group=self.pg.dp)
@@ -197,13 +198,14 @@ class RLHFTrainer:
         hist = platform.all_reduce(hist, group=self.gen_pg.dp).tolist()
         rsum, rsq, kl, tokens, n, eos = local.tolist()
         new, ver, acc = gen.tolist()
-        elapsed, idle, idle_frac, mig_s = slowest.tolist()
+        elapsed, idle, idle_frac, mig_s, capture_s = slowest.tolist()
         mean = rsum / n
         return {
             "gen_rounds_by_draft_len": [int(x) for x in hist[:-2]],
             "gen_migrated": int(hist[-2]),
             "gen_migration_mb": hist[-1] / 2 / 2**20,  # counted by sender and receiver
             "gen_migration_s": mig_s,
+            "gen_graph_capture_s": capture_s,
             "gen_idle_s_max": idle,
             "gen_idle_frac_max": idle_frac,
             "reward_mean": mean,

@@ -1,0 +1,202 @@
+"""Decode steps replayed from CUDA graphs: the generator at GPU speed, not launch speed.
+
+Eager decoding of a 1B Llama on an H200 took 56-78 ms a step at every batch size: the
+GPU waits for Python to launch a few hundred small kernels, while the weights take ~0.5 ms
+to read. A CUDA graph records those launches once and replays them with one call.
+
+:class:`StepGraphs` owns, for one model, what a graph must find at the same addresses on
+every replay: a KV cache store (:class:`~megatron_rlhf.generation.kv_cache.KVCache`, whose
+rows stay put while samples finish or migrate), a RoPE table, and input buffers for the
+fed tokens (and a feature draft's features). A graph is captured per batch bucket (powers
+of two; live rows are padded to their bucket, the padding rows compute garbage at
+position 0) and per number of tokens fed: 1 for a plain step or a draft step, ``n + 1``
+for a verification. The captured code is :func:`~megatron_rlhf.generation.incremental.
+forward_cached` with ``static=True``: no host reads, the attention over the whole cache
+with each sample's positions masked. On the CPU (and in tests) the same object runs that
+code eagerly (``capture=False``): this is how the CPU checks that the graphed step equals
+the dynamic one. Sampling and acceptance run after the replay on the device, outside the
+graph; the host reads the tokens once per step (the engine needs them for EOS and output).
+
+Graphs are bound to the model's weights where they lie: :meth:`StepGraphs.fits` refuses
+a model whose parameters moved (offloaded and restored), and the generator then builds a
+new one. A store that had to grow past its capacity (migration) is served eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_rlhf.generation.incremental import RopeTable, forward_cached, plain_layers
+from megatron_rlhf.generation.kv_cache import KVCache
+
+MAX_TOKENS = 8
+"""Most tokens per sample one graph feeds (a verification of up to 7 draft tokens)."""
+
+WARMUP = 1
+"""Eager runs before a capture (on a side stream, as torch requires: lazy initialisation
+of cuBLAS workspaces and the like must not happen during capture)."""
+
+
+def bucket(rows: int) -> int:
+    """The batch a graph runs for ``rows`` live rows: the next power of two."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def graphable(model) -> bool:
+    """Whether ``model``'s decode step can be captured: the plain-layer path
+    (:func:`~megatron_rlhf.generation.incremental.plain_layers`) calls no module that
+    reseeds megatron's RNG tracker during the forward (which capture forbids)."""
+    return plain_layers(model)
+
+
+def _weights(model) -> tuple:
+    return tuple(p.data_ptr() for p in model.parameters())
+
+
+class _Eager:
+    """The static step run without capture (CPU, tests)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def run(self):
+        return self.fn()
+
+
+class _Captured:
+    def __init__(self, fn, pool, lengths: torch.Tensor):
+        saved = lengths.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP):  # writes keys/values past each row's length: garbage there anyway
+                fn()
+                lengths.copy_(saved)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn()
+
+    def run(self):
+        self.graph.replay()
+        return self.out
+
+
+class StepGraphs:
+    """Cached forwards of ``model`` for the rows of one KV cache store; see the module
+    docstring. ``capture``: CUDA graphs (on a GPU), else the same static code run eagerly."""
+
+    def __init__(self, model, capacity: int, max_len: int, capture: bool):
+        self.model, self.capture = model, capture
+        self.cache = KVCache.for_model(model, 0, max_len, capacity=bucket(capacity))
+        self.rope = RopeTable(model, max_len)
+        dev, cap = self.cache.store_lengths.device, self.cache.capacity
+        self.tokens = torch.zeros(cap, MAX_TOKENS, dtype=torch.long, device=dev)
+        self.features = None
+        if getattr(model, "feature_fusion", None) is not None:
+            weight = model.embedding.word_embeddings.weight
+            self.features = torch.zeros(cap, MAX_TOKENS, model.mrlhf_config.hidden_size,
+                                        dtype=weight.dtype, device=dev)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.graphs: dict[tuple, object] = {}
+        self.weights = _weights(model)
+        self._store = self.cache.store_keys[0]
+        self.capture_s = 0.0  # seconds spent capturing (and warming up), all graphs so far
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def fits(self, model, batch: int, max_len: int) -> bool:
+        """Can serve a request of ``batch`` rows needing ``max_len`` cache positions."""
+        return (model is self.model and batch <= self.capacity and max_len <= self.cache.max_len
+                and self.cache.store_keys[0] is self._store and _weights(model) == self.weights)
+
+    def new_cache(self, batch: int) -> KVCache:
+        """The store's first ``batch`` rows, emptied: the cache of a new request."""
+        self.cache.resize(batch)
+        self.cache.lengths.zero_()
+        return self.cache
+
+    def serves(self, cache: KVCache, n: int) -> bool:
+        """Whether a forward of ``n`` tokens per row of ``cache`` replays a graph."""
+        return cache is self.cache and cache.store_keys[0] is self._store and 0 < n <= MAX_TOKENS \
+            and cache.batch > 0
+
+    def __call__(self, tokens: torch.Tensor, features: torch.Tensor | None = None,
+                 return_features: bool = False):
+        """:func:`forward_cached` of ``tokens [R, n]`` (``features [R, n, h]`` for a feature
+        draft) after the cache's rows, as logits ``[R, n, V]`` (and hidden states
+        ``[R, n, h]`` with ``return_features``), from the graph of ``R``'s bucket."""
+        r, n = tokens.shape
+        b = bucket(r)
+        self.tokens[:r, :n].copy_(tokens)
+        if features is not None:
+            self.features[:r, :n].copy_(features)
+        self.cache.store_lengths[r:b] = 0  # padding rows: garbage at position 0
+        key = (b, n, return_features)
+        graph = self.graphs.get(key)
+        if graph is None:
+            start = time.perf_counter()
+            graph = self.graphs[key] = self._make(b, n, return_features)
+            self.capture_s += time.perf_counter() - start
+        out = graph.run()
+        if return_features:
+            return out[0][:r].clone(), out[1][:r].clone()
+        return out[:r].clone()  # the graph's output is overwritten by its next replay
+
+    def _make(self, b: int, n: int, return_features: bool):
+        feats = None if self.features is None else self.features[:b, :n]
+
+        def step():
+            return forward_cached(self.model, self._rows(b), self.tokens[:b, :n], self.rope,
+                                  features=feats, return_features=return_features, static=True)
+
+        if not self.capture:
+            return _Eager(step)
+        return _Captured(step, self.pool, self.cache.store_lengths)
+
+    def _rows(self, b: int) -> KVCache:
+        """The store's first ``b`` rows as a cache, lengths included (a graph advances them)."""
+        view = KVCache.__new__(KVCache)
+        view.store_keys, view.store_values = self.cache.store_keys, self.cache.store_values
+        view.store_lengths, view.max_len = self.cache.store_lengths, self.cache.max_len
+        view.keys = [k[:b] for k in self.cache.store_keys]
+        view.values = [v[:b] for v in self.cache.store_values]
+        view.lengths = self.cache.store_lengths[:b]
+        return view
+
+
+@torch.inference_mode()
+def time_step(model, batch: int, n: int, context: int, repeats: int = 20,
+              graphs: bool = True) -> float:
+    """Milliseconds of one forward of ``n`` tokens per sample after ``context`` cached
+    tokens, at ``batch`` samples, through the path the generator takes: a replayed CUDA
+    graph on a GPU (``graphs``), the dynamic step otherwise. Median of ``repeats``."""
+    weight = model.embedding.word_embeddings.weight
+    cuda, max_len = weight.is_cuda, context + n + 1
+    tokens = torch.randint(0, model.mrlhf_config.vocab_size, (batch, n), device=weight.device)
+    feats = None
+    if getattr(model, "feature_fusion", None) is not None:
+        feats = torch.zeros(batch, n, model.mrlhf_config.hidden_size, dtype=weight.dtype, device=weight.device)
+    if graphs and cuda and graphable(model):
+        runner = StepGraphs(model, batch, max_len, capture=True)
+        cache = runner.new_cache(batch)
+        run = lambda: runner(tokens, feats)  # noqa: E731
+    else:
+        cache, rope = KVCache.for_model(model, batch, max_len), RopeTable(model, max_len)
+        run = lambda: forward_cached(model, cache, tokens, rope, features=feats)  # noqa: E731
+    times = []
+    for i in range(repeats + 2 if cuda else repeats + 1):
+        cache.lengths.fill_(context)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= (2 if cuda else 1):  # the first runs capture / warm up
+            times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[len(times) // 2]

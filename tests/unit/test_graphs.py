@@ -1,0 +1,122 @@
+"""The graphed decode step (:mod:`megatron_rlhf.generation.graphs`), run eagerly on CPU.
+
+On a GPU the generator replays CUDA graphs of ``forward_cached(static=True)`` over a KV
+store at fixed addresses, with live rows padded to a power-of-two bucket. The CPU cannot
+capture, but it runs the same object without capture (``capture=False`` /
+``Generator(graphs="eager")``): buffers, buckets, padding rows, the store's in-place
+compaction and the whole-cache attention are all exercised here, against the dynamic step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from gen_fixtures import PROMPTS, actor_and_draft, feature_draft_for
+from megatron_rlhf.config import GenerationConfig, SpecConfig
+from megatron_rlhf.generation import graphs
+from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation.incremental import RopeTable, forward_cached, prefill
+from megatron_rlhf.generation.kv_cache import KVCache
+
+
+@pytest.fixture(scope="module")
+def pair(world1):
+    actor, draft = actor_and_draft(world1)
+    plain = Generator(actor, graphs="off").generate(PROMPTS, GenerationConfig(max_new_tokens=14, temperature=0))
+    # EOS: the token in most responses' first 10, so samples finish at different steps and
+    # the batch shrinks through several buckets
+    common = Counter(t for r in plain.responses() for t in set(r[:10])).most_common(1)[0][0]
+    actor.mrlhf_config.eos_token_id = common
+    return actor, draft
+
+
+@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("rows", [3, 4])
+def test_static_step_equals_dynamic_step(world1, pair, n, rows):
+    actor, _ = pair
+    prompts = [p for p in PROMPTS][:rows]
+    max_len = 24
+    rope = RopeTable(actor, max_len)
+    dynamic = KVCache.for_model(actor, rows, max_len)
+    runner = graphs.StepGraphs(actor, rows, max_len, capture=False)
+    static = runner.new_cache(rows)
+    assert runner.capacity == graphs.bucket(rows) and static.batch == rows
+    with torch.inference_mode():
+        prefill(actor, dynamic, prompts, rope)
+        prefill(actor, static, prompts, runner.rope)
+        feed = torch.randint(0, actor.mrlhf_config.vocab_size, (rows, n), generator=torch.Generator().manual_seed(n))
+        for _ in range(2):  # the second step reads what the first one wrote
+            want, want_h = forward_cached(actor, dynamic, feed, rope, return_features=True)
+            got, got_h = runner(feed, return_features=True)
+            assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(got_h, want_h, atol=1e-5, rtol=1e-5)
+            assert torch.equal(static.lengths, dynamic.lengths)
+    # rows past the live ones (bucket padding) are fed from position 0 at every step
+    assert static.store_lengths[rows:].tolist() == [n] * (runner.capacity - rows)
+
+
+GREEDY = GenerationConfig(max_new_tokens=14, temperature=0.0)
+SAMPLED = GenerationConfig(max_new_tokens=14, temperature=1.0, top_k=20)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(0), SpecConfig(2), SpecConfig("auto", max_draft_tokens=3)],
+                         ids=["plain", "n2", "auto"])
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_generation_with_the_graphed_step_equals_the_dynamic_one(pair, cfg, spec):
+    """Samples finish at EOS mid-batch, so the batch is compacted in place and crosses
+    buckets; the selector's choices may differ (timing), so auto compares tokens only
+    under greedy, where every choice is lossless and deterministic."""
+    actor, draft = pair
+    prompts = PROMPTS * 4
+    ref = Generator(actor, draft, graphs="off").generate(prompts, cfg, spec, seed=3)
+    gen = Generator(actor, draft, graphs="eager")
+    got = gen.generate(prompts, cfg, spec, seed=3)
+    if spec.auto and not cfg.greedy:
+        assert all(1 <= len(r) <= cfg.max_new_tokens for r in got.responses())
+        return
+    assert got.responses() == ref.responses()
+    assert torch.allclose(got.response_logprobs, ref.response_logprobs, atol=1e-4)
+    assert ref.finish_reasons.count("eos") > 0
+    buckets = {key[0] for key in gen._steps["actor"].graphs}
+    assert len(buckets) > 1, "compaction should have moved the batch to a smaller bucket"
+
+
+def test_feature_draft_with_the_graphed_step(world1, pair):
+    actor, _ = pair
+    draft = feature_draft_for(actor, world1)
+    ref = Generator(actor, draft, graphs="off").generate(PROMPTS * 2, GREEDY, SpecConfig(3))
+    gen = Generator(actor, draft, graphs="eager")
+    got = gen.generate(PROMPTS * 2, GREEDY, SpecConfig(3))
+    assert got.responses() == ref.responses()
+    assert any(key[2] for key in gen._steps["draft"].graphs), "draft steps return features"
+
+
+def test_store_and_graphs_are_kept_and_rebuilt_when_needed(pair):
+    actor, draft = pair
+    gen = Generator(actor, None, graphs="eager")
+    gen.generate(PROMPTS, GREEDY)
+    runner = gen._steps["actor"]
+    gen.generate(PROMPTS[:2], GREEDY)
+    assert gen._steps["actor"] is runner, "a smaller request reuses the store and its graphs"
+    gen.generate(PROMPTS * 3, GREEDY)
+    assert gen._steps["actor"] is not runner and gen._steps["actor"].capacity == 16
+    runner = gen._steps["actor"]
+    with torch.no_grad():  # weights moved (offloaded and restored): graphs would read stale memory
+        actor.output_layer.weight.data = actor.output_layer.weight.data.clone()
+    ref = Generator(actor, None, graphs="off").generate(PROMPTS, GREEDY)
+    assert gen.generate(PROMPTS, GREEDY).responses() == ref.responses()
+    assert gen._steps["actor"] is not runner
+    gen.release()
+    assert not gen._steps
+
+
+def test_time_step_runs_the_dynamic_step_on_cpu(pair):
+    actor, _ = pair
+    assert graphs.time_step(actor, 2, 3, context=8, repeats=2) > 0
+
+
+def test_buckets():
+    assert [graphs.bucket(r) for r in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
