@@ -27,6 +27,13 @@ def test_migration_under_tensor_parallelism():
     assert "MIGRATION OK" in r.stdout, r.stdout[-2000:]
 
 
+def test_migration_with_the_graphed_decode_step():
+    """The same with the graphed step's code (run eagerly on CPU): rows leave the KV store
+    by in-place compaction and arrive within its capacity."""
+    r = torchrun(2, ["migration.py", "graphs"], timeout=900)
+    assert "MIGRATION OK" in r.stdout, r.stdout[-2000:]
+
+
 def test_a_rank_that_dies_mid_migration_is_named():
     """Rank 1 exits as it starts sending samples: rank 0 stops with an error that names
     it, long before the collective timeout (one minute here). The ranks are started

@@ -6,6 +6,8 @@ may hold none or all of them), and EOS comes early for some samples, late or nev
 others, so counts drift apart and samples migrate mid-generation.
 
 ``python migration.py tp2`` (4 ranks): the same at TP=2 x DP=2.
+``python migration.py graphs``: with the graphed decode step run eagerly (the KV store
+compacted in place, migrated rows appended within its capacity).
 ``python migration.py die``: rank 1 dies just as it starts sending samples; rank 0
 must stop with a MigrationError naming rank 1 (see test_migration.py)."""
 
@@ -36,12 +38,12 @@ def shares(split: list[int]) -> list[list[int]]:
     return out
 
 
-def dp_run(pg, actor, draft, cfg, spec, split, migrate, seed=5):
+def dp_run(pg, actor, draft, cfg, spec, split, migrate, seed=5, graphs="auto"):
     mine = shares(split)[pg.dp.rank()]
     mig = Migrator(pg.dp, EAGER, torch.device("cpu"), tp_group=pg.tp) if migrate else None
     local, out, into = {}, 0, 0
     if mine or migrate:  # without migration a rank with no samples has nothing to do
-        r = Generator(actor, draft).generate([PROMPTS[i] for i in mine], cfg, spec, seed=seed,
+        r = Generator(actor, draft, graphs=graphs).generate([PROMPTS[i] for i in mine], cfg, spec, seed=seed,
                                              sample_ids=mine, migrator=mig)
         assert len(r.finish_reasons) == len(mine) and all(r.finish_reasons)
         local = {s: (r.responses()[i], r.response_logprobs[i, : int(r.lengths[i])].tolist())
@@ -120,6 +122,20 @@ def check_tp2(pg):
     return moved
 
 
+def check_graphs(pg, eos):
+    actor, draft = actor_and_draft(pg, eos=eos, sharpness=6.0, noise=0.3)
+    feature = feature_draft_for(actor, pg, noise=0.3)
+    cfg = GenerationConfig(max_new_tokens=24, temperature=1.0)
+    moved = 0
+    for d, spec in ((None, SpecConfig(0)), (draft, SpecConfig(2)), (feature, SpecConfig(2))):
+        for split in ([3, 9], [12, 0], [8, 4]):
+            got, n = dp_run(pg, actor, d, cfg, spec, split, True, graphs="eager")
+            same(reference(actor, d, cfg, spec, sum(split)), got, f"graphs split {split}")
+            moved += n
+    assert moved > 0
+    return moved
+
+
 def die(pg):
     """Rank 1 holds every sample and dies as it starts sending some to rank 0."""
     actor, _ = actor_and_draft(pg, sharpness=6.0)
@@ -156,7 +172,7 @@ def main():
     actor, _ = actor_and_draft(pg, sharpness=6.0, noise=0.3)
     probe = reference(actor, None, GenerationConfig(max_new_tokens=24, temperature=0), SpecConfig(0), 12)
     eos = probe[4][0][3]  # a token some samples emit early
-    moved = check_all(pg, eos)
+    moved = check_graphs(pg, eos) if mode == "graphs" else check_all(pg, eos)
     if rank == 0:
         print(f"MIGRATION OK moved={moved} eos={eos}", flush=True)
     platform.shutdown()
