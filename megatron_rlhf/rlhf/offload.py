@@ -38,19 +38,67 @@ def move_model(model: torch.nn.Module, device) -> None:
     torch.cuda.synchronize()
 
 
-def park_trainee(t, host: bool) -> None:
-    """Between training stages (``host=True``): megatron's optimizer moves its fp32 masters
-    and Adam states to host memory, and DDP frees its fp32 gradient buffers; before
-    training (``host=False``) both come back (the buffers zeroed)."""
-    if not platform.has_cuda():
+def optimizer_tensors(t):
+    """The optimizer's own device tensors of trainee ``t``, as ``(holder, key)`` pairs
+    (``holder[key]`` is the tensor; a parameter holder is moved through ``.data``): every
+    Adam state tensor but the step count, and the fp32 masters of a half-precision model.
+    Masters that share storage with the model's weights (an fp32 model's: megatron's
+    optimizer steps the weights themselves) are the weights, and stay."""
+    from megatron_rlhf.rlhf.optim import inner_optimizers
+
+    weights = {p.untyped_storage().data_ptr() for p in t.model.parameters()}
+    out = []
+    for inner in inner_optimizers(t.optimizer):
+        for group in inner.param_groups:
+            out += [(_Data(p), None) for p in group["params"]
+                    if p.untyped_storage().data_ptr() not in weights]
+        for state in inner.state.values():
+            out += [(state, k) for k, v in state.items()
+                    if torch.is_tensor(v) and k != "step" and v.dim() > 0]
+    return out
+
+
+class _Data:
+    """A parameter seen as a holder of its ``.data`` (moved in place: its identity, which
+    the optimizer's state is keyed by, stays)."""
+
+    def __init__(self, p):
+        self.p = p
+
+    def __getitem__(self, _):
+        return self.p.data
+
+    def __setitem__(self, _, value):
+        self.p.data = value
+
+
+def park_trainee(t, host: bool, move=None) -> None:
+    """Between training stages (``host=True``) the optimizer's fp32 masters and Adam states
+    (:func:`optimizer_tensors`) go to pinned host memory and DDP frees its fp32 gradient
+    buffers; before training (``host=False``) both come back (the buffers zeroed). On the
+    CPU a no-op, unless ``move(tensor, host)`` is given (tests: the same bookkeeping with
+    copies). Parking twice, or restoring what is not parked, changes nothing."""
+    if move is None:
+        if not platform.has_cuda():
+            return
+        move = _move_tensor
+    if getattr(t, "parked", False) == host:
         return
-    if host:
-        t.optimizer.offload_to_cpu()
-        t.ddp.offload_grad_buffers()
-    else:
-        t.optimizer.restore_from_cpu()
-        t.ddp.restore_grad_buffers()
-    torch.cuda.synchronize()
+    for holder, key in optimizer_tensors(t):
+        holder[key] = move(holder[key], host)
+    t.parked = host
+    if platform.has_cuda():
+        if host:
+            t.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
+        else:
+            t.ddp.restore_grad_buffers(synchronize=False)
+        torch.cuda.synchronize()
+        if host:
+            torch.cuda.empty_cache()
+
+
+def _move_tensor(t: torch.Tensor, host: bool) -> torch.Tensor:
+    return _move(t, torch.device("cpu") if host else platform.device())
 
 
 class StageMemory:

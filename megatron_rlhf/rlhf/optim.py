@@ -39,6 +39,8 @@ class Trainee:
     scheduler: "WarmupCosine"
     pg: object
     """The model's ProcessGroupCollection."""
+    parked: bool = False
+    """The optimizer's states (and masters) are in host memory (:mod:`~megatron_rlhf.rlhf.offload`)."""
 
     def step(self) -> float:
         """Reduce the accumulated gradients (over DP, and a tied embedding's gradient over
@@ -67,6 +69,16 @@ class Trainee:
         self.ddp.zero_grad_buffer()
         with platform.cuda_as_cpu():
             self.optimizer.zero_grad()
+
+
+def chained(optimizer) -> list:
+    """megatron's optimizers behind ``optimizer`` (a ChainedOptimizer or one of them)."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def inner_optimizers(optimizer) -> list:
+    """The torch optimizers (with the Adam states) behind megatron's ``optimizer``."""
+    return [opt.optimizer for opt in chained(optimizer)]
 
 
 def build_trainee(model: torch.nn.Module, pg, cfg: OptimConfig, lr: float,

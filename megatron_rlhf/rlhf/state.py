@@ -43,6 +43,7 @@ from megatron_rlhf.models.checkpoint import (
     verify_manifest,
     write_model,
 )
+from megatron_rlhf.rlhf.optim import chained, inner_optimizers
 
 STATE_FILE = "state.json"
 KILL_IN_SAVE_ENV = "MEGATRON_RLHF_TEST_KILL_IN_SAVE"
@@ -70,22 +71,12 @@ def set_rng_state(state: dict) -> None:
 OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _chained(optimizer) -> list:
-    """megatron's optimizers behind ``optimizer`` (a ChainedOptimizer or one of them)."""
-    return getattr(optimizer, "chained_optimizers", [optimizer])
-
-
-def _inner_optimizers(optimizer) -> list:
-    """The torch optimizers (with the Adam states) behind megatron's ``optimizer``."""
-    return [opt.optimizer for opt in _chained(optimizer)]
-
-
 def _placeholder_adam_states(optimizer) -> None:
     """Give every parameter of a fresh optimizer an all-zero Adam state, ``step`` included,
     so that megatron can describe what a checkpoint is to load into: it asks torch's Adam
     for their common ``step`` (TE's and apex's keep it per group). Stepping with zero
     gradients instead, as megatron does for FSDP, would apply weight decay."""
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:
@@ -105,7 +96,7 @@ def _optimizer_state(t, is_loading: bool) -> dict:
         sd = {"optimizer": t.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                           metadata=OPTIM_SHARDING)}
     if is_loading:  # megatron's load_state_dict allocates the states it loads, step apart
-        for inner in _inner_optimizers(t.optimizer):
+        for inner in inner_optimizers(t.optimizer):
             inner.state.clear()
     return sd
 
@@ -116,7 +107,7 @@ def _load_optimizer(optimizer, state: dict) -> None:
     copies the loaded tensors over all of a state's keys, ``step`` included, which the
     checkpoint keeps apart (KeyError). So: the common part first, the per-parameter states
     with ``step`` set aside, then ``step`` back, one tensor per parameter."""
-    opts = _chained(optimizer)
+    opts = chained(optimizer)
     if len(opts) != 1 or "param_state" not in state:
         optimizer.load_state_dict(state)
         return

@@ -116,3 +116,46 @@ def test_activation_recompute_keeps_the_gradients(world1, recompute):
         assert (calls["layer"], calls["core"]) == want, (granularity, calls)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_parking_the_optimizer_between_steps_changes_no_update(world1, dtype):
+    """The trainer parks each optimizer in pinned host memory while other stages run
+    (:func:`~megatron_rlhf.rlhf.offload.park_trainee`). The same bookkeeping with copies
+    (CPU has no pinned memory): Adam states always move, fp32 masters move for a bf16
+    model and stay for an fp32 one (there they are the weights), parking twice moves
+    nothing more, and the updates equal those of an optimizer never parked."""
+    from megatron_rlhf.rlhf.offload import optimizer_tensors, park_trainee
+
+    moved = []
+
+    def move(x, host):
+        moved.append(host)
+        return x.clone()
+
+    finals = []
+    for park in (False, True):
+        model = _tiny(world1, dtype)
+        params = [p for p in model.parameters() if p.requires_grad]
+        t = build_trainee(model, world1, OptimConfig(lr=1e-2), 1e-2)
+        weights = [p.data_ptr() for p in params]
+        for step in range(3):
+            torch.manual_seed(step)
+            for p in params:
+                p.main_grad.copy_(torch.randn(p.shape))
+            t.step()
+            if park:
+                held = optimizer_tensors(t)
+                adam = [h for h, k in held if k is not None]
+                masters = [h for h, k in held if k is None]
+                assert len(adam) == 2 * len(params)  # exp_avg, exp_avg_sq
+                assert len(masters) == (len(params) if dtype == torch.bfloat16 else 0)
+                before = len(moved)
+                park_trainee(t, True, move)
+                park_trainee(t, True, move)  # already parked: nothing moves
+                assert len(moved) - before == len(held)
+                park_trainee(t, False, move)
+                assert [p.data_ptr() for p in params] == weights  # the weights never moved
+        finals.append([p.detach().float().clone() for p in params])
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)
