@@ -3,10 +3,9 @@
 #
 #   bash tools/gpu_check.sh [--smoke] [--out DIR] [other tools/gpu_check.py flags]
 #
-# When megatron-core does not import (the GPU image has torch and transformers only), the
-# wheels that tools/gpu_prepare.sh put in .whl/ and that do not import yet are installed
-# into .whl/site (offline, --no-deps), and .whl/site and the repository root go on
-# PYTHONPATH. Then tools/gpu_check.py runs; this script exits with its status (non-zero
+# The wheels that tools/gpu_prepare.sh put in .whl/ (megatron-core, psutil) and whose
+# modules do not import yet are installed into .whl/site (offline, --no-deps), and
+# .whl/site and the repository root go on PYTHONPATH. Then tools/gpu_check.py runs; this script exits with its status (non-zero
 # when a stage failed). Output goes to --out, default $OUT when set (the device tool
 # returns what is written there), else out/gpu_check. Python: $PYTHON, else .venv/bin/python
 # when it exists, else python3.
@@ -33,27 +32,23 @@ module_of() {
     esac
 }
 
-if ! importable megatron.core; then
-    shopt -s nullglob
-    wheels=(.whl/*.whl)
-    if [ ${#wheels[@]} -eq 0 ]; then
-        echo "error: megatron.core does not import and .whl/ holds no wheels: run" \
-             "tools/gpu_prepare.sh where the package registries are reachable and carry .whl" >&2
-        exit 2
-    fi
-    missing=()
-    for w in "${wheels[@]}"; do
-        importable "$(module_of "$w")" || missing+=("$w")
-    done
+# the carried wheels whose modules do not import yet -> .whl/site (offline, --no-deps)
+shopt -s nullglob
+missing=()
+for w in .whl/*.whl; do
+    importable "$(module_of "$w")" || missing+=("$w")
+done
+if [ ${#missing[@]} -gt 0 ]; then
     echo "installing into .whl/site: ${missing[*]}" >&2
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target .whl/site "${missing[@]}" || exit 2
     export PYTHONPATH="$ROOT/.whl/site:$PYTHONPATH"
-    if ! importable megatron.core; then
-        echo "error: megatron.core still does not import:" >&2
-        "$PY" -c "import megatron.core" >&2
-        exit 2
-    fi
+fi
+if ! importable megatron.core; then
+    echo "error: megatron.core does not import; run tools/gpu_prepare.sh where the package" \
+         "registries are reachable and carry .whl (device tool: carry [\".whl\"])" >&2
+    "$PY" -c "import megatron.core" >&2
+    exit 2
 fi
 
 "$PY" tools/gpu_check.py --out "${OUT:-out/gpu_check}" "$@"
