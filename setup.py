@@ -18,6 +18,7 @@ setup(
         "accelerate",
         "sentencepiece",
         "tqdm",
+        "psutil",  # megatron-core's checkpoint writer imports it (undeclared there)
         "tensorboard",
         "matplotlib",
     ],

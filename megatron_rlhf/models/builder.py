@@ -73,9 +73,11 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 
         # CPU init builds the full weight and slices it, so a seed gives the same model
         # at every TP size; on GPU megatron initialises each shard on the device.
         use_cpu_initialization=not on_gpu,
-        # Fused kernels exist only on GPU.
-        bias_activation_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
+        # megatron's fused SwiGLU and bias-dropout-add are torch.compile'd at their first
+        # call (megatron.core.jit): a compile per process and shape family at start-up,
+        # for elementwise ops; off (the decode path never used them).
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
         masked_softmax_fusion=fused_softmax_available(),
         apply_rope_fusion=False,
         persist_layer_norm=False,
