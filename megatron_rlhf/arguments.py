@@ -86,6 +86,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: all)")
+    g.add_argument("--ignore-eos", dest="stop_on_eos", action="store_false",
+                   help="every response runs to --max-new-tokens (benchmarks, cost profiling)")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="on GPU, launch every decode step eagerly instead of replaying CUDA graphs")
     g.add_argument("--draft-load", default=None, help="draft model checkpoint for speculation")

@@ -1,0 +1,274 @@
+"""Execution plans for the RLHF dataflow graph and their search (ReaLHF).
+
+A :class:`Plan` gives every call of the graph a layout (TP x PP x DP; generation PP=1)
+over all GPUs. Calls run one after another; a weight edge between two calls of one model
+under different layouts costs a reallocation. :func:`evaluate` prices a plan with the
+cost estimator (:mod:`.cost`): time per call, reallocations, peak memory per call against
+the GPUs' memory. :func:`search` finds the fastest plan that fits: exhaustively where the
+space is small, by simulated annealing (seeded, deterministic) beyond that, and compares
+it with the heuristic default (every call on the training layout that fits with the
+smallest model-parallel size).
+
+``space="trainer"`` restricts plans to what the trainer executes today: generation on its
+own layout (``--gen-layout``), every other call on one layout (``--train-layout``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_rlhf.parallel.layout import Layout
+from megatron_rlhf.plan import memory as mem
+from megatron_rlhf.plan.cost import Estimator
+from megatron_rlhf.plan.graph import Graph
+
+EXHAUSTIVE_LIMIT = 20_000
+"""Plans evaluated one by one up to this many; simulated annealing beyond."""
+
+
+@dataclass
+class Plan:
+    layouts: dict[str, Layout]
+    """Call name -> its layout."""
+
+    def text(self, call: str) -> str:
+        lay = self.layouts[call]
+        return f"{lay.tp}x{lay.dp}" if lay.pp == 1 and call.endswith("_gen") else mem.layout_text(lay)
+
+    def to_json(self) -> dict:
+        return {"layouts": {c: self.text(c) for c in self.layouts}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Plan":
+        if "layouts" not in data:
+            raise ValueError("a plan file holds {\"layouts\": {call: \"TPxPPxDP\"}}")
+        return cls({c: Layout.parse(t) for c, t in data["layouts"].items()})
+
+    def save(self, path, **extra) -> None:
+        Path(path).write_text(json.dumps(dict(self.to_json(), **extra), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"plan file {path} does not exist (write one with tools/plan.py --json)") from None
+        return cls.from_json(data)
+
+    def key(self) -> tuple:
+        return tuple(sorted((c, (lay.tp, lay.pp, lay.dp)) for c, lay in self.layouts.items()))
+
+
+@dataclass
+class Evaluation:
+    plan: Plan
+    time_s: float
+    calls: dict[str, dict]
+    """Call -> its time parts (``total`` included)."""
+    reallocs: dict[str, tuple]
+    """Weight edge ``src->dst`` -> (seconds, bytes per GPU)."""
+    memory: dict[str, int]
+    """Call -> peak bytes per GPU."""
+    capacity: int
+    """Usable bytes per GPU."""
+
+    @property
+    def shortfall(self) -> int:
+        """Bytes per GPU the worst call lacks (0: the plan fits)."""
+        return max(0, max(self.memory.values()) - self.capacity)
+
+    @property
+    def fits(self) -> bool:
+        return self.shortfall == 0
+
+    def to_json(self) -> dict:
+        return {"plan": self.plan.to_json()["layouts"], "time_s": self.time_s,
+                "calls": {c: {k: round(v, 6) for k, v in p.items()} for c, p in self.calls.items()},
+                "reallocations": {e: {"s": t, "bytes_per_gpu": b} for e, (t, b) in self.reallocs.items()},
+                "memory_gb": {c: m / mem.GB for c, m in self.memory.items()},
+                "usable_gb": self.capacity / mem.GB, "fits": self.fits}
+
+
+def evaluate(graph: Graph, plan: Plan, est: Estimator, cluster: mem.Cluster,
+             reserve_gb: float | None = None) -> Evaluation:
+    """Price ``plan``: calls in graph order, reallocations on weight edges, memory per call."""
+    missing = [c.name for c in graph.calls if c.name not in plan.layouts]
+    if missing:
+        raise ValueError(f"the plan gives no layout to {missing}")
+    calls = {c.name: est.call_time(c, plan.layouts[c.name]) for c in graph.calls}
+    reallocs = {}
+    for e in graph.weight_edges():
+        reallocs[f"{e.src}->{e.dst}"] = est.realloc(e.what, plan.layouts[e.src], plan.layouts[e.dst]) \
+            if e.what in est.models else (0.0, 0)
+    resident = {}
+    for name in ("actor_train", "critic_train"):
+        if name in plan.layouts:
+            resident[name.split("_")[0]] = plan.layouts[name]
+    memory = {c.name: est.call_memory(c, plan.layouts[c.name], resident) for c in graph.calls}
+    options = mem.MemoryOptions(reserve_gb=reserve_gb)
+    capacity = int(cluster.gpu_memory_gb * mem.GB) - options.reserve_bytes(cluster)
+    time_s = sum(p["total"] for p in calls.values()) + sum(t for t, _ in reallocs.values())
+    return Evaluation(plan, time_s, calls, reallocs, memory, capacity)
+
+
+def candidates(graph: Graph, est: Estimator, cluster: mem.Cluster) -> dict[str, list[Layout]]:
+    """Every layout each call may take: all GPUs, TP inside a node dividing the model's
+    heads and KV heads, PP dividing its layers (1 for generation), DP splitting its samples."""
+    out = {}
+    for call in graph.calls:
+        cfg = est.models[call.model]
+        found = []
+        for lay in mem.candidate_layouts(cluster):
+            if call.kind == "generate" and lay.pp != 1:
+                continue
+            try:
+                cfg.check_tensor_parallel(lay.tp)
+                cfg.check_pipeline_parallel(lay.pp)
+            except ValueError:
+                continue
+            if call.samples % lay.dp:
+                continue
+            if call.kind == "train" and (call.samples // lay.dp) % (est.opt.micro_batch_size * call.steps):
+                continue
+            found.append(lay)
+        if not found:
+            raise ValueError(f"no layout of {cluster.gpus} GPUs suits {call.name} "
+                             f"({call.model}: {cfg.num_attention_heads} heads, {cfg.num_layers} layers, "
+                             f"{call.samples} samples)")
+        out[call.name] = found
+    return out
+
+
+def heuristic(graph: Graph, est: Estimator, cluster: mem.Cluster, cands: dict) -> Plan:
+    """Every call on one training layout: the smallest TP x PP (TP first, inside a node)
+    whose training fits, DP the rest; generation on its TP with DP the rest."""
+    train_calls = [c.name for c in graph.calls if c.kind != "generate"]
+    shared = [lay for lay in cands[train_calls[0]] if all(lay in cands[c] for c in train_calls)] \
+        if train_calls else []
+    shared.sort(key=lambda lay: (lay.tp * lay.pp, lay.pp))
+    gen = next(c.name for c in graph.calls if c.kind == "generate")
+    best = None
+    for lay in shared:
+        g = Layout(tp=lay.tp, pp=1, dp=cluster.gpus // lay.tp)
+        plan = Plan({gen: g, **{c: lay for c in train_calls}})
+        if best is None:
+            best = plan
+        if evaluate(graph, plan, est, cluster).fits:
+            return plan
+    if best is None:
+        g = cands[gen][0]
+        best = Plan({gen: g})
+    return best
+
+
+@dataclass
+class SearchResult:
+    best: Evaluation
+    default: Evaluation
+    method: str
+    evaluated: int
+    space: str
+    history: list = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float:
+        return self.default.time_s / self.best.time_s
+
+
+def search(graph: Graph, est: Estimator, cluster: mem.Cluster, seed: int = 0,
+           space: str = "full", budget: int = 20_000) -> SearchResult:
+    """The fastest plan that fits; ValueError naming the smallest memory shortfall when
+    none does. Deterministic for a seed."""
+    if space not in ("full", "trainer"):
+        raise ValueError(f"space must be full or trainer, got {space!r}")
+    cands = candidates(graph, est, cluster)
+    fallback = heuristic(graph, est, cluster, cands)
+    default = evaluate(graph, fallback, est, cluster) if len(fallback.layouts) == len(graph.calls) else None
+    gen = next(c.name for c in graph.calls if c.kind == "generate")
+    others = [c.name for c in graph.calls if c.name != gen]
+    if space == "trainer":
+        shared = [lay for lay in cands[others[0]] if all(lay in cands[c] for c in others)]
+        choices = {gen: cands[gen], "_shared": shared}
+
+        def plan_of(pick):
+            return Plan({gen: pick[gen], **{c: pick["_shared"] for c in others}})
+    else:
+        choices = cands
+
+        def plan_of(pick):
+            return Plan(dict(pick))
+    size = math.prod(len(v) for v in choices.values())
+    seen: dict[tuple, Evaluation] = {}
+
+    def value(pick) -> Evaluation:
+        plan = plan_of(pick)
+        k = plan.key()
+        if k not in seen:
+            seen[k] = evaluate(graph, plan, est, cluster)
+        return seen[k]
+
+    names = list(choices)
+    if size <= EXHAUSTIVE_LIMIT:
+        method = "exhaustive"
+        _exhaustive(names, choices, value)
+    else:
+        method = "simulated annealing"
+        _anneal(names, choices, value, random.Random(seed), budget, default)
+    fitting = [e for e in seen.values() if e.fits]
+    if not fitting:
+        closest = min(seen.values(), key=lambda e: (e.shortfall, e.time_s))
+        worst = max(closest.memory, key=closest.memory.get)
+        raise ValueError(
+            f"no plan fits {cluster.nodes}x{cluster.gpus_per_node} GPUs of {cluster.gpu_memory_gb:g} GB: "
+            f"the closest ({_plan_text(closest.plan)}) lacks {closest.shortfall / mem.GB:.1f} GB per GPU "
+            f"in {worst} ({closest.memory[worst] / mem.GB:.1f} GB needed, "
+            f"{closest.capacity / mem.GB:.1f} GB usable): use more GPUs, GPUs with more memory, "
+            "or smaller batches and sequences")
+    best = min(fitting, key=lambda e: (e.time_s, e.plan.key()))
+    return SearchResult(best, default or best, method, len(seen), space)
+
+
+def _exhaustive(names, choices, value) -> None:
+    def walk(i, pick):
+        if i == len(names):
+            value(pick)
+            return
+        for lay in choices[names[i]]:
+            pick[names[i]] = lay
+            walk(i + 1, pick)
+    walk(0, {})
+
+
+def _anneal(names, choices, value, rng: random.Random, budget: int, default) -> None:
+    """Simulated annealing over one call's layout at a time; infeasible plans are walked
+    through with their time inflated by the memory they lack."""
+    def score(e: Evaluation) -> float:
+        return e.time_s * (1 + 4 * e.shortfall / e.capacity)
+
+    pick = {n: rng.choice(choices[n]) for n in names}
+    if default is not None:
+        for n in names:
+            lay = default.plan.layouts.get(n) or default.plan.layouts.get(next(
+                (c for c in default.plan.layouts if not c.endswith("_gen")), n))
+            if lay in choices[n]:
+                pick[n] = lay
+    current = score(value(pick))
+    temp0 = 0.1 * current
+    for i in range(budget):
+        temp = temp0 * (1 - i / budget) + 1e-12
+        n = rng.choice(names)
+        old = pick[n]
+        pick[n] = rng.choice(choices[n])
+        new = score(value(pick))
+        if new <= current or rng.random() < math.exp((current - new) / temp):
+            current = new
+        else:
+            pick[n] = old
+
+
+def _plan_text(plan: Plan) -> str:
+    return ", ".join(f"{c} {plan.text(c)}" for c in plan.layouts)
