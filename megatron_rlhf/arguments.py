@@ -61,6 +61,14 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-layout", default=None, metavar="TPxDP",
                    help="layout of generation, e.g. 1x4; the actor's weights move to it after "
                         "every update (default: the train layout's TP x the rest: no move)")
+    g.add_argument("--plan", default=None, metavar="FILE.json|auto",
+                   help="layouts from an execution plan (tools/plan.py --out) or searched now "
+                        "(auto: the plan search over what this trainer executes, priced with "
+                        "--plan-hardware); replaces --train-layout/--gen-layout")
+    g.add_argument("--plan-hardware", default=None, metavar="NAME|FILE.json",
+                   help="--plan auto: a hardware profile (h100, h200, a100, cpu), a Hardware "
+                        "JSON or a tools/profile_costs.py Profile JSON (default: h100 on GPU, "
+                        "cpu otherwise)")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="activation recompute while training: full (re-run each layer in "
                         "backward) or selective (the attention core only); default: none")

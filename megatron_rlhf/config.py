@@ -161,9 +161,16 @@ class ParallelConfig:
     recompute_granularity: str | None = None
     """Activation recompute of the models that train: ``full`` (each layer re-run in
     backward from its input), ``selective`` (the attention core only), None (keep all)."""
+    plan: str | None = None
+    """An execution plan (``tools/plan.py --out FILE``) or ``auto`` (searched at start-up,
+    :mod:`megatron_rlhf.plan.search`): sets ``train_layout`` and ``gen_layout``."""
+    plan_hardware: str | None = None
+    """``plan auto``: a hardware profile name or file (see :mod:`megatron_rlhf.plan.cost`)."""
 
     def __post_init__(self) -> None:
         _positive("tensor parallel size", self.tensor_model_parallel_size)
+        if self.plan is not None and (self.train_layout or self.gen_layout):
+            raise ValueError("--plan sets the layouts: drop --train-layout and --gen-layout, or --plan")
         _positive("pipeline parallel size", self.pipeline_model_parallel_size)
         from megatron_rlhf.parallel.layout import Layout
 

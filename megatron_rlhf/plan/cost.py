@@ -75,6 +75,11 @@ HARDWARE = {
                      latency_s=20e-6, layer_overhead_s=30e-6, gpu_memory_gb=141.0),
     "a100": Hardware("a100", flops=230e12, mem_bw=1.7e12, intra_bw=230e9, inter_bw=23e9,
                      latency_s=25e-6, layer_overhead_s=30e-6, gpu_memory_gb=80.0),
+    # this project's 2-core CPU machine, rough (DESIGN.md): ~170 GFLOP/s fp32 GEMMs, 5-10 GB/s
+    # memory, gloo between processes; tools/profile_costs.py measures it properly
+    "cpu": Hardware("cpu", flops=1.5e11, mem_bw=7e9, intra_bw=2e9, inter_bw=1e9,
+                    latency_s=1e-4, layer_overhead_s=3e-4, decode_overhead_s=3e-4,
+                    gpus_per_node=2, gpu_memory_gb=12.0),
 }
 
 

@@ -40,6 +40,9 @@ class Call:
     """Training: PPO epochs (each sample is trained on this many times)."""
     steps: int = 1
     """Training: optimizer steps per pass (mini-batches)."""
+    group: int = 1
+    """Generation: samples come in groups of this many (responses to one prompt), which one
+    data-parallel rank generates together."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -105,12 +108,14 @@ class Graph:
 
 def rlhf_graph(samples: int, prompt_len: int, gen_len: int, critic: bool = True,
                reference: bool = True, reward_model: bool = False, draft: bool = False,
-               draft_distill: bool = False, ppo_epochs: int = 1, mini_batches: int = 1) -> Graph:
-    """The graph of one PPO iteration (GRPO: ``critic=False``) of ``samples`` sequences."""
+               draft_distill: bool = False, ppo_epochs: int = 1, mini_batches: int = 1,
+               group: int = 1) -> Graph:
+    """The graph of one PPO iteration (GRPO: ``critic=False``) of ``samples`` sequences
+    (``group`` responses per prompt)."""
     def c(name, model, kind, **kw):
         return Call(name, model, kind, samples, prompt_len, gen_len, **kw)
 
-    calls = [c("actor_gen", "actor", "generate")]
+    calls = [c("actor_gen", "actor", "generate", group=group)]
     edges = []
     if reference:
         calls.append(c("ref_inf", "reference", "infer"))

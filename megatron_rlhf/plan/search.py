@@ -46,7 +46,7 @@ class Plan:
     def from_json(cls, data: dict) -> "Plan":
         if "layouts" not in data:
             raise ValueError("a plan file holds {\"layouts\": {call: \"TPxPPxDP\"}}")
-        return cls({c: Layout.parse(t) for c, t in data["layouts"].items()})
+        return cls({c: Layout.parse(t, pipeline=not c.endswith("_gen")) for c, t in data["layouts"].items()})
 
     def save(self, path, **extra) -> None:
         Path(path).write_text(json.dumps(dict(self.to_json(), **extra), indent=1) + "\n")
@@ -56,7 +56,7 @@ class Plan:
         try:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
-            raise ValueError(f"plan file {path} does not exist (write one with tools/plan.py --json)") from None
+            raise ValueError(f"plan file {path} does not exist (write one with tools/plan.py --out FILE)") from None
         return cls.from_json(data)
 
     def key(self) -> tuple:
@@ -130,7 +130,7 @@ def candidates(graph: Graph, est: Estimator, cluster: mem.Cluster) -> dict[str, 
                 cfg.check_pipeline_parallel(lay.pp)
             except ValueError:
                 continue
-            if call.samples % lay.dp:
+            if (call.samples // call.group) % lay.dp or call.samples % call.group:
                 continue
             if call.kind == "train" and (call.samples // lay.dp) % (est.opt.micro_batch_size * call.steps):
                 continue
@@ -272,3 +272,25 @@ def _anneal(names, choices, value, rng: random.Random, budget: int, default) -> 
 
 def _plan_text(plan: Plan) -> str:
     return ", ".join(f"{c} {plan.text(c)}" for c in plan.layouts)
+
+
+def trainer_layouts(plan: Plan) -> tuple[str, str]:
+    """``(--train-layout, --gen-layout)`` of a plan the trainer executes: generation on its
+    own TPxDP, every other call on one TPxPPxDP; ValueError naming the call that differs."""
+    gens = [c for c in plan.layouts if c.endswith("_gen")]
+    if len(gens) != 1:
+        raise ValueError(f"a plan needs exactly one generation call, this one has {gens or 'none'}")
+    gen = plan.layouts[gens[0]]
+    if gen.pp != 1:
+        raise ValueError(f"the plan's generation layout has PP {gen.pp}: generation runs with PP=1")
+    rest = [c for c in plan.layouts if c not in gens]
+    if not rest:
+        raise ValueError("the plan has no inference or training call")
+    first = plan.layouts[rest[0]]
+    for c in rest[1:]:
+        if plan.layouts[c] != first:
+            raise ValueError(
+                f"the plan puts {rest[0]} on {plan.text(rest[0])} and {c} on {plan.text(c)}: this "
+                "trainer runs every call but generation on one layout (tools/plan.py --space "
+                "trainer writes such plans)")
+    return mem.layout_text(first), plan.text(gens[0])

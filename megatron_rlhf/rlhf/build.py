@@ -108,12 +108,6 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
         raise ValueError("--num-draft-tokens > 0 needs --draft-load")
     if loop.draft_distill and not paths.draft:
         raise ValueError("--draft-distill needs a draft model (--draft-load)")
-    train_layout, gen_layout = par.layouts(world_size)
-    ppo.check_data_parallel(train_layout.dp)
-    if ppo.global_batch_size % gen_layout.dp:
-        raise ValueError(f"--global-batch-size {ppo.global_batch_size} prompts must split evenly "
-                         f"over the generation layout's {gen_layout.dp} data-parallel ranks "
-                         f"(--gen-layout {gen_layout.tp}x{gen_layout.dp})")
     resume, state = None, {}
     if paths.resume:
         resume = find_training_checkpoint(paths.resume)
@@ -122,6 +116,14 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
             raise ValueError(f"{resume} is at iteration {state['iteration']}: raise "
                              f"--train-iters above it to train further")
     infos = _infos(paths, ppo, resume)
+    if par.plan is not None:
+        par = execution_plan(par, infos, ppo, loop, gen, spec, dtype, world_size)
+    train_layout, gen_layout = par.layouts(world_size)
+    ppo.check_data_parallel(train_layout.dp)
+    if ppo.global_batch_size % gen_layout.dp:
+        raise ValueError(f"--global-batch-size {ppo.global_batch_size} prompts must split evenly "
+                         f"over the generation layout's {gen_layout.dp} data-parallel ranks "
+                         f"(--gen-layout {gen_layout.tp}x{gen_layout.dp})")
     for name, info in infos.items():
         if name != "draft":
             _check_layout(info, name, "train", train_layout.tp, train_layout.pp)
@@ -151,6 +153,72 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
         if warning and os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"warning: {warning}", file=sys.stderr)
     return plan
+
+
+def execution_plan(par: ParallelConfig, infos: dict, ppo: PPOConfig, loop: LoopConfig,
+                   gen: GenerationConfig, spec: SpecConfig, dtype: torch.dtype,
+                   world_size: int) -> ParallelConfig:
+    """``par`` with the layouts of ``--plan FILE`` (a plan from ``tools/plan.py --out``) or
+    of ``--plan auto``: the plan search (:mod:`megatron_rlhf.plan.search`) over what this
+    trainer executes, on this world and these models, priced with ``--plan-hardware``.
+    Every rank computes the same plan (the search is deterministic); no collectives."""
+    import dataclasses
+
+    from megatron_rlhf.plan import cost, search
+    from megatron_rlhf.plan import memory as mem
+    from megatron_rlhf.plan.graph import rlhf_graph
+
+    if par.plan != "auto":
+        train, gen_layout = search.trainer_layouts(search.Plan.load(par.plan))
+        return dataclasses.replace(par, plan=None, train_layout=train, gen_layout=gen_layout)
+    models = {role: info.config for role, info in infos.items()}
+    hw, profiles = _plan_hardware(par.plan_hardware)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    gpu_gb = (torch.cuda.get_device_properties(0).total_memory / 1e9 if torch.cuda.is_available()
+              else hw.gpu_memory_gb)
+    spec_model = None
+    if "draft" in models and (spec.auto or spec.num_draft_tokens):
+        spec_model = cost.Speculation(models["draft"], max_draft_tokens=spec.max_tokens(True))
+    est = cost.Estimator(models, dataclasses.replace(hw, gpus_per_node=local, gpu_memory_gb=gpu_gb),
+                         profiles, cost.Options(param_bytes=dtype.itemsize,
+                                                micro_batch_size=ppo.micro_batch_size,
+                                                recompute=par.recompute_granularity or "none",
+                                                speculation=spec_model))
+    graph = rlhf_graph(ppo.samples_per_iteration, loop.max_prompt_length, gen.max_new_tokens,
+                       critic=ppo.use_critic, reward_model="reward" in models,
+                       draft="draft" in models, draft_distill=loop.draft_distill,
+                       ppo_epochs=ppo.ppo_epochs, mini_batches=ppo.num_mini_batches,
+                       group=ppo.rollout_n)
+    cluster = mem.Cluster(nodes=max(world_size // local, 1), gpus_per_node=min(local, world_size),
+                          gpu_memory_gb=gpu_gb)
+    found = search.search(graph, est, cluster, seed=loop.seed, space="trainer")
+    train, gen_layout = search.trainer_layouts(found.best.plan)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"plan auto: --train-layout {train} --gen-layout {gen_layout} (predicted "
+              f"{found.best.time_s:.1f} s per iteration, {found.speedup:.2f}x the default; "
+              f"{found.method}, {found.evaluated} plans)", file=sys.stderr)
+    return dataclasses.replace(par, plan=None, train_layout=train, gen_layout=gen_layout)
+
+
+def _plan_hardware(name: str | None):
+    """``(Hardware, {shape: Profile})`` for ``--plan-hardware``."""
+    import json
+    from pathlib import Path
+
+    from megatron_rlhf.plan import cost
+
+    if name is None:
+        name = "h100" if torch.cuda.is_available() else "cpu"
+    if name in cost.HARDWARE:
+        return cost.HARDWARE[name], {}
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"--plan-hardware {name!r}: use one of {', '.join(cost.HARDWARE)} or a JSON file")
+    data = json.loads(path.read_text())
+    if "forward" in data:  # a measured Profile, with its fitted hardware
+        prof = cost.Profile(**data)
+        return cost.Hardware(**prof.hardware), {prof.shape: prof}
+    return cost.Hardware(**data), {}
 
 
 def memory_warning(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int) -> str | None:

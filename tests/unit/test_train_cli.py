@@ -1,5 +1,7 @@
 """``python -m megatron_rlhf.train``: bad input is reported before any collective starts."""
 
+import json
+
 import pytest
 
 import rlhf_fixtures as F
@@ -69,7 +71,18 @@ CASES = [
     ("layout_contradicts_tp",
      dict(train_layout="1x1x2", tensor_model_parallel_size=2), 2,
      "--tensor-model-parallel-size 2 contradicts --train-layout 1x1x2"),
+    ("plan_and_layouts",
+     dict(plan="auto", gen_layout="1x2"), 2,
+     "--plan sets the layouts: drop --train-layout and --gen-layout, or --plan"),
+    ("plan_file_missing",
+     lambda f: dict(plan=f["empty"] / "plan.json"), 2,
+     "plan.json does not exist (write one with tools/plan.py --out FILE)"),
+    ("plan_not_executable",
+     lambda f: dict(plan=f["plans"]["split"]), 2,
+     "the plan puts ref_inf on 1x1x2 and critic_inf on 2x1x1: this trainer runs every call but "
+     "generation on one layout"),
     ("valid", {}, 2, None),  # the control: good flags get as far as the first collective
+    ("valid_plan", lambda f: dict(plan=f["plans"]["ok"]), 2, None),
     ("valid_layouts", dict(train_layout="2x1x1", gen_layout="1x2"), 2, None),
     ("valid_pipeline", dict(train_layout="1x2x1"), 2, None),
 ]
@@ -85,6 +98,12 @@ def results(world1, tmp_path_factory):
     long[4] = "abcdefghijklmnopqrst"  # line 5: 20 tokens
     files = {"long_prompts": F.write_prompts(d / "long.jsonl", long), "empty": d / "empty"}
     files["empty"].mkdir()
+    files["plans"] = {}
+    for name, train in (("ok", "2x1x1"), ("split", "1x1x2")):
+        layouts = {"actor_gen": "1x2", "ref_inf": train, "critic_inf": "2x1x1",
+                   "actor_train": "2x1x1", "critic_train": "2x1x1"}
+        files["plans"][name] = d / f"{name}.json"
+        files["plans"][name].write_text(json.dumps({"layouts": layouts}))
     cases = []
     for _, extra, world, _ in CASES:
         flags = extra(files) if callable(extra) else extra

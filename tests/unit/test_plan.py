@@ -1,0 +1,205 @@
+"""The plan search (megatron_rlhf/plan): the dataflow graph, the cost estimator on
+synthetic cost tables (every term computed by hand from the documented model), the
+search (deterministic, annealing reaches the exhaustive optimum, infeasible requests name
+their shortfall), plan files and what the trainer executes."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.config import preset
+from megatron_rlhf.parallel.layout import Layout
+from megatron_rlhf.plan import memory as mem
+from megatron_rlhf.plan import search as S
+from megatron_rlhf.plan.cost import Estimator, Hardware, Options, Profile, shape_key
+from megatron_rlhf.plan.graph import Call, rlhf_graph
+
+TINY = preset("tiny")
+HW = Hardware("synthetic", flops=1e12, mem_bw=1e11, intra_bw=1e9, inter_bw=1e8, latency_s=1e-3,
+              gpus_per_node=8, gpu_memory_gb=80.0)
+# per-layer seconds at TP=1: linear in tokens (1e-4 s per token forward, 3e-4 forward +
+# backward, 2e-5 the head), decode 1e-3 s per token fed
+PROFILE = Profile(shape=shape_key(TINY), tokens=[10, 1000], forward=[1e-3, 1e-1], train=[3e-3, 3e-1],
+                  head=[2e-4, 2e-2], batches=[1, 100], decode=[1e-3, 1e-1], context=16)
+
+
+def _est(**opt) -> Estimator:
+    opts = dict(param_bytes=4, micro_batch_size=2)
+    opts.update(opt)
+    return Estimator({"actor": TINY, "critic": TINY, "reference": TINY}, HW,
+                     {PROFILE.shape: PROFILE}, Options(**opts))
+
+
+def _all_reduce(nbytes, group):
+    return 0.0 if group == 1 else 1e-3 + 2 * (group - 1) / group * nbytes / 1e9
+
+
+def test_the_graph_of_a_ppo_iteration():
+    g = rlhf_graph(8, 6, 4, critic=True, reward_model=True, draft=True, draft_distill=True)
+    assert [c.name for c in g.calls] == ["actor_gen", "ref_inf", "reward_inf", "critic_inf",
+                                         "actor_train", "critic_train", "draft_train"]
+    assert g.order()[0] == "actor_gen" and g.order().index("actor_train") > g.order().index("critic_inf")
+    assert set(g.deps("actor_train")) == {"actor_gen", "ref_inf", "reward_inf", "critic_inf"}
+    assert {(e.src, e.dst, e.what) for e in g.weight_edges()} == {
+        ("actor_train", "actor_gen", "actor"), ("critic_train", "critic_inf", "critic"),
+        ("draft_train", "actor_gen", "draft")}
+    grpo = rlhf_graph(8, 6, 4, critic=False)
+    assert [c.name for c in grpo.calls] == ["actor_gen", "ref_inf", "actor_train"]
+
+
+def test_inference_time_by_hand():
+    """8 samples of 10 tokens, TP=2 x DP=2, micro-batches of 2: per rank 2 micro-batches of
+    20 tokens; per layer the forward (2e-3 s at TP 1, halved) and two all-reduces of
+    20 x 64 x 4 bytes; the head once per micro-batch."""
+    call = Call("ref_inf", "reference", "infer", samples=8, prompt_len=6, gen_len=4)
+    got = _est().call_time(call, Layout(tp=2, pp=1, dp=2))
+    layer = 2e-3 / 2 + 2 * _all_reduce(20 * 64 * 4, 2)
+    want = 2 * (2 * layer + 4e-4 / 2)
+    assert got["total"] == pytest.approx(want, rel=1e-9) and got["bubble"] == 0
+
+
+def test_training_time_by_hand():
+    """PP=2 x DP=2: 1F1B over 2 micro-batches takes 2 + (2 - 1) slots of one stage (one
+    layer's forward+backward, half the head, a point-to-point send); the distributed
+    optimizer's reduce-scatter (fp32 gradients) and all-gather (parameters) per step; Adam
+    reads and writes 16 bytes per parameter of its DP shard."""
+    call = Call("actor_train", "actor", "train", samples=8, prompt_len=6, gen_len=4)
+    got = _est().call_time(call, Layout(tp=1, pp=2, dp=2))
+    stage = 6e-3 + 4e-4 / 2 + (1e-3 + 20 * 64 * 4 / 1e9)
+    assert got["compute"] + got["bubble"] == pytest.approx(3 * stage, rel=1e-9)
+    assert got["bubble"] == pytest.approx(stage, rel=1e-9)
+    params = mem.stage_params(TINY, "actor", 2, 0).per_gpu(1)
+    rs = 1e-3 + 0.5 * params * 4 / 1e9
+    assert got["grad_sync"] == pytest.approx(2 * rs, rel=1e-9)
+    assert got["optimizer"] == pytest.approx(params / 2 * 32 / 1e11, rel=1e-9)
+
+
+def test_generation_time_follows_the_tail_by_hand():
+    """Half the samples stop at half the length: 2 tokens at 4 live samples per rank, then
+    2 tokens at 2; a step is 2 layers of decode (1e-3 s per token fed, interpolated) and the
+    head; prefill is one forward over each rank's 4 prompts of 6 tokens."""
+    call = Call("actor_gen", "actor", "generate", samples=8, prompt_len=6, gen_len=4)
+    got = _est(response_fractions=(0.5, 1.0)).call_time(call, Layout(tp=1, pp=1, dp=2))
+
+    def dec(tokens):
+        return 1e-3 + (1e-1 - 1e-3) * (tokens - 1) / 99
+
+    def per_token(live):
+        return 2 * dec(live) + 2e-4 * live / 10
+
+    assert got["decode"] == pytest.approx(2 * per_token(4) + 2 * per_token(2), rel=1e-9)
+    assert got["prefill"] == pytest.approx(2 * (1e-3 + 0.099 * 14 / 990) + 2e-4 * 4 / 10, rel=1e-9)
+
+
+def test_speculation_takes_the_best_draft_length():
+    """With a draft that costs nothing and accepts everything, n = max_draft_tokens emits
+    n + 1 tokens per verification, whose cost is the actor's step at n + 1 tokens."""
+    from megatron_rlhf.plan.cost import Speculation
+
+    free = TINY.replace(num_layers=1, hidden_size=8, ffn_hidden_size=8, num_attention_heads=1,
+                        num_query_groups=1, vocab_size=8, kv_channels=8)
+    est = _est(speculation=Speculation(free, acceptance=1.0, max_draft_tokens=3))
+    # memory-bound decode: a step feeding 100 tokens costs twice one feeding 1
+    est.profiles[PROFILE.shape] = Profile(**dict(PROFILE.__dict__, decode=[1e-3, 2e-3]))
+    got = est._per_token(TINY, 1, 16, 1, est.opt.speculation)
+    verify = 2 * (1e-3 + 1e-3 * 3 / 99) + 2e-4 * 4 / 10
+    draft = 3 * est._per_token(free, 1, 16, 1, None)
+    assert got == pytest.approx((draft + verify) / 4, rel=1e-9)
+
+
+def test_reallocation_only_between_different_layouts():
+    est = _est()
+    assert est.realloc("actor", Layout(tp=2, dp=2), Layout(tp=2, dp=2)) == (0.0, 0)
+    seconds, nbytes = est.realloc("actor", Layout(tp=2, dp=2), Layout(tp=1, dp=4))
+    assert nbytes == mem.stage_params(TINY, "actor").total * 4 and seconds > nbytes / 1e9
+
+
+# ---------------------------------------------------------------------------- search
+def _llama_case(nodes=1, gb=80.0, critic=False):
+    models = {"actor": preset("llama2-7b"), "reference": preset("llama2-7b")}
+    if critic:
+        models["critic"] = preset("llama2-7b")
+    from megatron_rlhf.plan.cost import HARDWARE
+
+    est = Estimator(models, HARDWARE["h100"], options=Options(response_fractions=(0.25, 0.5, 1.0)))
+    graph = rlhf_graph(64, 512, 512, critic=critic)
+    return graph, est, mem.Cluster(nodes=nodes, gpus_per_node=8, gpu_memory_gb=gb)
+
+
+def test_annealing_is_deterministic_and_reaches_the_exhaustive_optimum(monkeypatch):
+    graph, est, cluster = _llama_case()
+    exhaustive = S.search(graph, est, cluster, seed=0)
+    assert exhaustive.method == "exhaustive"
+    monkeypatch.setattr(S, "EXHAUSTIVE_LIMIT", 0)
+    a = S.search(graph, est, cluster, seed=3, budget=1500)
+    b = S.search(graph, est, cluster, seed=3, budget=1500)
+    assert a.method == "simulated annealing"
+    assert a.best.plan.key() == b.best.plan.key() and a.evaluated == b.evaluated
+    assert a.best.time_s == pytest.approx(exhaustive.best.time_s, rel=1e-9)
+    assert exhaustive.best.time_s <= exhaustive.default.time_s
+
+
+def test_a_request_that_cannot_fit_names_its_smallest_shortfall():
+    models = {"actor": preset("llama2-70b"), "reference": preset("llama2-70b")}
+    from megatron_rlhf.plan.cost import HARDWARE
+
+    est = Estimator(models, HARDWARE["h100"])
+    cluster = mem.Cluster(nodes=1, gpus_per_node=8, gpu_memory_gb=24)
+    with pytest.raises(ValueError, match=r"no plan fits 1x8 GPUs of 24 GB: the closest .* lacks "
+                                         r"\d+\.\d GB per GPU in \w+"):
+        S.search(rlhf_graph(64, 512, 512, critic=False), est, cluster)
+
+
+def test_plans_the_trainer_executes_and_plan_files(tmp_path):
+    graph, est, cluster = _llama_case(critic=True)
+    found = S.search(graph, est, cluster, space="trainer")
+    train, gen = S.trainer_layouts(found.best.plan)
+    assert all(found.best.plan.text(c) == train for c in found.best.plan.layouts if c != "actor_gen")
+    assert gen == found.best.plan.text("actor_gen")
+    found.best.plan.save(tmp_path / "p.json")
+    assert S.Plan.load(tmp_path / "p.json").key() == found.best.plan.key()
+    split = dict(found.best.plan.layouts, ref_inf=Layout(tp=8, pp=1, dp=1))
+    if split["ref_inf"] != found.best.plan.layouts["actor_train"]:
+        with pytest.raises(ValueError, match="this trainer runs every call but generation on one layout"):
+            S.trainer_layouts(S.Plan(split))
+
+
+def test_tools_plan_prints_and_writes_a_plan(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import plan as tool
+
+    out = tmp_path / "plan.json"
+    assert tool.main(["--actor", "llama2-7b", "--critic", "llama2-7b", "--nodes", "1",
+                      "--rollout-batch", "64", "--space", "trainer", "--json", "--out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["best"]["fits"] and report["speedup_vs_default"] >= 1.0
+    assert math.isclose(sum(p["total"] for p in report["best"]["calls"].values())
+                        + sum(r["s"] for r in report["best"]["reallocations"].values()),
+                        report["best"]["time_s"], rel_tol=1e-6)  # parts rounded to 1 us
+    S.trainer_layouts(S.Plan.load(out))
+    assert tool.main(["--actor", "llama2-70b", "--nodes", "1", "--gpu-memory-gb", "24"]) == 2
+    assert "no plan fits" in capsys.readouterr().err
+
+
+def test_plan_auto_gives_the_trainer_layouts_it_can_run(world1, tmp_path, monkeypatch):
+    import torch
+
+    import rlhf_fixtures as F
+    from megatron_rlhf.config import GenerationConfig, LoopConfig, ParallelConfig, PPOConfig, SpecConfig
+    from megatron_rlhf.models.checkpoint import read_checkpoint
+    from megatron_rlhf.rlhf.build import execution_plan
+
+    info = read_checkpoint(F.make_actor_checkpoint(tmp_path / "actor", world1))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    par = execution_plan(ParallelConfig(plan="auto"), {"actor": info, "reference": info, "critic": info},
+                         PPOConfig(global_batch_size=4, rollout_n=2, micro_batch_size=2),
+                         LoopConfig(max_prompt_length=8), GenerationConfig(max_new_tokens=6),
+                         SpecConfig(0), torch.float32, world_size=4)
+    assert par.plan is None and par.train_layout and par.gen_layout
+    train, gen = par.layouts(4)
+    assert train.size == gen.size == 4 and gen.pp == 1
