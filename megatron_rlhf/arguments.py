@@ -212,7 +212,9 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-n", type=int, default=2, help="responses sampled per prompt")
     g = p.add_argument_group("PPO")
     g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="gae",
-                   help="gae (critic) or grpo (group-normalised, no critic)")
+                   help="gae (critic), grpo (group-normalised, KL as a loss), rloo (leave-one-out "
+                        "baseline in the group) or reinforce++ (whitened returns); the last three "
+                        "train no critic")
     g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each iteration's samples")
     g.add_argument("--num-mini-batches", type=int, default=1, help="optimizer steps per PPO epoch")
     g.add_argument("--gamma", type=float, default=1.0, help="GAE discount")

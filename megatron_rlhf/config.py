@@ -322,7 +322,10 @@ class MigrationConfig:
         return dp > 1 and self.sample_migration is not False
 
 
-ADVANTAGE_ESTIMATORS = ("gae", "grpo")
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce++")
+"""gae: a critic; grpo: group-normalised scores, KL as a loss term; rloo: leave-one-out
+baselines within a prompt's group, KL in the reward; reinforce++: discounted returns of
+the KL-shaped reward whitened over the batch (no baseline model)."""
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 
 
@@ -373,8 +376,9 @@ class PPOConfig:
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; "
                              f"valid: {', '.join(KL_ESTIMATORS)}")
-        if self.advantage_estimator == "grpo" and self.rollout_n < 2:
-            raise ValueError("grpo normalises rewards within a prompt's group: use --rollout-n >= 2")
+        if self.advantage_estimator in ("grpo", "rloo") and self.rollout_n < 2:
+            raise ValueError(f"{self.advantage_estimator} compares the responses to one prompt: "
+                             "use --rollout-n >= 2")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"gamma and lam must lie in [0, 1], got {self.gamma}, {self.lam}")
         if self.clip_eps <= 0 or self.value_clip_eps < 0 or self.kl_coef < 0:
@@ -383,6 +387,11 @@ class PPOConfig:
     @property
     def use_critic(self) -> bool:
         return self.advantage_estimator == "gae"
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """The KL to the reference is a loss term (GRPO), not part of the reward."""
+        return self.advantage_estimator == "grpo"
 
     @property
     def samples_per_iteration(self) -> int:

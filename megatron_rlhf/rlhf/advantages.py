@@ -5,6 +5,9 @@ Shapes: ``B`` samples, ``T`` response positions (right-padded); ``mask`` is ``[B
 
 - :func:`gae`: generalised advantage estimation with a learned value (PPO).
 - :func:`grpo_advantages`: group-relative scores, no value model (GRPO).
+- :func:`rloo_advantages`: leave-one-out baselines within a group, KL-shaped returns (RLOO).
+- :func:`reinforce_pp_advantages`: whitened discounted returns of the KL-shaped reward
+  (REINFORCE++).
 - :func:`masked_whiten`: batch (optionally data-parallel global) normalisation.
 
 Estimators are registered by name in :data:`ADVANTAGE_ESTIMATORS`.
@@ -118,3 +121,51 @@ def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 
         if scale_by_std:
             adv = adv / (grouped.std(dim=1, keepdim=True) + eps)
     return adv.reshape(B, 1) * mask.to(scores.dtype)  # [B, T]
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """``G_t = r_t + gamma * G_{t+1}`` over each right-padded response (``[B, T]``; 0 at
+    padding, and nothing flows back from padding)."""
+    m = mask.to(token_rewards.dtype)
+    rewards = torch.where(m > 0, token_rewards, torch.zeros_like(token_rewards))
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])  # [B]
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * m[:, t]
+        out[:, t] = running
+    return out
+
+
+def leave_one_out(scores: Tensor, group_size: int) -> Tensor:
+    """``scores`` [B] (consecutive groups of ``group_size``) minus the mean of the other
+    scores of their group: ``r_i - (sum_j r_j - r_i) / (k - 1)``."""
+    B = scores.shape[0]
+    if group_size < 2 or B % group_size:
+        raise ValueError(f"leave-one-out needs groups of >= 2 samples dividing the batch "
+                         f"({B} samples, groups of {group_size})")
+    g = scores.view(B // group_size, group_size)
+    baseline = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
+    return (g - baseline).reshape(B)
+
+
+def rloo_advantages(scores: Tensor, kl: Tensor, mask: Tensor, group_size: int,
+                    kl_coef: float) -> Tensor:
+    """RLOO (Ahmadian et al. 2024, as OpenRLHF runs it): each sample's score against the
+    mean of the other responses to its prompt, placed at its last token, minus
+    ``kl_coef * kl`` at every token; the advantage at ``t`` is the return from ``t``
+    (undiscounted). [B, T], 0 at padding."""
+    from megatron_rlhf.rlhf.losses import token_rewards
+
+    return discounted_returns(token_rewards(leave_one_out(scores, group_size), kl, mask, kl_coef), mask)
+
+
+def reinforce_pp_advantages(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float,
+                            gamma: float = 1.0, group: dist.ProcessGroup | None = None) -> Tensor:
+    """REINFORCE++ (Hu 2025): the discounted return of the KL-shaped reward (score at the
+    last token, ``-kl_coef * kl`` at every token), whitened over every response token of
+    the batch (over ``group``'s ranks too). [B, T], 0 at padding."""
+    from megatron_rlhf.rlhf.losses import token_rewards
+
+    returns = discounted_returns(token_rewards(scores, kl, mask, kl_coef), mask, gamma)
+    return masked_whiten(returns, mask, group=group)
+

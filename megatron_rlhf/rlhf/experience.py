@@ -21,7 +21,13 @@ from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, PPOConfig
 from megatron_rlhf.models.forward import logits_of, values_of
 from megatron_rlhf.models.pipeline import map_micro_batches
-from megatron_rlhf.rlhf.advantages import gae, grpo_advantages, masked_whiten
+from megatron_rlhf.rlhf.advantages import (
+    gae,
+    grpo_advantages,
+    masked_whiten,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from megatron_rlhf.rlhf.batch import Experience, last_token_index, pack, response_slice
 from megatron_rlhf.rlhf.losses import kl_estimate, policy_logprobs, reshapes_policy, token_rewards
 from megatron_rlhf.rlhf.rewards import RewardError, RewardInput, score_samples
@@ -117,8 +123,13 @@ class ExperienceMaker:
             rewards = token_rewards(exp.scores, exp.kl, mask, cfg.kl_coef)
             adv, exp.returns = gae(rewards, exp.values, mask, cfg.gamma, cfg.lam)
             exp.advantages = masked_whiten(adv, mask, group=self.dp_group) if cfg.whiten_advantages else adv
-        else:
+        elif cfg.advantage_estimator == "grpo":
             exp.advantages = grpo_advantages(exp.scores, cfg.rollout_n, mask)
+        elif cfg.advantage_estimator == "rloo":
+            exp.advantages = rloo_advantages(exp.scores, exp.kl, mask, cfg.rollout_n, cfg.kl_coef)
+        else:
+            exp.advantages = reinforce_pp_advantages(exp.scores, exp.kl, mask, cfg.kl_coef, cfg.gamma,
+                                                     group=self.dp_group)
         return exp
 
     def _scores(self, exp, prompts, prompt_texts, responses, rollout, first_index):

@@ -101,7 +101,7 @@ def _policy_loss(actor, output, mb: Experience, cfg: PPOConfig, sums: _Sums) -> 
     loss = pg_loss
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * entropy
-    if not cfg.use_critic and cfg.kl_coef:  # grpo: KL to the reference as a loss term
+    if cfg.kl_in_loss and cfg.kl_coef:  # grpo: KL to the reference as a loss term
         kl = kl_estimate(logp, mb.ref_logprobs, cfg.kl_estimator)
         loss = loss + cfg.kl_coef * kl
         sums.add("kl_loss", kl, mask)

@@ -177,10 +177,59 @@ def test_grpo_rejects_batch_not_divisible():
         adv.grpo_advantages(torch.zeros(6), 4, torch.ones(6, 3))
 
 
+def _shaped_returns_ref(scores, kl, lengths, T, kl_coef, gamma):
+    """Per row, in plain Python: reward -kl_coef*kl_t at each token plus the score at the
+    last; the return G_t = r_t + gamma * G_{t+1}; 0 at padding."""
+    out = []
+    for i, n in enumerate(lengths):
+        r = [-kl_coef * float(kl[i, t]) for t in range(n)]
+        if n:
+            r[-1] += float(scores[i])
+        g, row = 0.0, [0.0] * T
+        for t in reversed(range(n)):
+            g = r[t] + gamma * g
+            row[t] = g
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_rloo_advantages(seed, group_size):
+    """Each score minus the mean of the other scores of its group, then KL-shaped
+    undiscounted returns."""
+    kl, _, _, mask, lengths = _batch(seed)
+    scores = torch.randn(8, generator=torch.Generator().manual_seed(seed + 7), dtype=torch.float64)
+    baselined = []
+    for i in range(8):
+        start = i - i % group_size
+        others = [float(scores[j]) for j in range(start, start + group_size) if j != i]
+        baselined.append(float(scores[i]) - sum(others) / len(others))
+    out = adv.rloo_advantages(scores, kl, mask, group_size, kl_coef=0.1)
+    _assert_rows(out, _shaped_returns_ref(baselined, kl, lengths, mask.shape[1], 0.1, 1.0))
+    with pytest.raises(ValueError, match="groups of >= 2 samples"):
+        adv.rloo_advantages(scores, kl, mask, 1, kl_coef=0.1)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_pp_advantages(seed, gamma):
+    """KL-shaped discounted returns, whitened over every response token of the batch."""
+    kl, _, _, mask, lengths = _batch(seed)
+    scores = torch.randn(8, generator=torch.Generator().manual_seed(seed + 11), dtype=torch.float64)
+    returns = _shaped_returns_ref(scores, kl, lengths, mask.shape[1], 0.05, gamma)
+    flat = [returns[i][t] for i, n in enumerate(lengths) for t in range(n)]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((x - mean) ** 2 for x in flat) / len(flat) + 1e-8)
+    want = [[(returns[i][t] - mean) / std if t < n else 0.0 for t in range(mask.shape[1])]
+            for i, n in enumerate(lengths)]
+    _assert_rows(adv.reinforce_pp_advantages(scores, kl, mask, kl_coef=0.05, gamma=gamma), want)
+
+
 def test_advantage_estimator_names():
     for name in adv.ADVANTAGE_ESTIMATORS:
         adv.check_advantage_estimator(name)
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'x'; valid: gae, grpo"):
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'x'; valid: gae, grpo, rloo, reinforce\+\+"):
         adv.check_advantage_estimator("x")
 
 
