@@ -22,6 +22,11 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+FAMILIES = ("llama", "mistral", "qwen2")
+"""Hugging Face architectures a ModelConfig maps onto (``model_type``)."""
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 @dataclass
 class ModelConfig:
     """A Llama-family decoder: RoPE, RMSNorm, SwiGLU, grouped-query attention."""
@@ -60,6 +65,17 @@ class ModelConfig:
     token (EAGLE, Li et al. 2024). Its input at position ``t`` is
     ``fc([embed(x_t), h_{t-1}])`` with ``h`` the target's final-norm output, so one or two
     layers predict the target's next token far better than a standalone small model."""
+    family: str = "llama"
+    """The Hugging Face architecture (``model_type``) the weights map onto: llama, mistral
+    (Llama's layers; a sliding window) or qwen2 (biases on q, k and v)."""
+    rope_scaling: dict | None = None
+    """Llama-3.1/3.2 RoPE scaling (``rope_type`` llama3): ``factor``, ``low_freq_factor``,
+    ``high_freq_factor``, ``original_max_position_embeddings``. None: plain RoPE."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    sliding_window: int | None = None
+    """Each token attends to at most this many tokens (Mistral v0.1). Not implemented:
+    runs whose sequences are longer are refused (:meth:`check_attention_span`)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -87,6 +103,23 @@ class ModelConfig:
                 raise ValueError("a reduced LM head (head_vocab_size) cannot be tied to the embedding")
         if self.rotary_base <= 0 or self.norm_epsilon <= 0:
             raise ValueError("rotary_base and norm_epsilon must be positive")
+        if self.family not in FAMILIES:
+            raise ValueError(f"model family {self.family!r} is not supported; supported: {', '.join(FAMILIES)}")
+        if self.rope_scaling is not None:
+            missing = [k for k in ROPE_SCALING_KEYS if k not in self.rope_scaling]
+            if missing:
+                raise ValueError(f"rope_scaling lacks {missing}: give {', '.join(ROPE_SCALING_KEYS)}")
+        if self.sliding_window is not None:
+            _positive("sliding_window", self.sliding_window)
+
+    def check_attention_span(self, tokens: int) -> None:
+        """Refuse sequences of ``tokens`` tokens that a sliding window would cut."""
+        if self.sliding_window is not None and tokens > self.sliding_window:
+            raise ValueError(
+                f"the model attends within a sliding window of {self.sliding_window} tokens and "
+                f"sequences here reach {tokens}: sliding-window attention is not implemented, so "
+                f"keep prompt + new tokens <= {self.sliding_window} (--max-prompt-length, "
+                "--max-new-tokens)")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -525,6 +558,25 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-mha": ModelConfig(
         num_layers=3, hidden_size=48, ffn_hidden_size=96, num_attention_heads=4,
         num_query_groups=4, vocab_size=256, max_position_embeddings=256, eos_token_id=1,
+    ),
+    # the other families' features at tiny sizes: Llama-3.1 RoPE scaling (an original
+    # context short enough that the scaling changes frequencies), Qwen2's q/k/v biases,
+    # Mistral's sliding window
+    "tiny-llama3": ModelConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        num_query_groups=2, vocab_size=256, max_position_embeddings=256, rotary_base=50000.0,
+        eos_token_id=1, rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64},
+    ),
+    "tiny-qwen2": ModelConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        num_query_groups=2, vocab_size=256, max_position_embeddings=256, rotary_base=1e6,
+        norm_epsilon=1e-6, eos_token_id=1, family="qwen2", qkv_bias=True,
+    ),
+    "tiny-mistral": ModelConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        num_query_groups=2, vocab_size=256, max_position_embeddings=256, eos_token_id=1,
+        family="mistral", sliding_window=128,
     ),
 }
 

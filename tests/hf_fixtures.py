@@ -11,15 +11,19 @@ from megatron_rlhf.models.hf_mapping import hf_config_dict
 
 
 def make_hf_llama(name: str, seed: int = 0):
-    """A ``LlamaForCausalLM`` with the shape of preset ``name`` and random weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A ``LlamaForCausalLM`` (``MistralForCausalLM``, ``Qwen2ForCausalLM`` for presets of
+    those families) with the shape of preset ``name`` and random weights."""
+    import transformers
 
     cfg = preset(name)
+    d = hf_config_dict(cfg)
+    kind = d["architectures"][0]
+    config_cls = getattr(transformers, kind.replace("ForCausalLM", "Config"))
     torch.manual_seed(seed)
-    hf = LlamaForCausalLM(LlamaConfig(**hf_config_dict(cfg))).eval()
-    with torch.no_grad():  # norms are ones at init: make them informative
+    hf = getattr(transformers, kind)(config_cls(**d)).eval()
+    with torch.no_grad():  # norms are ones and biases zeros at init: make them informative
         for n, p in hf.named_parameters():
-            if "norm" in n:
+            if "norm" in n or n.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.2)
     return hf
 

@@ -99,7 +99,11 @@ def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecCon
                 f"(+{extra} for verification) it exceeds the cache of {limit} positions; "
                 "shorten the prompt or lower --max-new-tokens"
             )
-    return max((len(p) for p in prompts), default=0) + cfg.max_new_tokens + extra
+    longest = max((len(p) for p in prompts), default=0)
+    for c in (actor_cfg, draft_cfg):
+        if c is not None:
+            c.check_attention_span(longest + cfg.max_new_tokens)
+    return longest + cfg.max_new_tokens + extra
 
 
 class Generator:

@@ -62,7 +62,7 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=cfg.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -128,6 +128,16 @@ def check_mask_honoured(model) -> None:
     model._mrlhf_mask_ok = True
 
 
+def _scale_rope(model, scaling: dict) -> None:
+    """Llama-3.x RoPE scaling with every parameter the checkpoint gives (megatron-core's own
+    ``rope_scaling`` takes the factor only and fixes the rest to Llama-3.1's values)."""
+    rope = model.rotary_pos_emb
+    rope.inv_freq = rope._apply_scaling(
+        rope.inv_freq, factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+        high_freq_factor=scaling["high_freq_factor"],
+        original_max_position_embeddings=scaling["original_max_position_embeddings"])
+
+
 def build_model(
     cfg: ModelConfig,
     role: str,
@@ -171,6 +181,8 @@ def build_model(
         )
         model.mrlhf_config = cfg
         model.mrlhf_role = role
+        if cfg.rope_scaling is not None:
+            _scale_rope(model, cfg.rope_scaling)
         if value and model.post_process:
             from megatron_rlhf.models.heads import attach_value_head
 

@@ -45,9 +45,13 @@ def read_hf_dir(path: Path) -> HFCheckpoint:
     """A HF directory with ``config.json`` and ``*.safetensors`` (sharded or not)."""
     from safetensors.torch import load_file
 
+    from megatron_rlhf.models.hf_mapping import config_from_hf
+
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json: is it a Hugging Face model directory?")
+    config = json.loads(cfg_file.read_text())
+    config_from_hf(config)  # an unsupported architecture is named before anything else
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(
@@ -56,7 +60,6 @@ def read_hf_dir(path: Path) -> HFCheckpoint:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(f)))
-    config = json.loads(cfg_file.read_text())
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     return HFCheckpoint(config, tensors, _maybe_tokenizer(path))

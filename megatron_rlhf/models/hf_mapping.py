@@ -1,4 +1,5 @@
-"""Hugging Face Llama <-> megatron-core tensor and config mapping (full, unsharded tensors).
+"""Hugging Face Llama (and Mistral, Qwen2) <-> megatron-core tensor and config mapping
+(full, unsharded tensors).
 
 Conversion happens at TP=1 on one process; dist_checkpointing then makes the result
 loadable at any TP size. Names on the megatron side are those of the local layer spec
@@ -13,30 +14,44 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rlhf.config import ModelConfig
+from megatron_rlhf.config import FAMILIES, ROPE_SCALING_KEYS, ModelConfig
 
 
 class ShapeMismatch(ValueError):
     """A tensor whose shape does not match the model config; the message names it."""
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
-    """ModelConfig from a HF ``LlamaConfig`` dict (``config.json``)."""
-    if hf.get("model_type") not in ("llama", None):
-        raise ValueError(f"only Llama-family checkpoints convert, got model_type={hf['model_type']!r}")
+    """ModelConfig from a HF config dict (``config.json``) of a Llama, Mistral or Qwen2."""
+    family = hf.get("model_type") or "llama"
+    if family not in FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported; supported model types: "
+                         f"{', '.join(FAMILIES)}")
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ValueError(f"RoPE scaling {rope_type!r} is not supported; only plain RoPE")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("Llama checkpoints with attention or MLP biases are not supported")
+    rope_scaling = None
+    if rope_type == "llama3":
+        params = {**scaling, **rope}
+        rope_scaling = {k: float(params[k]) for k in ROPE_SCALING_KEYS}
+        rope_scaling["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    elif rope_type != "default":
+        raise ValueError(f"RoPE scaling {rope_type!r} is not supported; plain RoPE and llama3 are")
+    if hf.get("mlp_bias") or (family != "qwen2" and hf.get("attention_bias")):
+        raise ValueError(f"{family} checkpoints with MLP or output-projection biases are not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; Llama uses silu")
+    window = hf.get("sliding_window")
+    if family == "qwen2" and not hf.get("use_sliding_window", False):
+        window = None
     heads = hf["num_attention_heads"]
     eos = hf.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0]
+    positions = hf.get("max_position_embeddings", 4096)
     return ModelConfig(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -44,21 +59,28 @@ def config_from_hf(hf: dict) -> ModelConfig:
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
         vocab_size=hf["vocab_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        max_position_embeddings=positions,
         rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos,
+        family=family,
+        rope_scaling=rope_scaling,
+        qkv_bias=family == "qwen2",
+        sliding_window=window if window and window < positions else None,
     )
 
 
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """A ``LlamaConfig`` dict that ``transformers`` loads."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    """A config dict of ``cfg``'s family (Llama, Mistral, Qwen2) that ``transformers`` loads."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    if cfg.rope_scaling is not None:
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rotary_base, **cfg.rope_scaling}
+    out = {
+        "architectures": [ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
         "num_hidden_layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.ffn_hidden_size,
@@ -68,15 +90,21 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": cfg.rotary_base,
+        "rope_parameters": rope,
         "rms_norm_eps": cfg.norm_epsilon,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if cfg.family == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    elif cfg.family == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    else:
+        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
+    return out
 
 
 def _expect(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -99,7 +127,8 @@ def _pad_vocab(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 def hf_to_mcore(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF ``LlamaForCausalLM`` state dict -> megatron ``GPTModel`` (local spec, TP=1)."""
+    """HF ``LlamaForCausalLM`` (Mistral, Qwen2) state dict -> megatron ``GPTModel`` (local
+    spec, TP=1); Qwen2's q/k/v biases go into ``linear_qkv.bias``, grouped as its weight."""
     h, d, f = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
     nh, ng, v = cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size
     out = {"embedding.word_embeddings.weight": _pad_vocab(_take(sd, "model.embed_tokens.weight", (v, h)), cfg)}
@@ -110,6 +139,11 @@ def hf_to_mcore(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         vv = _take(sd, a + "v_proj.weight", (ng * d, h)).reshape(ng, 1, d, h)
         p = f"decoder.layers.{i}."
         out[p + "self_attention.linear_qkv.weight"] = torch.cat([q, k, vv], 1).reshape(-1, h)
+        if cfg.qkv_bias:  # grouped like the weight's rows
+            qb = _take(sd, a + "q_proj.bias", (nh * d,)).reshape(ng, nh // ng, d)
+            kb = _take(sd, a + "k_proj.bias", (ng * d,)).reshape(ng, 1, d)
+            vb = _take(sd, a + "v_proj.bias", (ng * d,)).reshape(ng, 1, d)
+            out[p + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], 1).reshape(-1)
         out[p + "self_attention.linear_proj.weight"] = _take(sd, a + "o_proj.weight", (h, nh * d))
         out[p + "input_layernorm.weight"] = _take(sd, f"model.layers.{i}.input_layernorm.weight", (h,))
         out[p + "pre_mlp_layernorm.weight"] = _take(
@@ -139,6 +173,11 @@ def mcore_to_hf(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         out[a + "q_proj.weight"] = qkv[:, :qpg].reshape(nh * d, h)
         out[a + "k_proj.weight"] = qkv[:, qpg].reshape(ng * d, h)
         out[a + "v_proj.weight"] = qkv[:, qpg + 1].reshape(ng * d, h)
+        if cfg.qkv_bias:
+            bias = _take(sd, p + "self_attention.linear_qkv.bias", ((nh + 2 * ng) * d,)).reshape(ng, qpg + 2, d)
+            out[a + "q_proj.bias"] = bias[:, :qpg].reshape(nh * d)
+            out[a + "k_proj.bias"] = bias[:, qpg].reshape(ng * d)
+            out[a + "v_proj.bias"] = bias[:, qpg + 1].reshape(ng * d)
         out[a + "o_proj.weight"] = _take(sd, p + "self_attention.linear_proj.weight", (h, nh * d))
         out[f"model.layers.{i}.input_layernorm.weight"] = _take(sd, p + "input_layernorm.weight", (h,))
         out[f"model.layers.{i}.post_attention_layernorm.weight"] = _take(

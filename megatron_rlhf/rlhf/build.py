@@ -266,6 +266,10 @@ def _check_lengths(prompts, prompt_ids, loop, gen, drafts: int, infos) -> None:
                 f"{loop.max_prompt_length}: raise the limit or drop the prompt")
     need = loop.max_prompt_length + gen.max_new_tokens + drafts + 1
     for name, info in infos.items():
+        try:
+            info.config.check_attention_span(loop.max_prompt_length + gen.max_new_tokens)
+        except ValueError as e:
+            raise ValueError(f"the {name} ({info.path}): {e}") from None
         if need > info.config.max_position_embeddings:
             raise ValueError(
                 f"--max-prompt-length {loop.max_prompt_length} + --max-new-tokens "

@@ -17,7 +17,7 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-untied"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-untied", "tiny-llama3", "tiny-qwen2", "tiny-mistral"])
 def test_tp2_matches_hf_and_tp2_checkpoint_loads_at_tp1(world1, tmp_path, name):
     convert.hf_to_mcore(save_hf_llama(name, tmp_path / "hf"), tmp_path / "mcore")
     torchrun(2, ["tp_checkpoint.py", str(tmp_path / "mcore"), str(tmp_path), name])

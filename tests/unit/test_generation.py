@@ -25,7 +25,8 @@ def pair(world1):
 
 
 @pytest.mark.parametrize("name,chunk", [("tiny", 2048), ("tiny-untied", 2048), ("tiny-mha", 2048),
-                                        ("tiny", 1), ("tiny", 12)])
+                                        ("tiny", 1), ("tiny", 12), ("tiny-llama3", 2048),
+                                        ("tiny-qwen2", 12)])
 def test_incremental_forward_equals_full_recompute(world1, name, chunk):
     """chunk: prefill's real tokens per run of rows (1: one prompt per run; 12: runs of 1-3
     prompts, the layers computing their real tokens only, the attention padded)."""

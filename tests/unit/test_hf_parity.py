@@ -10,7 +10,7 @@ from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.checkpoint import load_checkpoint, read_checkpoint
 from megatron_rlhf.models.forward import lm_logits, token_values
 
-PRESETS = ["tiny", "tiny-untied", "tiny-mha"]
+PRESETS = ["tiny", "tiny-untied", "tiny-mha", "tiny-llama3", "tiny-qwen2", "tiny-mistral"]
 
 
 def rel_err(a, b):
@@ -44,7 +44,36 @@ def test_left_padding_is_masked(world1):
     assert rel_err(b, a) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-untied"])
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen2"])
+def test_family_features_change_the_logits(world1, name):
+    """Control for the parity above: without RoPE scaling (Llama-3.1) or the q/k/v biases
+    (Qwen2) our logits move away from transformers'."""
+    hf = make_hf_llama(name)
+    cfg = hf_mapping.config_from_hf(hf.config.to_dict())
+    tensors = hf_mapping.hf_to_mcore(hf.state_dict(), cfg)
+    plain = cfg.replace(rope_scaling=None, qkv_bias=False)
+    model = build_model(plain, "actor", world1, dtype=torch.float32)
+    hf_mapping.load_into_model(model, {k: v for k, v in tensors.items() if not k.endswith(".bias")})
+    ids = torch.arange(40)[None] % cfg.vocab_size
+    with torch.no_grad():
+        assert rel_err(lm_logits(model, ids), hf(ids).logits) > 1e-3
+
+
+def test_unknown_model_type_and_sliding_windows_are_refused(tmp_path):
+    import json
+
+    from megatron_rlhf.config import preset
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="model_type 'gemma2' is not supported; supported model "
+                                         "types: llama, mistral, qwen2"):
+        convert.hf_to_mcore(tmp_path, tmp_path / "out")  # no safetensors there: named first
+    with pytest.raises(ValueError, match="sliding window of 128 tokens and sequences here reach 150"):
+        preset("tiny-mistral").check_attention_span(150)
+    preset("tiny-mistral").check_attention_span(128)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-untied", "tiny-llama3", "tiny-qwen2", "tiny-mistral"])
 def test_roundtrip_is_exact_and_loads_in_transformers(world1, tmp_path, name):
     from transformers import AutoModelForCausalLM
 
