@@ -21,8 +21,9 @@ def main(argv=None) -> int:
     a.add_argument("--input", required=True, help="HF model directory (safetensors) or .gguf file")
     a.add_argument("--output", required=True, help="checkpoint root to write")
     a.add_argument("--bf16", action="store_true", help="store bf16 weights (default fp32)")
-    a.add_argument("--role", default="actor", choices=["actor", "reference", "draft"],
-                   help="role recorded in the checkpoint")
+    a.add_argument("--role", default="actor", choices=["actor", "reference", "draft", "critic", "reward"],
+                   help="role recorded in the checkpoint; critic/reward read a "
+                        "*ForSequenceClassification (num_labels 1: the score head)")
     b = sub.add_parser("mcore-to-hf", help="megatron_rlhf checkpoint -> HF directory")
     b.add_argument("--input", required=True, help="checkpoint root or iter_* directory")
     b.add_argument("--output", required=True, help="HF directory to write")

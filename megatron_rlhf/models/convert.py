@@ -27,10 +27,14 @@ def _single_process_groups():
 
 def hf_to_mcore(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.float32,
                 role: str = "actor", step: int = 0) -> Path:
-    """Convert a HF Llama directory or ``.gguf`` file to a megatron_rlhf checkpoint."""
+    """Convert a HF Llama directory or ``.gguf`` file to a megatron_rlhf checkpoint (role
+    critic or reward: a ``*ForSequenceClassification`` with one label, its ``score`` head
+    becoming the value head)."""
     ckpt = read_hf(src)
     cfg = hf_mapping.config_from_hf(ckpt.config)
-    tensors = hf_mapping.hf_to_mcore(ckpt.tensors, cfg)  # validates shapes, names mismatches
+    if role in hf_mapping.VALUE_ROLES and ckpt.config.get("num_labels", 1) != 1:
+        raise ValueError(f"{src} scores {ckpt.config['num_labels']} labels; a {role} model has one")
+    tensors = hf_mapping.hf_to_mcore(ckpt.tensors, cfg, role)  # validates shapes, names mismatches
     pg = _single_process_groups()
     model = build_model(cfg, role, pg, dtype=dtype)
     hf_mapping.load_into_model(model, tensors)
@@ -41,8 +45,6 @@ def hf_to_mcore(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.flo
 def mcore_to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Convert a megatron_rlhf LM checkpoint to a directory ``transformers`` loads."""
     info = read_checkpoint(src)
-    if info.role not in ("actor", "reference", "draft"):
-        raise ValueError(f"{info.path} is a {info.role} model; only LM-head models export to HF")
     if info.config.head_vocab_size:
         raise ValueError(f"{info.path} has a reduced LM head ({info.config.head_vocab_size} tokens), "
                          "which Hugging Face Llama cannot represent")
@@ -52,12 +54,13 @@ def mcore_to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = No
     pg = _single_process_groups()
     model = build_model(info.config, info.role, pg, dtype=dtype or torch.float32)
     load_checkpoint(model, pg, info.path)
-    tensors = hf_mapping.mcore_to_hf(hf_mapping.model_tensors(model), info.config)
+    tensors = hf_mapping.mcore_to_hf(hf_mapping.model_tensors(model), info.config, info.role)
     tokenizer = None
     if info.tokenizer_dir is not None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(info.tokenizer_dir))
     out_dtype = next(iter(tensors.values())).dtype
-    write_hf_dir(dst, HFCheckpoint(hf_mapping.hf_config_dict(info.config, out_dtype), tensors, tokenizer))
+    write_hf_dir(dst, HFCheckpoint(hf_mapping.hf_config_dict(info.config, out_dtype, info.role),
+                                   tensors, tokenizer))
     return Path(dst)

@@ -73,8 +73,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
     )
 
 
-def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """A config dict of ``cfg``'s family (Llama, Mistral, Qwen2) that ``transformers`` loads."""
+VALUE_ROLES = ("critic", "reward")
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32, role: str = "actor") -> dict:
+    """A config dict of ``cfg``'s family (Llama, Mistral, Qwen2) that ``transformers`` loads:
+    ``*ForCausalLM``, or ``*ForSequenceClassification`` with one label for a critic or
+    reward model (the convention of OpenRLHF's and TRL's reward models)."""
     rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_scaling is not None:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rotary_base, **cfg.rope_scaling}
@@ -98,6 +103,10 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
         "eos_token_id": cfg.eos_token_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if role in VALUE_ROLES:
+        out["architectures"] = [ARCHITECTURES[cfg.family].replace("ForCausalLM", "ForSequenceClassification")]
+        out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0},
+                   pad_token_id=cfg.eos_token_id)
     if cfg.family == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     elif cfg.family == "mistral":
@@ -126,7 +135,7 @@ def _pad_vocab(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
 
 
-def hf_to_mcore(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def hf_to_mcore(sd: dict, cfg: ModelConfig, role: str = "actor") -> dict[str, torch.Tensor]:
     """HF ``LlamaForCausalLM`` (Mistral, Qwen2) state dict -> megatron ``GPTModel`` (local
     spec, TP=1); Qwen2's q/k/v biases go into ``linear_qkv.bias``, grouped as its weight."""
     h, d, f = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
@@ -154,13 +163,19 @@ def hf_to_mcore(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         )
         out[p + "mlp.linear_fc2.weight"] = _take(sd, m + "down_proj.weight", (h, f))
     out["decoder.final_layernorm.weight"] = _take(sd, "model.norm.weight", (h,))
-    if not cfg.tie_embeddings:
+    if role in VALUE_ROLES:
+        if "score.weight" not in sd:
+            raise ShapeMismatch(f"a {role} model needs a scalar head: the checkpoint has no "
+                                "score.weight (a *ForSequenceClassification with num_labels=1)")
+        out["output_layer.weight"] = _take(sd, "score.weight", (1, h))
+    elif not cfg.tie_embeddings:
         out["output_layer.weight"] = _pad_vocab(_take(sd, "lm_head.weight", (v, h)), cfg)
     return out
 
 
-def mcore_to_hf(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """megatron ``GPTModel`` (local spec, TP=1) state dict -> HF ``LlamaForCausalLM``."""
+def mcore_to_hf(sd: dict, cfg: ModelConfig, role: str = "actor") -> dict[str, torch.Tensor]:
+    """megatron ``GPTModel`` (local spec, TP=1) state dict -> HF ``LlamaForCausalLM`` (a
+    critic or reward model: ``LlamaForSequenceClassification``, its value head as ``score``)."""
     h, d, f = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
     nh, ng, v = cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size
     qpg = nh // ng
@@ -187,7 +202,9 @@ def mcore_to_hf(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         out[m + "gate_proj.weight"], out[m + "up_proj.weight"] = fc1[:f], fc1[f:]
         out[m + "down_proj.weight"] = _take(sd, p + "mlp.linear_fc2.weight", (h, f))
     out["model.norm.weight"] = _take(sd, "decoder.final_layernorm.weight", (h,))
-    if not cfg.tie_embeddings:
+    if role in VALUE_ROLES:
+        out["score.weight"] = _take(sd, "output_layer.weight", (1, h))
+    elif not cfg.tie_embeddings:
         out["lm_head.weight"] = _take(sd, "output_layer.weight", (cfg.padded_vocab_size, h))[:v]
     return {k: t.contiguous() for k, t in out.items()}
 

@@ -129,3 +129,37 @@ def test_bf16_forward_close_to_fp32(world1):
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     with torch.no_grad():
         assert rel_err(lm_logits(m16, ids).float(), lm_logits(m32, ids)) < 5e-2
+
+
+@pytest.mark.parametrize("role", ["reward", "critic"])
+def test_reward_models_convert_in_and_out(world1, tmp_path, role):
+    """A LlamaForSequenceClassification (one label: OpenRLHF's and TRL's reward-model
+    convention) becomes a value model whose value at the last token is HF's score, and
+    goes back to the same tensors."""
+    from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+
+    from megatron_rlhf.config import preset
+
+    torch.manual_seed(0)
+    hf = LlamaForSequenceClassification(LlamaConfig(**hf_mapping.hf_config_dict(preset("tiny-untied"),
+                                                                                 role=role))).eval()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    convert.hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", role=role)
+    info = read_checkpoint(tmp_path / "mcore")
+    assert info.role == role
+    model = build_model(info.config, role, world1, dtype=torch.float32)
+    load_checkpoint(model, world1, tmp_path / "mcore")
+    ids = torch.randint(2, info.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, ref = token_values(model, ids)[:, -1], hf(ids).logits[:, 0]
+    assert rel_err(ours, ref) < 1e-5
+    convert.mcore_to_hf(tmp_path / "mcore", tmp_path / "hf2")
+    a = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    b = load_file(str(tmp_path / "hf2" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and "score.weight" in b
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    back = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf2")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref[:, None], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="needs a scalar head: the checkpoint has no score.weight"):
+        convert.hf_to_mcore(save_hf_llama("tiny", tmp_path / "lm"), tmp_path / "bad", role=role)
