@@ -122,11 +122,14 @@ def test_convert_cli_reports_bad_input(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_converter_refuses_value_model_export(world1, tmp_path):
+def test_value_models_export_as_sequence_classification(world1, tmp_path):
+    import json
+
     model = build_model(preset("tiny"), "critic", world1, dtype=torch.float32)
     ckpt.save_checkpoint(tmp_path / "critic", 0, model, world1)
-    with pytest.raises(ValueError, match="is a critic model; only LM-head models export"):
-        convert.mcore_to_hf(tmp_path / "critic", tmp_path / "hf")
+    convert.mcore_to_hf(tmp_path / "critic", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1
 
 
 def test_prune_iterations_keeps_the_newest_and_the_tracked(tmp_path):
