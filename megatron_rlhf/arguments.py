@@ -189,6 +189,34 @@ def validated(check, *args):
         raise SystemExit(2) from None
 
 
+def add_optimizer_args(p: argparse.ArgumentParser) -> None:
+    """megatron's optimizer: AdamW, warmup + cosine LR, clipping, distributed optimizer."""
+    g = p.add_argument_group("optimizer (AdamW, warmup + cosine)")
+    g.add_argument("--lr", type=float, default=1e-6, help="actor peak learning rate")
+    g.add_argument("--critic-lr", type=float, default=5e-6, help="critic peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="actor learning rate after decay")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="iterations of linear warmup")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="iterations of cosine decay (default: --train-iters)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip (0: none)")
+    o = g.add_mutually_exclusive_group()
+    o.add_argument("--use-distributed-optimizer", dest="use_distributed_optimizer",
+                   action="store_true", default=True,
+                   help="shard fp32 masters and Adam states over data-parallel ranks (default)")
+    o.add_argument("--no-distributed-optimizer", dest="use_distributed_optimizer",
+                   action="store_false", help="every data-parallel rank keeps the whole optimizer")
+    v = g.add_mutually_exclusive_group()
+    v.add_argument("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true",
+                   default=None, help="reduce gradients during the last micro-batch's backward "
+                                      "(default on GPU)")
+    v.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                   help="reduce gradients after the backward (default on CPU)")
+
+
 def add_rlhf_args(p: argparse.ArgumentParser) -> None:
     """Flags of ``python -m megatron_rlhf.train``: models, PPO, optimizer, run."""
     from megatron_rlhf.config import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
@@ -234,30 +262,7 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
                     "--temperature not 0 or 1, --top-k or --top-p set; off otherwise)")
     rc.add_argument("--no-recompute-logprobs", dest="recompute_logprobs", action="store_false",
                     help="always use generation's log-probs")
-    g = p.add_argument_group("optimizer (AdamW, warmup + cosine)")
-    g.add_argument("--lr", type=float, default=1e-6, help="actor peak learning rate")
-    g.add_argument("--critic-lr", type=float, default=5e-6, help="critic peak learning rate")
-    g.add_argument("--min-lr", type=float, default=0.0, help="actor learning rate after decay")
-    g.add_argument("--lr-warmup-iters", type=int, default=0, help="iterations of linear warmup")
-    g.add_argument("--lr-decay-iters", type=int, default=None,
-                   help="iterations of cosine decay (default: --train-iters)")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1")
-    g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW beta2")
-    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
-    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip (0: none)")
-    o = g.add_mutually_exclusive_group()
-    o.add_argument("--use-distributed-optimizer", dest="use_distributed_optimizer",
-                   action="store_true", default=True,
-                   help="shard fp32 masters and Adam states over data-parallel ranks (default)")
-    o.add_argument("--no-distributed-optimizer", dest="use_distributed_optimizer",
-                   action="store_false", help="every data-parallel rank keeps the whole optimizer")
-    v = g.add_mutually_exclusive_group()
-    v.add_argument("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true",
-                   default=None, help="reduce gradients during the last micro-batch's backward "
-                                      "(default on GPU)")
-    v.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
-                   help="reduce gradients after the backward (default on CPU)")
+    add_optimizer_args(p)
     g = p.add_argument_group("run")
     g.add_argument("--train-iters", type=int, default=20, help="RLHF iterations")
     g.add_argument("--save-interval", type=int, default=0,
@@ -270,3 +275,38 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
                    help="distil the draft towards the actor on every iteration's rollouts")
     g.add_argument("--draft-lr", type=float, default=1e-4, help="draft learning rate")
     g.add_argument("--draft-distill-topk", type=int, default=64, help="teacher tokens per position")
+
+
+def add_finetune_args(p: argparse.ArgumentParser, stage: str) -> None:
+    """Flags of ``train_sft`` (``stage`` sft) and ``train_rm`` (rm: reward models, or DPO)."""
+    g = p.add_argument_group("model and data")
+    g.add_argument("--load-model", required=True, dest="model_load",
+                   help="initial checkpoint (an LM: the base, SFT or policy model)")
+    g.add_argument("--data", required=True,
+                   help='jsonl of {"prompt", "response"} or chat {"messages"}' if stage == "sft"
+                   else 'jsonl of {"prompt", "chosen", "rejected"}')
+    g.add_argument("--held-out-fraction", type=float, default=0.1,
+                   help="records held out for evaluation (seeded split)")
+    g.add_argument("--no-chat", dest="chat", action="store_false", default=True,
+                   help="do not apply the tokenizer's chat template to prompts")
+    g.add_argument("--global-batch-size", type=int, default=16,
+                   help="examples per optimizer step" if stage == "sft" else "pairs per optimizer step")
+    if stage == "sft":
+        g.add_argument("--pack", action="store_true",
+                       help="pack several examples per row of --seq-length tokens")
+    else:
+        g.add_argument("--loss", choices=("bradley-terry", "dpo"), default="bradley-terry",
+                       help="bradley-terry: train a reward model (scalar head); dpo: train the "
+                            "policy directly on the pairs against a frozen reference")
+        g.add_argument("--ref-load", default=None, help="DPO reference (default: --load-model)")
+        g.add_argument("--beta", type=float, default=0.1, help="DPO inverse temperature")
+        g.add_argument("--label-smoothing", type=float, default=0.0, help="conservative DPO epsilon")
+    add_optimizer_args(p)
+    g = p.add_argument_group("run")
+    g.add_argument("--train-iters", type=int, default=100, help="optimizer steps")
+    g.add_argument("--eval-interval", type=int, default=0,
+                   help="evaluate on the held-out records every N steps (0: at the end)")
+    g.add_argument("--save-interval", type=int, default=0, help="save every N steps (0: at the end)")
+    g.add_argument("--keep-last-checkpoints", type=int, default=0, help="keep the newest N (0: all)")
+    g.add_argument("--log-dir", default=None, help="metrics.jsonl and TensorBoard go here")
+

@@ -522,6 +522,69 @@ class LoopConfig:
             raise ValueError("keep_last_checkpoints must be >= 0 (0 keeps every checkpoint)")
 
 
+FINETUNE_LOSSES = ("sft", "bradley-terry", "dpo")
+
+
+@dataclass
+class FinetuneConfig:
+    """A fine-tuning stage: SFT on responses, a reward model on preference pairs
+    (Bradley-Terry), or DPO on preference pairs."""
+
+    loss: str = "sft"
+    """sft (next-token loss on response tokens), bradley-terry (reward model) or dpo."""
+    data: str = ""
+    """jsonl: SFT ``{"prompt", "response"}`` or chat ``{"messages"}``; pairs ``{"prompt",
+    "chosen", "rejected"}``."""
+    held_out_fraction: float = 0.1
+    """Records held out for evaluation (a seeded split)."""
+    seq_length: int | None = None
+    """Longest prompt + response in tokens (None: 512); longer records are an error."""
+    chat: bool = True
+    """Format prompts with the tokenizer's chat template (as the RLHF loop does)."""
+    global_batch_size: int = 16
+    """Examples (SFT) or pairs per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 4
+    """Examples or pairs per forward on one rank."""
+    pack: bool = False
+    """SFT: pack several examples into rows of ``seq_length`` tokens (attention stays
+    inside each example)."""
+    beta: float = 0.1
+    """DPO: the implicit reward's scale."""
+    label_smoothing: float = 0.0
+    """DPO: conservative DPO's label noise."""
+    train_iters: int = 100
+    """Optimizer steps."""
+    eval_interval: int = 0
+    """Evaluate on the held-out records every this many steps (0: at the end)."""
+    save_interval: int = 0
+    """Save every this many steps (0: at the end, with ``--save``)."""
+    keep_last_checkpoints: int = 0
+    """Keep the newest this many checkpoints (0: all)."""
+    seed: int = 1234
+    """Seeds the split, the data order and the initialisations."""
+
+    def __post_init__(self) -> None:
+        if self.loss not in FINETUNE_LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}; valid: {', '.join(FINETUNE_LOSSES)}")
+        for name in ("global_batch_size", "micro_batch_size", "train_iters"):
+            _positive(name, getattr(self, name))
+        if self.seq_length is None:
+            self.seq_length = 512
+        _positive("seq_length", self.seq_length)
+        if self.beta <= 0 or not 0 <= self.label_smoothing < 0.5:
+            raise ValueError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
+        if self.pack and self.loss != "sft":
+            raise ValueError("--pack applies to SFT only")
+
+    def check_data_parallel(self, dp: int) -> int:
+        """Examples (or pairs) per rank and step, or a message naming the flags to change."""
+        per = self.micro_batch_size * dp
+        if self.global_batch_size % per:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} must be a multiple of "
+                             f"--micro-batch-size {self.micro_batch_size} x data-parallel size {dp} = {per}")
+        return self.global_batch_size // dp
+
+
 PRESETS: dict[str, ModelConfig] = {
     "llama2-7b": ModelConfig(
         num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
@@ -605,7 +668,7 @@ def dataclass_from_namespace(cls, namespace, **extra):
 
 
 __all__ = [
-    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerationConfig", "SpecConfig", "MigrationConfig", "PPOConfig", "OptimConfig", "LoopConfig",
+    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerationConfig", "SpecConfig", "MigrationConfig", "PPOConfig", "OptimConfig", "LoopConfig", "FinetuneConfig", "FINETUNE_LOSSES",
     "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "PRESETS", "ROLES",
     "preset", "check_role", "dataclass_from_namespace",
 ]
