@@ -124,7 +124,7 @@ def pair_examples(records: list[dict], tokenizer, eos: int, chat: bool,
 def _check_length(ex: Example, i: int, max_len: int) -> None:
     if ex.length > max_len:
         raise ValueError(f"record {i} has {ex.length} tokens ({len(ex.prompt)} prompt + "
-                         f"{len(ex.response)} response), more than --max-seq-length {max_len}: "
+                         f"{len(ex.response)} response), more than --seq-length {max_len}: "
                          "raise it or shorten the record")
 
 

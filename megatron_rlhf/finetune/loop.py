@@ -5,7 +5,8 @@ RLHF loop's prompts: a resumed run repeats the uninterrupted one), splits them o
 data-parallel ranks and micro-batches, and takes one optimizer step. Losses are sums over
 the step's targets divided by their number on all ranks (response tokens for SFT, pairs
 otherwise), so the update does not depend on the data-parallel size. Held-out records are
-evaluated every ``eval_interval`` steps and at the end: SFT loss per token; pairwise
+evaluated before the first step, every ``eval_interval`` steps and at the end: SFT loss
+per token; pairwise
 accuracy (the chosen response scores higher) for reward models and DPO.
 
 Rows: SFT rows hold one example (or several, packed); a preference micro-batch of ``m``
@@ -145,8 +146,13 @@ class FinetuneTrainer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[dict]:
         cfg = self.cfg
+        before = {}
+        if self.start == 0:  # the baseline, logged with the first step as initial_eval_*
+            before = {k.replace("eval_", "initial_eval_"): v for k, v in self.evaluate().items()}
         for it in range(self.start + 1, cfg.train_iters + 1):
             metrics = self.step(it)
+            if it == 1:
+                metrics.update(before)
             if (cfg.eval_interval and it % cfg.eval_interval == 0) or it == cfg.train_iters:
                 metrics.update(self.evaluate())
             self.history.append(metrics)
