@@ -14,7 +14,14 @@ model; ``--beta``); writes ``SAVE/iter_X/actor``.
 
 import sys
 
-from megatron_rlhf.finetune.run import main
+from megatron_rlhf.finetune import run
+
+PROG = "python -m megatron_rlhf.train_rm"
+
+
+def parse_args(argv=None):
+    return run.parser("rm", PROG, __doc__).parse_args(argv)
+
 
 if __name__ == "__main__":
-    sys.exit(main(None, "rm", "python -m megatron_rlhf.train_rm", __doc__))
+    sys.exit(run.main(None, "rm", PROG, __doc__))

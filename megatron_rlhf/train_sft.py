@@ -10,7 +10,14 @@ the RLHF loop formats it, is context). Writes ``SAVE/iter_X/actor``: PPO's ``--a
 
 import sys
 
-from megatron_rlhf.finetune.run import main
+from megatron_rlhf.finetune import run
+
+PROG = "python -m megatron_rlhf.train_sft"
+
+
+def parse_args(argv=None):
+    return run.parser("sft", PROG, __doc__).parse_args(argv)
+
 
 if __name__ == "__main__":
-    sys.exit(main(None, "sft", "python -m megatron_rlhf.train_sft", __doc__))
+    sys.exit(run.main(None, "sft", PROG, __doc__))

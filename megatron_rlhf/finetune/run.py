@@ -138,7 +138,7 @@ def run(plan: FinetunePlan) -> list[dict]:
     return history
 
 
-def main(argv, stage: str, prog: str, doc: str) -> int:
+def parser(stage: str, prog: str, doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     arguments.add_finetune_args(p, stage)
     arguments.add_parallel_args(p)
@@ -146,7 +146,11 @@ def main(argv, stage: str, prog: str, doc: str) -> int:
     p.set_defaults(micro_batch_size=4, lr=1e-5)
     if stage == "sft":
         p.set_defaults(loss="sft")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv, stage: str, prog: str, doc: str) -> int:
+    args = parser(stage, prog, doc).parse_args(argv)
     from megatron_rlhf import platform
 
     platform.quiet_third_party_warnings()

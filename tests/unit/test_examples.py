@@ -15,10 +15,11 @@ def entry_point_args(script: Path, module: str) -> list[list[str]]:
     text = script.read_text().replace("\\\n", " ")
     marker = module if module.endswith(".py") else f"-m {module}"
     calls = []
+    pattern = re.escape(marker) + r"(?=\s|$)"  # not -m megatron_rlhf.train_sft for ...train
     for line in text.splitlines():
-        if marker not in line:
+        if not re.search(pattern, line):
             continue
-        args = line.split(marker, 1)[1].split()
+        args = re.split(pattern, line, maxsplit=1)[1].split()
         args = [a for a in args if not a.startswith('"${') or not a.endswith('[@]}"')]
         calls.append([("1" if re.fullmatch(r'"?\$[{]?\w+[}]?"?', a) else a) for a in args])
     return calls
@@ -30,6 +31,11 @@ def entry_point_args(script: Path, module: str) -> list[list[str]]:
     ("examples/llama2/generate.sbatch", "megatron_rlhf.generate"),
     ("examples/cpu_generate.sh", "megatron_rlhf.generate"),
     ("examples/cpu_demo.sh", "tools/train_draft.py"),
+    ("examples/cpu_pipeline.sh", "megatron_rlhf.train_sft"),
+    ("examples/cpu_pipeline.sh", "megatron_rlhf.train_rm"),
+    ("examples/cpu_pipeline.sh", "megatron_rlhf.train"),
+    ("examples/llama2/sft.sbatch", "megatron_rlhf.train_sft"),
+    ("examples/llama2/rm.sbatch", "megatron_rlhf.train_rm"),
 ])
 def test_example_flags_parse(script, module):
     import importlib
