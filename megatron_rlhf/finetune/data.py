@@ -41,6 +41,7 @@ class TokenBatch:
     segments: Tensor  # [B, T] example number within the row (1, 2, ...), 0 at padding
     loss_mask: Tensor  # [B, T] 1 at response tokens (the targets)
     last: Tensor  # [E] flat index (row * T + column) of each example's last token, in order
+    ref: Tensor | None = None  # [B] DPO: the reference's summed response log-probs per row
 
     @property
     def examples(self) -> int:

@@ -83,8 +83,7 @@ class FinetuneTrainer:
             per_pair = L.bradley_terry_loss(chosen, rejected)
         else:
             seq = self._sequence_logprobs(model, out, mb)  # [2P]
-            with torch.no_grad():
-                ref = self._sequence_logprobs(self.reference, forward(self.reference, mb), mb)
+            ref = mb.ref  # [2P] (_reference_logprobs)
             per_pair, chosen, rejected = L.dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2],
                                                     self.cfg.beta, self.cfg.label_smoothing)
         _add(sums, loss=per_pair.sum(), pairs=float(per_pair.numel()),
@@ -97,6 +96,17 @@ class FinetuneTrainer:
         per row)."""
         return L.sequence_logprobs(logits_of(model, out), mb.input_ids, mb.loss_mask)
 
+    @torch.no_grad()
+    def _reference_logprobs(self, mbs: list[D.TokenBatch]) -> None:
+        """DPO: the frozen reference scores every micro-batch first, then waits in pinned host
+        memory while the policy trains (as PPO's reference does between experience stages)."""
+        from megatron_rlhf.rlhf import offload
+
+        offload.move_model(self.reference, platform.device())
+        for mb in mbs:
+            mb.ref = self._sequence_logprobs(self.reference, forward(self.reference, mb), mb)
+        offload.move_model(self.reference, torch.device("cpu"))
+
     def step(self, it: int) -> dict:
         cfg, t = self.cfg, self.t
         start = time.perf_counter()
@@ -105,6 +115,8 @@ class FinetuneTrainer:
         t.model.train()
         sums: dict = {}
         mbs = self._micro_batches(records)
+        if cfg.loss == "dpo":
+            self._reference_logprobs(mbs)
         for i, mb in enumerate(mbs):
             with t.accumulating(i == len(mbs) - 1):
                 (self._loss(forward(t.model, mb), mb, sums) / denom).backward()
@@ -124,7 +136,10 @@ class FinetuneTrainer:
         dp, rank = self.pg.dp.size(), self.pg.dp.rank()
         mine = self.held_out[rank::dp]
         sums: dict = {}
-        for mb in self._micro_batches(mine):
+        mbs = self._micro_batches(mine)
+        if self.cfg.loss == "dpo":
+            self._reference_logprobs(mbs)
+        for mb in mbs:
             self._loss(forward(self.t.model, mb), mb, sums)
         return self._means(sums, prefix="eval_")
 

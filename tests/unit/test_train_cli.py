@@ -37,7 +37,7 @@ CASES = [
      "holds no training checkpoint (latest_checkpointed_iteration.txt is missing)"),
     ("grpo_single_rollout",
      dict(advantage_estimator="grpo", rollout_n=1), 1,
-     "grpo normalises rewards within a prompt's group: use --rollout-n >= 2"),
+     "grpo compares the responses to one prompt: use --rollout-n >= 2"),
     ("fewer_prompts_than_batch",
      dict(global_batch_size=32, rollout_n=1, micro_batch_size=4), 1,
      "16 prompts are fewer than --global-batch-size 32"),
