@@ -41,8 +41,9 @@ def model_config(name: str) -> ModelConfig:
                      "nor a checkpoint directory")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_models_and_cluster(p: argparse.ArgumentParser):
+    """The models (presets or checkpoints) and the cluster: shared with tools/plan.py;
+    returns the cluster group for more flags."""
     m = p.add_argument_group("models (preset name or checkpoint directory)")
     m.add_argument("--actor", required=True, help="the policy")
     m.add_argument("--critic", default="SAME", help="value model (SAME: the actor's shape; none: GRPO)")
@@ -53,6 +54,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--nodes", type=int, default=1)
     c.add_argument("--gpus-per-node", type=int, default=8)
     c.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    return c
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_models_and_cluster(p)
     lay = p.add_argument_group("layouts")
     lay.add_argument("--train-layout", help="TPxPPxDP of actor and critic training, e.g. 8x4x2")
     lay.add_argument("--gen-layout", help="TPxDP of generation (default: train TP, DP the rest)")

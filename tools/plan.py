@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_plan import models_from  # noqa: E402
+from memory_plan import add_models_and_cluster, models_from  # noqa: E402
 
 from megatron_rlhf.plan import memory  # noqa: E402
 from megatron_rlhf.plan.cost import HARDWARE, Estimator, Hardware, Options, Profile, Speculation  # noqa: E402
@@ -42,16 +42,7 @@ from megatron_rlhf.plan.search import search  # noqa: E402
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = p.add_argument_group("models (preset name or checkpoint directory)")
-    m.add_argument("--actor", required=True)
-    m.add_argument("--critic", default="SAME", help="SAME: the actor's shape; none: GRPO")
-    m.add_argument("--reference", default="SAME", help="KL reference (SAME; none: no KL)")
-    m.add_argument("--reward", default="none", help="reward model (none: a rule reward)")
-    m.add_argument("--draft", default="none", help="draft for speculative generation")
-    c = p.add_argument_group("cluster")
-    c.add_argument("--nodes", type=int, default=1)
-    c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    c = add_models_and_cluster(p)
     c.add_argument("--hardware", default="h100",
                    help=f"a profile ({', '.join(HARDWARE)}) or a Hardware JSON file")
     c.add_argument("--profile", nargs="*", default=[],
