@@ -72,6 +72,10 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="activation recompute while training: full (re-run each layer in "
                         "backward) or selective (the attention core only); default: none")
+    g.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="with TP > 1, split whole sequences over the TP ranks outside "
+                        "attention and MLP in training and inference (activations / TP); "
+                        "generation runs whole sequences")
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:

@@ -194,6 +194,10 @@ class ParallelConfig:
     recompute_granularity: str | None = None
     """Activation recompute of the models that train: ``full`` (each layer re-run in
     backward from its input), ``selective`` (the attention core only), None (keep all)."""
+    sequence_parallel: bool = False
+    """Split whole sequences over TP between its regions in the train layout's models
+    (actor, reference, critic, reward; not the generation copy or the draft): activations
+    outside attention/MLP divided by TP. Nothing changes at TP = 1."""
     plan: str | None = None
     """An execution plan (``tools/plan.py --out FILE``) or ``auto`` (searched at start-up,
     :mod:`megatron_rlhf.plan.search`): sets ``train_layout`` and ``gen_layout``."""

@@ -162,8 +162,10 @@ def final_hidden_states(model, enabled: bool = True):
     if not enabled:
         yield seen
         return
-    hook = model.decoder.final_layernorm.register_forward_hook(
-        lambda m, i, o: seen.update(h=o.transpose(0, 1)))
+    from megatron_rlhf.models.sequence_parallel import gather_output
+
+    hook = model.decoder.final_layernorm.register_forward_hook(  # (whole sequences under SP)
+        lambda m, i, o: seen.update(h=gather_output(model, o).transpose(0, 1)))
     try:
         yield seen
     finally:
@@ -177,7 +179,7 @@ def target_logits_and_features(target, input_ids: torch.Tensor, attention_mask: 
 
     with final_hidden_states(target) as seen:
         logits = lm_logits(target, input_ids, attention_mask)
-    return logits, seen["h"]
+    return logits, seen["h"][:, : input_ids.shape[1]]  # (a sequence-parallel target pads)
 
 
 def shifted_features(features: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from megatron_rlhf import platform
 from megatron_rlhf.generation.kv_cache import KVCache
+from megatron_rlhf.models import sequence_parallel
 
 
 class RopeTable:
@@ -243,7 +244,8 @@ def plain_layers(model) -> bool:
     """True when every layer of ``model`` is what :func:`_plain_layer_step` reproduces: the
     local (non-TE) spec's RMSNorms and megatron column/row-parallel linears without biases,
     plain GQA self-attention (no q/k norms, no output gate, at least one KV group per TP
-    rank), a SwiGLU MLP, no sequence parallelism or fp8. Checked once per model."""
+    rank), a SwiGLU MLP, no fp8 (sequence parallelism is irrelevant: decoding runs whole
+    sequences, see :func:`forward_cached`). Checked once per model."""
     known = getattr(model, "_mrlhf_plain_layers", None)
     if known is not None:
         return known
@@ -253,7 +255,7 @@ def plain_layers(model) -> bool:
 
     cfg = model.config
     ok = (cfg.gated_linear_unit and cfg.activation_func is F.silu and not cfg.add_bias_linear
-          and not getattr(cfg, "add_qkv_bias", False) and not cfg.sequence_parallel
+          and not getattr(cfg, "add_qkv_bias", False)
           and getattr(cfg, "glu_linear_offset", 0.0) == 0.0
           and getattr(cfg, "activation_func_clamp_value", None) is None
           and not getattr(cfg, "attention_output_gate", False) and not getattr(cfg, "fp8", None)
@@ -296,10 +298,17 @@ def _plain_head(model) -> str | None:
     return None if known == "subset" and head.head_only else known
 
 
-def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
-                   last_index: torch.Tensor | None = None, features: torch.Tensor | None = None,
-                   return_features: bool = False, valid: torch.Tensor | None = None,
-                   static: bool = False):
+def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable, **kw):
+    """:func:`_forward_cached` (documented there), with a sequence-parallel model's modules
+    running whole sequences (:func:`~megatron_rlhf.models.sequence_parallel.disabled`)."""
+    with sequence_parallel.disabled(model):
+        return _forward_cached(model, cache, tokens, rope, **kw)
+
+
+def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
+                    last_index: torch.Tensor | None = None, features: torch.Tensor | None = None,
+                    return_features: bool = False, valid: torch.Tensor | None = None,
+                    static: bool = False):
     """Feed ``tokens [B, n]`` after each sample's cached prefix; returns logits.
 
     Logits are ``[B, n, V]`` (vocabulary padding removed, gathered over TP), or ``[B, 1, V]``

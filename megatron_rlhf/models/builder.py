@@ -42,11 +42,12 @@ def fused_softmax_available() -> bool:
 
 
 def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 1,
-                       recompute: str | None = None):
+                       recompute: str | None = None, sequence_parallel: bool = False):
     """megatron-core ``TransformerConfig`` for a Llama-family model at TP size ``tp`` and
     PP size ``pp`` (layers split evenly over the pipeline stages); ``recompute``: megatron's
     activation recompute in training, ``full`` (every layer's input kept, the layer re-run
-    in backward) or ``selective`` (the attention core only)."""
+    in backward) or ``selective`` (the attention core only); ``sequence_parallel`` (at
+    ``tp > 1`` only): :mod:`megatron_rlhf.models.sequence_parallel`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = platform.has_cuda()
@@ -66,6 +67,7 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel and tp > 1,
         pipeline_model_parallel_size=pp,
         pipeline_dtype=dtype,
         params_dtype=dtype,
@@ -146,12 +148,15 @@ def build_model(
     use_te: bool | None = None,
     seed: int = 1234,
     recompute: str | None = None,
+    sequence_parallel: bool = False,
 ):
     """Build the model of ``role`` on this rank's device, sharded over ``pg_collection.tp``
     and, with ``pg_collection.pp`` larger than 1, this rank's pipeline stage of it (the
     embedding on the first stage, the head on the last, ``num_layers / PP`` layers each).
 
     ``seed`` fixes the random initialisation (identical at every TP size on CPU).
+    ``sequence_parallel``: split whole sequences over TP between its regions (at TP > 1;
+    :mod:`megatron_rlhf.models.sequence_parallel`).
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -161,14 +166,22 @@ def build_model(
     cfg.check_pipeline_parallel(pp)
     stage = pg_collection.pp.rank()
     dtype = dtype or platform.default_dtype()
+    if use_te is None:
+        use_te = transformer_engine_available()
+    config = transformer_config(cfg, tp, dtype, pp, recompute, sequence_parallel)
+    spec = layer_spec(use_te)
+    if config.sequence_parallel and not use_te:  # (TE's norms handle it themselves)
+        from megatron_rlhf.models.sequence_parallel import block_spec
+
+        spec = block_spec(spec, cfg.num_layers // pp)
     platform.seed_model_parallel_rng(seed, pg_collection.tp.rank())
     # (a tied embedding's last-stage copy is synchronised with ``.cuda()`` under PP)
     with torch.random.fork_rng(devices=[]), platform.cuda_as_cpu():
         torch.manual_seed(seed)
         value = role in VALUE_ROLES
         model = GPTModel(
-            config=transformer_config(cfg, tp, dtype, pp, recompute),
-            transformer_layer_spec=layer_spec(use_te),
+            config=config,
+            transformer_layer_spec=spec,
             vocab_size=cfg.padded_vocab_size,
             max_sequence_length=cfg.max_position_embeddings,
             parallel_output=False,

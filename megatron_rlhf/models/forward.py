@@ -31,13 +31,23 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def masked_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **kw):
     """``model``'s raw output for a (left-)padded batch: positions counting real tokens, the
     causal-and-padding mask, after checking that the model applies it
-    (:func:`~megatron_rlhf.models.builder.check_mask_honoured`). ``kw`` go to the model."""
+    (:func:`~megatron_rlhf.models.builder.check_mask_honoured`). ``kw`` go to the model.
+    Under sequence parallelism the batch is right-padded to a multiple of TP (mask 0) and
+    the output cut back to the given length.
+    """
+    from megatron_rlhf.models import sequence_parallel
     from megatron_rlhf.models.builder import check_mask_honoured
 
     check_mask_honoured(model)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    return model(input_ids, position_ids(attention_mask), causal_padding_mask(attention_mask), **kw)
+    if "decoder_input" in kw and sequence_parallel.enabled(model):
+        raise ValueError("a decoder input is not split over the sequence: build this model "
+                         "without sequence parallelism")
+    length = input_ids.shape[1]
+    input_ids, attention_mask = sequence_parallel.pad(model, input_ids, attention_mask)
+    out = model(input_ids, position_ids(attention_mask), causal_padding_mask(attention_mask), **kw)
+    return out[:, :length] if model.post_process and out.shape[1] != length else out
 
 
 def lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):

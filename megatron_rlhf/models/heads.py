@@ -24,15 +24,22 @@ from torch import nn
 
 
 class ValueHead(nn.Module):
-    """``hidden [s, b, h] -> values [s, b, 1]``, called like megatron's output layer."""
+    """``hidden [s, b, h] -> values [s, b, 1]``, called like megatron's output layer. Under
+    sequence parallelism its input (a sequence shard per TP rank) is gathered first."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False,
+                 tp_group=None):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        # megatron's output layer attributes that GPTModel reads
-        self.sequence_parallel = False
+        # megatron's output layer attribute (GPTModel reads it; sequence_parallel.disabled sets it)
+        self.sequence_parallel = sequence_parallel
+        self.tp_group = tp_group
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron_rlhf.models.sequence_parallel import gather
+
+            hidden = gather(hidden, self.tp_group)
         return nn.functional.linear(hidden, self.weight), None
 
 
@@ -92,7 +99,8 @@ def attach_feature_fusion(model) -> None:
 
 def attach_value_head(model) -> None:
     """Replace ``model.output_layer`` with a zero-initialised :class:`ValueHead`."""
-    head = ValueHead(model.config.hidden_size, model.config.params_dtype)
+    head = ValueHead(model.config.hidden_size, model.config.params_dtype,
+                     model.config.sequence_parallel, model.pg_collection.tp)
     model.output_layer = head
 
 

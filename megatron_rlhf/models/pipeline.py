@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf import platform
+from megatron_rlhf.models import sequence_parallel
 from megatron_rlhf.models.forward import masked_forward
 
 
@@ -97,6 +98,7 @@ def _schedule(model, micro_batches: list, loss_func, forward_only: bool) -> list
     if len(shapes) != 1:
         raise ValueError(f"pipelined micro-batches must share one shape [b, s], got {sorted(shapes)}")
     b, s = shapes.pop()
+    s = sequence_parallel.padded_length(model, s)  # (what masked_forward feeds; split over TP)
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)

@@ -243,7 +243,8 @@ def memory_warning(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int) ->
                          num_draft_tokens=plan.spec.max_tokens("draft" in plan.infos)),
             mem.MemoryOptions(param_bytes=plan.dtype.itemsize,
                               distributed_optimizer=plan.optim.use_distributed_optimizer,
-                              recompute=plan.par.recompute_granularity or "none"))
+                              recompute=plan.par.recompute_granularity or "none",
+                              sequence_parallel=plan.par.sequence_parallel))
         mem.fits_or_raise(est)
     except ValueError as e:
         return f"memory estimate: {e}"
@@ -279,13 +280,16 @@ def _check_lengths(prompts, prompt_ids, loop, gen, drafts: int, infos) -> None:
 
 # ---------------------------------------------------------------------------- building
 def _model(plan: TrainPlan, name: str, role: str, pg, skip: tuple[str, ...] = (),
-           trains: bool = False):
+           trains: bool = False, whole_sequences: bool = True):
+    """``whole_sequences``: built for the train layout's whole-sequence forwards (sequence
+    parallelism applies), not for generation only."""
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.checkpoint import load_checkpoint
 
     info = plan.infos[name]
     model = build_model(info.config, role, pg, dtype=plan.dtype, seed=plan.loop.seed,
-                        recompute=plan.par.recompute_granularity if trains else None)
+                        recompute=plan.par.recompute_granularity if trains else None,
+                        sequence_parallel=plan.par.sequence_parallel and whole_sequences)
     load_checkpoint(model, pg, info.path, skip=skip)
     return model
 
@@ -323,9 +327,9 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
         models.reward_model = _model(plan, "reward", "reward", pg)
     gen_pg = pg if gen_pg is None else gen_pg
     if gen_pg is not pg:
-        models.actor_gen = _model(plan, "actor", "actor", gen_pg)
+        models.actor_gen = _model(plan, "actor", "actor", gen_pg, whole_sequences=False)
     if "draft" in plan.infos:
-        models.draft = _model(plan, "draft", "draft", gen_pg)
+        models.draft = _model(plan, "draft", "draft", gen_pg, whole_sequences=False)
         if plan.loop.draft_distill:
             models.draft_trainee = _trainee(plan, models.draft, gen_pg, plan.optim.draft_lr, False)
     start = 0
@@ -346,6 +350,7 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     run_info = {"tp": train_layout.tp, "seed": plan.loop.seed,
                 "train_layout": f"{train_layout.tp}x{train_layout.pp}x{train_layout.dp}",
                 "gen_layout": f"{gen_layout.tp}x{gen_layout.dp}",
+                "sequence_parallel": bool(actor.config.sequence_parallel),
                 "actor_init": str(plan.paths.actor), "reference": str(plan.infos["reference"].path)}
     return RLHFTrainer(models, generator, maker, plan.ppo, plan.loop, plan.gen, plan.spec,
                        plan.prompts, plan.prompt_ids, pg, tokenizer=tok, save_dir=plan.save_dir,

@@ -1,6 +1,7 @@
 """RLHF training at DP=2 (two gloo ranks) equals DP=1 on the same global batch, and a
 DP=2 run resumed from its checkpoint, at DP=2, 1 or 4, continues as the uninterrupted run."""
 
+import json
 import math
 import shutil
 import subprocess
@@ -113,8 +114,12 @@ def test_dp2_equals_dp1_and_resumes(world1, tmp_path):
         F.assert_metrics_equal(a, b)
 
 
-def test_tp2_equals_tp1(world1, tmp_path):
-    """TP=2 (two gloo ranks, DP=1) trains as TP=1, with gradient clipping active in both:
+@pytest.mark.parametrize("extra", [(), ("--sequence-parallel",)], ids=["tp", "tp_sp"])
+def test_tp2_equals_tp1(world1, tmp_path, extra):
+    """TP=2 (two gloo ranks, DP=1) trains as TP=1, with gradient clipping active in both;
+    also with sequence parallelism (the actor's, reference's and critic's whole-sequence
+    forwards split over TP, lengths padded to a multiple of TP; the actor generates with
+    whole sequences):
     --clip-grad 0.05 sits below every iteration's gradient norm (actor ~5, critic 1.6-2.9), so
     the TP-aware norm (sharded parameters summed over the TP ranks, replicated ones counted
     once) sets the scale of every update; a norm off at TP=2 changes the weights and the
@@ -129,9 +134,11 @@ def test_tp2_equals_tp1(world1, tmp_path):
     flags = dict(FLAGS, clip_grad=0.05)
     _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, train_iters=2, **flags), 2,
                         [*F.train_args(actor, prompts, run2, train_iters=2, **flags),
-                         "--tensor-model-parallel-size", "2"])
+                         "--tensor-model-parallel-size", "2", *extra])
     init = _load(actor, "actor", world1)
     _compare(run1, run2, 2, init, world1, moved=1e-5)
+    state = json.loads((run2 / "save" / "iter_0000002" / "trainer" / "state.json").read_text())
+    assert state["sequence_parallel"] is bool(extra)
     m1, m2 = F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log")
     assert [m["iteration"] for m in m1] == [m["iteration"] for m in m2] == [1, 2]
     for a, b in zip(m1, m2, strict=True):
@@ -146,7 +153,8 @@ def test_tp2_equals_tp1(world1, tmp_path):
 OVERLAP = ("--overlap-grad-reduce",)  # gradients reduced during the last micro-batch's backward
 LAYOUTS = [("2x1x1", "1x2", ()), ("1x1x2", "2x1", OVERLAP),  # TP <-> DP, 2 ranks
            ("1x2x1", "1x2", ("--recompute-granularity", "full")),  # PP=2 (1F1B over gloo)
-           ("1x2x2", "1x4", OVERLAP), ("2x2x1", "2x2", ())]  # PP=2 x DP=2, TP=2 x PP=2, 4 ranks
+           ("1x2x2", "1x4", OVERLAP), ("2x2x1", "2x2", ()),  # PP=2 x DP=2, TP=2 x PP=2, 4 ranks
+           ("2x2x1", "1x4", ("--sequence-parallel",))]  # pipelined sequence shards
 
 
 @pytest.mark.parametrize("train_layout, gen_layout, extra", LAYOUTS)

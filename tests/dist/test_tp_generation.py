@@ -15,3 +15,8 @@ def test_tp2_generation_equals_tp1():
 def test_reallocation_round_trip_and_generation():
     r = torchrun(2, ["reallocation.py"])
     assert "OK" in r.stdout
+
+
+def test_sequence_parallel_changes_no_result():
+    r = torchrun(2, ["sequence_parallel.py"])
+    assert "OK" in r.stdout
