@@ -2,7 +2,7 @@
 """The plan estimator's accuracy on CPU, and the searched plan against the default (JSON lines).
 
     python tools/bench_plan.py [--nproc 4] [--iters 3] [--repeats 1] [--dtype fp32] \\
-        [--plans 1x1x4/1x4 2x1x2/2x2 ...] [--search-case demo|many-steps|long-gen|none] \\
+        [--plans 1x1x4/1x4 2x1x2/2x2 ...] [--search-case demo|many-steps|long-gen|one-sample-steps|none] \\
         [--profile FILE] [--model-dir out/bench/layout_model] [--replay OLD.jsonl] [-- EXTRA TRAIN FLAGS]
 
 Each plan is ``TRAIN/GEN`` (``--train-layout TPxPPxDP`` / ``--gen-layout TPxDP``, what the
@@ -27,21 +27,19 @@ tokens, ``--max-new-tokens``, the micro-batch size, PPO epochs and mini-batches,
 4 bytes per parameter) under the plan, and the prediction per stage is the mean over the
 iterations after the first, as the measurement is: rollout = ``actor_gen``, experience =
 ``ref_inf`` + ``critic_inf``, train = ``actor_train`` + ``critic_train``, reallocate = the
-weight edges. Goal (issue 15): every plan's iteration within 20%. A second prediction,
-``proposed``, prices the same plans with the estimator changed as this benchmark proposes
-(:func:`_proposed_class`: measured reduce-scatter/all-gather, per-step all-reduce latency,
-the LM head's backward in training, free pipeline bubbles on oversubscribed cores,
-TP-measured layer costs); it is not the project's estimator.
+weight edges. Goal (issue 15): every plan's iteration within 20%.
 
 The search case (``--search-case``): the plan search over what the trainer executes
-(``search(..., space="trainer")``) against the heuristic default (``SearchResult.default``),
-with the project's estimator and with the proposed one, for a workload (``demo``: the
+(``search(..., space="trainer")``) against the heuristic default (``SearchResult.default``)
+for a workload (``demo``: the
 accuracy workload, whose runs are reused; ``many-steps``: 4 optimizer steps per model and
-iteration; ``long-gen``: few samples, long responses); every distinct plan is measured
+iteration; ``long-gen``: few samples, long responses; ``one-sample-steps``: 16 optimizer
+steps of one sample, which only DP=1 divides); every distinct plan is measured
 (rounds rotated). Goal: the searched plan >= 1.2x faster than the default.
 
 ``--replay OLD.jsonl`` re-predicts the measurements of an earlier run (same flags) with
-the current profile and prints the same lines; nothing else runs.
+the current estimator and the profile on disk and prints the same lines, each with the
+replayed run's own prediction (``replayed``); nothing runs, not even the profiler.
 
 Prints a header, one ``plan`` line per plan and round (measured and predicted seconds per
 stage and per call, ratios predicted/measured), an ``accuracy`` summary, ``search_run``
@@ -54,7 +52,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -81,6 +78,10 @@ SEARCH_CASES = {
     # long generation of few samples against short training
     "long-gen": ["--global-batch-size", "4", "--rollout-n", "1", "--micro-batch-size", "1",
                  "--max-new-tokens", "160"],
+    # 16 optimizer steps of one sample per model and iteration: only DP=1 divides them, and
+    # the default then runs everything (generation included) at TP=4
+    "one-sample-steps": ["--global-batch-size", "16", "--rollout-n", "1", "--micro-batch-size", "1",
+                         "--num-mini-batches", "16", "--max-new-tokens", "16"],
 }
 
 
@@ -269,10 +270,6 @@ class Predictor:
         opts = Options(param_bytes=2 if dtype == "bf16" else 4, micro_batch_size=flags.micro_batch_size)
         models = {"actor": cfg, "reference": cfg, "critic": cfg}
         self.est = Estimator(models, self.hw, {prof.shape: prof}, opts)
-        self.proposed = None
-        meta = profile_meta(profile_path)
-        if meta is not None and "reduce_scatter_fit" in meta:
-            self.proposed = Proposed(models, self.hw, {prof.shape: prof}, opts, meta)
         self.cluster = mem.Cluster(nodes=1, gpus_per_node=nproc, gpu_memory_gb=self.hw.gpu_memory_gb)
 
     def graph(self, prompt_len: int):
@@ -292,22 +289,16 @@ class Predictor:
         return Plan({"actor_gen": Layout.parse(gen, pipeline=False),
                      **{c: t for c in ("ref_inf", "critic_inf", "actor_train", "critic_train")}})
 
-    def evaluate(self, plan: str, prompt_len: int, est=None):
+    def evaluate(self, plan: str, prompt_len: int):
         from megatron_rlhf.plan.search import evaluate
 
-        return evaluate(self.graph(prompt_len), self.plan_of(plan), est or self.est, self.cluster)
+        return evaluate(self.graph(prompt_len), self.plan_of(plan), self.est, self.cluster)
 
-    def predictions(self, plan: str, iterations: list[int]) -> dict:
-        out = {"estimator": self.predict(plan, iterations)}
-        if self.proposed is not None:
-            out["proposed"] = self.predict(plan, iterations, self.proposed)
-        return out
-
-    def predict(self, plan: str, iterations: list[int], est=None) -> tuple[dict, dict]:
+    def predict(self, plan: str, iterations: list[int]) -> tuple[dict, dict]:
         """(mean predicted seconds per stage, per call and part) over ``iterations``."""
         stages, calls = collections.defaultdict(float), collections.defaultdict(float)
         for it in iterations:
-            ev = self.evaluate(plan, self.lengths[it], est)
+            ev = self.evaluate(plan, self.lengths[it])
             for stage, names in STAGE_CALLS.items():
                 stages[stage] += sum(ev.calls[c]["total"] for c in names) / len(iterations)
             stages["time_reallocate_s"] += sum(t for t, _ in ev.reallocs.values()) / len(iterations)
@@ -324,138 +315,16 @@ def ratios(pred: dict, meas: dict) -> dict:
     return out
 
 
-def profile_meta(path: Path) -> dict | None:
-    meta = path.with_name(path.stem + ".meta.json")
-    return json.loads(meta.read_text()) if meta.is_file() else None
-
-
-def _proposed_class():
-    from megatron_rlhf.plan import memory as mem
-    from megatron_rlhf.plan.cost import Estimator, _interp
-
-    class Proposed(Estimator):
-        """cost.py with the changes this benchmark proposes (not the project's estimator):
-
-        - the distributed optimizer's gradient reduce-scatter and parameter all-gather at
-          the bandwidths measured for those collectives (gloo's are far below its
-          all-reduce's bus bandwidth, which the estimator uses for both);
-        - an all-reduce's latency per ring step (``2 (g-1)`` steps), not one per call;
-        - training an LM pays its head's backward (and the loss's log-softmax and
-          entropy), measured by profile_costs as ``head_train_s``, not the head's forward;
-        - a micro-batch is at most the samples a rank holds;
-        - with more ranks than cores (here 4 on 2), a pipeline bubble costs nothing: the
-          ranks that wait give their cores to the busy ones (the profile's per-layer costs
-          are measured with every rank busy);
-        - at TP > 1, the layer and head costs measured on TP-sharded models (profile_costs'
-          ``tp_tables``: all-reduces included) instead of the TP=1 costs / TP.
-        """
-
-        def __init__(self, models, hardware, profiles, options, meta):
-            super().__init__(models, hardware, profiles, options)
-            self.prof = next(iter(profiles.values()))
-            self.head_train_s = meta["head_train_s"]
-            self.rs, self.ag = meta["reduce_scatter_fit"], meta["all_gather_fit"]
-            self.step_latency = meta["ring_fit"]["latency_per_step_s"]
-            self.ring_bw = meta["ring_fit"]["bus_bw"]
-            self.oversubscribed = meta["key"]["ranks"] * meta["key"]["threads"] > meta.get("cores", 10**9)
-            self.tp_tables = {int(k): v for k, v in meta.get("tp_tables", {}).items()}
-
-        def _tp_table(self, tp, name, tokens):
-            t = self.tp_tables.get(tp)
-            if t is None or tokens < t["tokens"][0]:
-                return None
-            return _interp(t["tokens"], t[name], tokens)
-
-        def layer_forward(self, cfg, batch, seq, tp):
-            got = self._tp_table(tp, "forward", batch * seq)
-            return super().layer_forward(cfg, batch, seq, tp) if got is None else got
-
-        def layer_train(self, cfg, batch, seq, tp):
-            got = self._tp_table(tp, "train", batch * seq)
-            if got is None:
-                return super().layer_train(cfg, batch, seq, tp)
-            if self.opt.recompute == "full":
-                got += self.layer_forward(cfg, batch, seq, tp)
-            return got
-
-        def head(self, cfg, tokens, tp, value=False):
-            got = None if value else self._tp_table(tp, "head", tokens)
-            return super().head(cfg, tokens, tp, value) if got is None else got
-
-        def _head_train(self, tokens, tp):
-            got = self._tp_table(tp, "head_train", tokens)
-            if got is not None:
-                return got
-            return _interp(self.prof.tokens, self.head_train_s, tokens) / tp
-
-        def _infer(self, call, layout):
-            parts = super()._infer(call, layout)
-            if self.oversubscribed:
-                parts["bubble"] = 0.0
-            return parts
-
-        def all_reduce(self, nbytes, group):
-            if group <= 1:
-                return 0.0
-            return 2 * (group - 1) * (self.step_latency + nbytes / group / self.ring_bw)
-
-        @staticmethod
-        def _shard(fit, nbytes, group):
-            return 0.0 if group <= 1 else fit["latency_s"] + (group - 1) / group * nbytes / fit["bw"]
-
-        def _micro(self, call, layout):
-            per_rank = math.ceil(call.samples / layout.dp)
-            mbs = min(self.opt.micro_batch_size, per_rank)
-            return mbs, math.ceil(per_rank / mbs)
-
-        def _pipelined(self, call, layout, per_layer, value):
-            saved = self.opt.micro_batch_size
-            self.opt.micro_batch_size = self._micro(call, layout)[0]
-            try:
-                return super()._pipelined(call, layout, per_layer, value)
-            finally:
-                self.opt.micro_batch_size = saved
-
-        def _train(self, call, layout):
-            parts = super()._train(call, layout)
-            if self.oversubscribed:
-                parts["bubble"] = 0.0
-            cfg = self.models[call.model]
-            params = mem.stage_params(cfg, call.model, layout.pp, 0).per_gpu(layout.tp)
-            steps = call.passes * call.steps
-            parts["grad_sync"] = steps * (self._shard(self.rs, params * 4, layout.dp)
-                                          + self._shard(self.ag, params * self.opt.param_bytes, layout.dp))
-            if call.model in mem.LM_ROLES:
-                mbs, micro = self._micro(call, layout)
-                tokens = mbs * call.seq_len
-                extra = self._head_train(tokens, layout.tp) - self.head(cfg, tokens, layout.tp)
-                slots = call.passes * micro + steps * (layout.pp - 1)
-                parts["head_backward"] = slots * extra / layout.pp
-            return parts
-
-    return Proposed
-
-
-def Proposed(*args, **kw):  # noqa: N802 - the class is built at first use (imports torch-free cost.py lazily)
-    return _proposed_class()(*args, **kw)
-
-
-def compare_row(plan: str, r: int, meas: dict, calls: dict, predictions: dict, rows) -> dict:
-    """``predictions``: name -> (per stage, per call part) of each estimator."""
-    (pred, pred_calls), = [v for k, v in predictions.items() if k == "estimator"]
+def compare_row(plan: str, r: int, meas: dict, calls: dict, predicted: tuple[dict, dict], rows) -> dict:
+    """``predicted``: the estimator's (per stage, per call part)."""
+    pred, pred_calls = predicted
     ratio = ratios(pred, meas)
     it = ratio["time_iteration_s"]
-    row = {"kind": "plan", "plan": plan, "round": r, "iterations": len(rows),
-           "measured": meas, "predicted": pred, "ratio": ratio,
-           "within_20pct": it is not None and abs(it - 1) <= 0.2,
-           "measured_calls": calls, "predicted_calls": pred_calls,
-           "realloc_mb": statistics.fmean(x.get("realloc_mb", 0.0) for x in (rows[1:] or rows))}
-    for name, (p, pc) in predictions.items():
-        if name != "estimator":
-            q = ratios(p, meas)
-            row[name] = {"predicted": p, "ratio": q, "predicted_calls": pc,
-                         "within_20pct": abs(q["time_iteration_s"] - 1) <= 0.2}
-    return row
+    return {"kind": "plan", "plan": plan, "round": r, "iterations": len(rows),
+            "measured": meas, "predicted": pred, "ratio": ratio,
+            "within_20pct": it is not None and abs(it - 1) <= 0.2,
+            "measured_calls": calls, "predicted_calls": pred_calls,
+            "realloc_mb": statistics.fmean(x.get("realloc_mb", 0.0) for x in (rows[1:] or rows))}
 
 
 # ---------------------------------------------------------------------------- main
@@ -477,7 +346,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", type=Path, default=None)
     p.add_argument("--replay", type=Path, default=None,
                    help="re-predict the measurements of an earlier run's JSON lines (same flags) "
-                        "with the current profile; runs nothing but the profiler (cached)")
+                        "with the profile on disk (--profile or the cached one); runs nothing")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more train flags")
     args = p.parse_args(argv)
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
@@ -494,9 +363,12 @@ def main(argv=None) -> int:
     lengths = prompt_lengths(args.model_dir, values, args.iters)
     seq = max(lengths.values()) + values.max_new_tokens
     context = round(statistics.fmean(lengths.values())) + values.max_new_tokens // 2
+    if args.replay is not None:  # runs nothing: the profile must be on disk already
+        prof = args.profile or OUT / f"profile_{args.dtype}_{args.nproc}r.json"
+        if not Path(prof).is_file():
+            sys.exit(f"bench_plan.py: --replay needs the profile {prof} (run without --replay, or pass --profile)")
+        return replay(args, extra, flags, values, lengths, Path(prof), start)
     prof = profile(args, seq, context)
-    if args.replay is not None:
-        return replay(args, extra, flags, values, lengths, prof, start)
     print(json.dumps({"kind": "header", "machine": cpu_model(), "cores": os.cpu_count(), "nproc": args.nproc,
                       "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
                       "loadavg": os.getloadavg(), "model": str(args.model_dir), "dtype": args.dtype,
@@ -511,7 +383,7 @@ def main(argv=None) -> int:
             for plan in args.plans[k:] + args.plans[:k]:
                 rows = run_plan(args, plan, flags, Path(tmp) / f"r{r}-{plan.replace('/', '_')}")
                 meas, calls, its = measured(rows)
-                row = compare_row(plan, r, meas, calls, pred.predictions(plan, its), rows)
+                row = compare_row(plan, r, meas, calls, pred.predict(plan, its), rows)
                 results[plan].append(row)
                 print(json.dumps(row), flush=True)
         if args.plans:
@@ -538,7 +410,9 @@ def replay(args, extra, flags, values, lengths, prof: Path, start: float) -> int
             continue
         its = list(range(2, x["iterations"] + 1))
         row = compare_row(x["plan"], x["round"], x["measured"], x["measured_calls"],
-                          pred.predictions(x["plan"], its), [{"realloc_mb": x["realloc_mb"]}] * x["iterations"])
+                          pred.predict(x["plan"], its), [{"realloc_mb": x["realloc_mb"]}] * x["iterations"])
+        row["replayed"] = {"predicted": x["predicted"]["time_iteration_s"],
+                           "ratio": x["ratio"]["time_iteration_s"]}
         results.setdefault(x["plan"], []).append(row)
         print(json.dumps(row), flush=True)
     if results:
@@ -554,16 +428,17 @@ def replay(args, extra, flags, values, lengths, prof: Path, start: float) -> int
 
 def replay_search(args, extra, prof: Path, old: dict, runs_old: list[dict]) -> dict:
     args = argparse.Namespace(**{**vars(args), "search_case": old["case"]})
-    pred, graph, found, alt = search_for(args, extra, prof)
+    pred, graph, found = search_for(args, extra, prof)
     runs: dict[str, list[dict]] = {}
     for x in runs_old:
         its = list(range(2, x["iterations"] + 1))
         one = compare_row(x["plan"], x["round"], x["measured"], x["measured_calls"],
-                          pred.predictions(x["plan"], its), [{"realloc_mb": x["realloc_mb"]}] * x["iterations"])
+                          pred.predict(x["plan"], its), [{"realloc_mb": x["realloc_mb"]}] * x["iterations"])
         one["kind"] = "search_run"
         runs.setdefault(x["plan"], []).append(one)
         print(json.dumps(one), flush=True)
-    row = search_row_of(args, graph, found, alt)
+    row = search_row_of(args, graph, found)
+    row["replayed_searched"] = old["searched"]
     finish_search(row, runs)
     return row
 
@@ -574,10 +449,10 @@ def accuracy(results: dict[str, list[dict]]) -> dict:
     out = {"kind": "accuracy", "plans": len(q), "within_20pct": sum(abs(x - 1) <= 0.2 for x in q.values()),
            "ratios": q, "goal": ">= 6 plans, each within 20%"}
     out["met"] = len(q) >= 6 and out["within_20pct"] == len(q)
-    alt = {v: med([x["proposed"]["ratio"]["time_iteration_s"] for x in rs]) for v, rs in results.items()
-           if rs and all("proposed" in x for x in rs)}
-    if alt:
-        out["proposed"] = {"ratios": alt, "within_20pct": sum(abs(x - 1) <= 0.2 for x in alt.values())}
+    before = {v: med([x["replayed"]["ratio"] for x in rs]) for v, rs in results.items()
+              if rs and all("replayed" in x for x in rs)}
+    if before:  # --replay: the replayed run's own predictions
+        out["replayed"] = {"ratios": before, "within_20pct": sum(abs(x - 1) <= 0.2 for x in before.values())}
     return out
 
 
@@ -588,8 +463,7 @@ def plan_text(ev) -> str:
 
 
 def search_for(args, extra: list[str], prof: Path):
-    """(predictor, graph, search result, search result with the proposed estimator or
-    None) for the search case's workload."""
+    """(predictor, graph, search result) for the search case's workload."""
     from megatron_rlhf.plan.search import search
 
     flags = train_flags(args, [*SEARCH_CASES[args.search_case], *extra])
@@ -599,22 +473,14 @@ def search_for(args, extra: list[str], prof: Path):
     pred.flags_list = flags
     graph = pred.graph(round(statistics.fmean(lengths[i] for i in range(2, args.iters + 1))))
     found = search(graph, pred.est, pred.cluster, seed=args.seed, space="trainer")
-    alt = None
-    if pred.proposed is not None:  # what the search picks with the proposed changes to cost.py
-        alt = search(graph, pred.proposed, pred.cluster, seed=args.seed, space="trainer")
-    return pred, graph, found, alt
+    return pred, graph, found
 
 
-def search_row_of(args, graph, found, alt) -> dict:
-    row = {"kind": "search", "case": args.search_case, "prompt_len": graph.calls[0].prompt_len,
-           "searched": plan_text(found.best), "default": plan_text(found.default),
-           "predicted_s": {"searched": found.best.time_s, "default": found.default.time_s},
-           "predicted_speedup": found.speedup, "method": found.method, "evaluated": found.evaluated}
-    if alt is not None:
-        row["proposed"] = {"searched": plan_text(alt.best), "default": plan_text(alt.default),
-                           "predicted_s": {"searched": alt.best.time_s, "default": alt.default.time_s},
-                           "predicted_speedup": alt.speedup}
-    return row
+def search_row_of(args, graph, found) -> dict:
+    return {"kind": "search", "case": args.search_case, "prompt_len": graph.calls[0].prompt_len,
+            "searched": plan_text(found.best), "default": plan_text(found.default),
+            "predicted_s": {"searched": found.best.time_s, "default": found.default.time_s},
+            "predicted_speedup": found.speedup, "method": found.method, "evaluated": found.evaluated}
 
 
 def finish_search(row: dict, runs: dict[str, list[dict]]) -> None:
@@ -636,8 +502,6 @@ def finish_search(row: dict, runs: dict[str, list[dict]]) -> None:
         row["measured_s"] = {p: med([x["measured"]["time_iteration_s"] for x in rs]) for p, rs in runs.items()}
         row["measured_wall_s"] = {p: med([x["measured"]["wall_iteration_s"] for x in rs]) for p, rs in runs.items()}
         row.update(measured_speedup=speedup(best), goal=">= 1.2x", met=(speedup(best) or 0) >= 1.2)
-        if "proposed" in row:
-            row["proposed"]["measured_speedup"] = speedup(row["proposed"]["searched"])
     print(json.dumps(row), flush=True)
 
 
@@ -645,11 +509,10 @@ def search_case(args, extra: list[str], tmp: Path, prof: Path, done: dict | None
     """Search the trainer's plans for the case's workload (priced with the accuracy part's
     profile: the same shape, ranks and dtype); measure the default and every searched plan
     (rounds rotated; the ``demo`` case reuses the accuracy part's runs, ``done``)."""
-    pred, graph, found, alt = search_for(args, extra, prof)
-    row = search_row_of(args, graph, found, alt)
+    pred, graph, found = search_for(args, extra, prof)
+    row = search_row_of(args, graph, found)
     row["train_flags"] = pred.flags_list
-    plans = list(dict.fromkeys([row["default"], row["searched"]]
-                               + ([row["proposed"]["searched"]] if "proposed" in row else [])))
+    plans = list(dict.fromkeys([row["default"], row["searched"]]))
     runs: dict[str, list[dict]] = {p: [] for p in plans}
     reuse = done if args.search_case == "demo" and done else {}
     if len(plans) > 1:
@@ -663,7 +526,7 @@ def search_case(args, extra: list[str], tmp: Path, prof: Path, done: dict | None
                     continue
                 rows = run_plan(args, plan, pred.flags_list, tmp / f"s{r}-{plan.replace('/', '_')}")
                 meas, calls, its = measured(rows)
-                one = compare_row(plan, r, meas, calls, pred.predictions(plan, its), rows)
+                one = compare_row(plan, r, meas, calls, pred.predict(plan, its), rows)
                 one["kind"] = "search_run"
                 runs[plan].append(one)
                 print(json.dumps(one), flush=True)
@@ -676,7 +539,7 @@ def table(results: dict[str, list[dict]], search_row: dict | None) -> str:
     names = {"time_rollout_s": "rollout", "time_experience_s": "exper", "time_train_s": "train",
              "time_reallocate_s": "realloc", "time_iteration_s": "iteration"}
     lines = ["| plan | " + " | ".join(f"{n} meas / pred (s)" for n in names.values())
-             + " | ratio | within 20% | wall (s) | proposed pred (s) | proposed ratio |",
+             + " | ratio | within 20% | wall (s) | replayed pred (s) | replayed ratio |",
              "|---|" + "---|" * (len(names) + 5)]
     for plan, rs in results.items():
         if not rs:
@@ -685,9 +548,9 @@ def table(results: dict[str, list[dict]], search_row: dict | None) -> str:
                  for k in names]
         q = med([x["ratio"]["time_iteration_s"] for x in rs])
         wall = med([x["measured"]["wall_iteration_s"] for x in rs])
-        alt = [x["proposed"] for x in rs if "proposed" in x]
-        pp = f"{med([a['predicted']['time_iteration_s'] for a in alt]):.2f}" if alt else "-"
-        pq = f"{med([a['ratio']['time_iteration_s'] for a in alt]):.2f}" if alt else "-"
+        alt = [x["replayed"] for x in rs if "replayed" in x]
+        pp = f"{med([a['predicted'] for a in alt]):.2f}" if alt else "-"
+        pq = f"{med([a['ratio'] for a in alt]):.2f}" if alt else "-"
         lines.append(f"| {plan} | " + " | ".join(cells) + f" | {q:.2f} | {'yes' if abs(q - 1) <= 0.2 else 'no'}"
                      f" | {wall:.2f} | {pp} | {pq} |")
     if search_row is not None:
@@ -699,10 +562,8 @@ def table(results: dict[str, list[dict]], search_row: dict | None) -> str:
         lines.append(f"search case {search_row['case']}: searched {search_row['searched']} vs default "
                      f"{search_row['default']}: predicted {search_row['predicted_speedup']:.2f}x, measured "
                      f"{x(search_row['measured_speedup'])}")
-        alt = search_row.get("proposed")
-        if alt:
-            lines.append(f"with the proposed cost.py changes the search picks {alt['searched']}: predicted "
-                         f"{alt['predicted_speedup']:.2f}x, measured {x(alt.get('measured_speedup', 1.0))}")
+        if "replayed_searched" in search_row:
+            lines.append(f"  (the replayed run's estimator had searched {search_row['replayed_searched']})")
         for p, t in ms.items():
             lines.append(f"  measured {p}: {t:.1f} s per iteration (stages), "
                          f"{search_row['measured_wall_s'][p]:.1f} s wall")

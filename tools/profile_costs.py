@@ -11,13 +11,20 @@ forward over ``tokens`` tokens (``forward``), its forward + backward (``train``)
 head's forward (``head``: the output layer and the log-probs of the tokens, what an
 inference or a sampling step does after the layers), and one layer of a cached decode
 step of ``batches`` samples (one token each) after ``context`` cached tokens (``decode``);
-``hardware`` holds a :class:`~megatron_rlhf.plan.cost.Hardware` fitted alongside
-(``cpu-measured``): ``intra_bw`` and ``latency_s`` from timed all-reduces among the ranks
-(bus bandwidth, ``2 (g-1)/g`` bytes per byte reduced, fitted over groups of 2 and of all
-ranks), ``flops`` from the largest forward, ``mem_bw`` from the LM head at one token (its
-weight streamed once), ``layer_overhead_s``/``decode_overhead_s`` what a one-token forward
-or decode step of a layer costs beyond streaming its weights, ``gpus_per_node`` the number
-of ranks and ``gpu_memory_gb`` host memory / ranks (or ``--gpu-memory-gb``).
+``head_train``: the head's forward + backward as the PPO loss runs it (log-probs and
+entropy); ``tp_tables``: the layer and head tables measured on TP-sharded models at each
+``--tp`` size, every TP group busy at once (their all-reduces included). ``hardware`` holds
+a :class:`~megatron_rlhf.plan.cost.Hardware` fitted alongside (``cpu-measured``):
+``intra_bw`` and ``ring_latency_s`` from timed all-reduces among the ranks (a ring's
+``2 (g-1)`` steps, each a latency and ``1/g`` of the bytes, fitted over groups of 2 and of
+all ranks), ``latency_s`` a whole all-reduce's fixed cost (point-to-point sends pay it),
+``reduce_scatter_*``/``all_gather_*`` gloo's reduce-scatter and all-gather (what the
+distributed optimizer runs) fitted apart, ``flops`` from the largest forward, ``mem_bw``
+from the LM head at one token (its weight streamed once),
+``layer_overhead_s``/``decode_overhead_s`` what a one-token forward or decode step of a
+layer costs beyond streaming its weights, ``gpus_per_node`` the number of ranks,
+``cores``/``threads_per_rank`` what they share (more threads than cores: oversubscribed)
+and ``gpu_memory_gb`` host memory / ranks (or ``--gpu-memory-gb``).
 
 Run it under the launch the costs are for: every rank times the same things at the same
 time (a barrier before each sample), so with 4 ranks on 2 cores the table holds the
@@ -29,12 +36,11 @@ forward and backward), the head through the model's own output layer, decode thr
 ``megatron_rlhf.generation.incremental.forward_cached`` on a ``KVCache`` (the generator's
 CPU path; its per-layer step function timed by a wrapper).
 
-What the Profile has no field for goes to ``FILE.meta.json``: per-forward and per-step
-fixed costs, the head's forward + backward as the PPO loss runs it (``head_train_s``),
-the layer and head tables measured on TP-sharded models at each ``--tp`` size, every TP
-group busy at once (``tp_tables``), the raw all-reduce timings with a per-ring-step
-latency fit, gloo's reduce-scatter and all-gather (what the distributed optimizer uses)
-fitted apart, the cores, and the settings that make the cache key: an existing ``--out``
+``FILE.meta.json`` keeps the raw data and what the Profile has no field for: per-forward
+and per-step fixed costs, the raw collective timings and their fits, the cores, and the
+settings that make the cache key (profiles older than the ``head_train``/``tp_tables``
+fields and the collective fits in ``hardware`` are completed from it by
+:meth:`Profile.load`): an existing ``--out``
 is reused when its meta names the same shape, ranks, threads, dtype and tables, unless
 ``--force``. Rank 0 writes both files. SmolLM2-135M's shape on 4 ranks x 1 thread on the
 2-core machine takes about 45 s (85 s with the TP tables); it is noisy there (entries
@@ -60,6 +66,7 @@ DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32]
 TP_MIN_TOKENS = 32
 ALLREDUCE_BYTES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
+SHARD_BYTES = 64 << 20  # reduce-scatter/all-gather also at a size near megatron's buckets
 
 
 def parser() -> argparse.ArgumentParser:
@@ -441,7 +448,8 @@ def fit_ring(rows: list[dict]) -> tuple[float, float]:
 
 
 def fit_hardware(cfg, args, world: int, per_layer_fwd, per_layer_decode, head_fwd, links,
-                 param_bytes: int) -> dict:
+                 param_bytes: int, shards: list[dict] = (), cores: int = 0, threads: int = 1) -> dict:
+    """The Hardware of the measurements (``shards``: reduce-scatter and all-gather rows)."""
     from megatron_rlhf.plan import memory as mem
     from megatron_rlhf.plan.cost import Hardware
 
@@ -451,15 +459,22 @@ def fit_hardware(cfg, args, world: int, per_layer_fwd, per_layer_decode, head_fw
     vocab = cfg.head_vocab_size or cfg.padded_vocab_size
     mem_bw = vocab * cfg.hidden_size * param_bytes / head_fwd[0]
     stream = params * param_bytes / mem_bw
-    bw, latency = fit_links(links)
+    _, latency = fit_links(links)
+    bw, step = fit_ring(links)
     if args.gpu_memory_gb is not None:
         gb = args.gpu_memory_gb
     else:
         gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / world
+    fits = {}
+    for op in ("reduce_scatter", "all_gather"):
+        rows = [r for r in shards if r["op"] == op]
+        if rows:
+            fits[f"{op}_bw"], fits[f"{op}_latency_s"] = fit_bus(rows, lambda g: (g - 1) / g)
     hw = Hardware("cpu-measured", flops=flops, mem_bw=mem_bw, intra_bw=bw, inter_bw=bw,
                   latency_s=latency, layer_overhead_s=max(per_layer_fwd[0] - stream, 0.0),
                   decode_overhead_s=max(per_layer_decode[0] - stream, 0.0),
-                  gpus_per_node=world, gpu_memory_gb=round(gb, 2))
+                  gpus_per_node=world, gpu_memory_gb=round(gb, 2), ring_latency_s=step,
+                  cores=cores, threads_per_rank=threads, **fits)
     return asdict(hw)
 
 
@@ -516,7 +531,7 @@ def main(argv=None) -> int:
     decode, decode_rest = measure_decode(model, timer, cfg, args, gen)
     tp_tables = measure_tp(cfg, small, args, world, dtype, timer, gen)
     links = measure_allreduce(timer, world)
-    big = ALLREDUCE_BYTES[-3:]
+    big = [*ALLREDUCE_BYTES[-3:], SHARD_BYTES]
     shards = measure_collective(timer, world, "reduce_scatter", big) + \
         measure_collective(timer, world, "all_gather", big)
     n, m = len(args.tokens), len(args.batches)
@@ -531,15 +546,17 @@ def main(argv=None) -> int:
         for k in ("forward", "train", "head", "head_train"):
             tables[k] = average_over_ranks(tables[k])
     param_bytes = 2 if args.dtype == "bf16" else 4
-    hw = fit_hardware(cfg, args, world, fwd, decode, head, links, param_bytes)
+    cores = len(os.sched_getaffinity(0))
+    hw = fit_hardware(cfg, args, world, fwd, decode, head, links, param_bytes, shards, cores, key["threads"])
     prof = Profile(shape=key["shape"], tokens=args.tokens, forward=fwd, train=train, head=head,
-                   batches=args.batches, decode=decode, context=args.context, hardware=hw)
+                   batches=args.batches, decode=decode, context=args.context, hardware=hw,
+                   head_train=head_train, tp_tables={str(tp): t for tp, t in tp_tables.items()})
     elapsed = time.perf_counter() - start
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         prof.save(args.out)
         meta = {"key": key, "model": args.model, "seconds": elapsed,
-                "machine": _machine(), "cores": len(os.sched_getaffinity(0)),
+                "machine": _machine(), "cores": cores,
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                 "forward_rest_s": fwd_rest, "train_rest_s": train_rest, "head_train_s": head_train,
                 "decode_rest_s": decode_rest, "allreduce": links,

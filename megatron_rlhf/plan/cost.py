@@ -6,12 +6,24 @@ memory bandwidth and link bandwidths: a roofline, for clusters you do not have) 
 ``tools/profile_costs.py`` measured this machine, its per-layer timings (:class:`Profile`),
 interpolated. Communication comes from the link bandwidths and a latency per collective:
 
-- TP: two all-reduces of the activations per layer and forward (two more in backward);
+- TP: two all-reduces of the activations per layer and forward (two more in backward), each
+  ``2 (g-1)`` ring steps that pay a latency apiece where the machine's fit has one
+  (:attr:`Hardware.ring_latency_s`); where a profile measured TP-sharded layers and heads
+  (:attr:`Profile.tp_tables`), those tables, their all-reduces included;
 - PP: 1F1B with ``PP - 1`` bubble slots per optimizer step (forward-only calls pipeline
   their micro-batches too), plus the send/recv of one micro-batch's activations per slot;
+  no bubble where the ranks of a node oversubscribe its cores (:attr:`Hardware.oversubscribed`:
+  a waiting rank hands its core to a busy one, and the measured costs hold every rank busy);
+  a micro-batch holds at most the samples of one data-parallel rank;
 - DP: the distributed optimizer's gradient reduce-scatter and parameter all-gather per
-  optimizer step, and the Adam step itself (memory-bound);
-- reallocation: a model's weights moved between two layouts (:func:`realloc_time`).
+  optimizer step (at their own fitted bandwidths where measured), or an all-reduce without
+  it; a tied embedding's gradient all-reduced between the first and last stage; the
+  optimizer step itself (memory-bound: :attr:`Hardware.optimizer_bytes_per_param`) and the
+  zeroing of the gradient buffer;
+- an LM's training pays its head's forward and backward with the loss over the response's
+  positions (:attr:`Profile.head_train`, or three forwards' worth) and the head's matmul
+  forward and backward (three forwards) over the prompt's; a critic's value head is negligible;
+- reallocation: a model's weights moved between two layouts (:meth:`Estimator.realloc`).
 
 Generation is priced round by round over the response lengths' distribution (the long
 tail: few samples live at the end) and, with a draft, under the drafting selector's rule:
@@ -57,6 +69,32 @@ class Hardware:
     """Fixed cost per layer of one decode step (0 with CUDA graphs)."""
     gpus_per_node: int = 8
     gpu_memory_gb: float = 80.0
+    ring_latency_s: float = 0.0
+    """Latency of each of a ring all-reduce's ``2 (g-1)`` steps (0: one ``latency_s`` per
+    all-reduce)."""
+    reduce_scatter_bw: float = 0.0
+    """Bytes/s of a reduce-scatter inside a node, in ``t = latency + (g-1)/g * bytes / bw``
+    (0: the all-reduce's bus bandwidth ``intra_bw``)."""
+    reduce_scatter_latency_s: float = 0.0
+    """Fixed cost of one reduce-scatter (used with ``reduce_scatter_bw``)."""
+    all_gather_bw: float = 0.0
+    """Bytes/s of an all-gather inside a node, as ``reduce_scatter_bw`` (0: ``intra_bw``)."""
+    all_gather_latency_s: float = 0.0
+    """Fixed cost of one all-gather (used with ``all_gather_bw``)."""
+    optimizer_bytes_per_param: float = 96.0
+    """Memory traffic of the optimizer step per parameter of its shard: torch's per-tensor
+    AdamW as megatron runs it without a fused kernel (weight decay 8 B, first moment 12,
+    second 24, the denominator's three passes 24, the update 16) plus the gradient norm (4)
+    and clipping (8); a fused Adam reads and writes 16 B per parameter (32)."""
+    cores: int = 0
+    """CPU cores the ranks of a node share (0: a device of its own per rank, never
+    oversubscribed)."""
+    threads_per_rank: int = 1
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More busy threads than cores on a node: a rank that waits gives its core away."""
+        return self.cores > 0 and self.gpus_per_node * self.threads_per_rank > self.cores
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1))
@@ -68,18 +106,22 @@ class Hardware:
 
 HARDWARE = {
     # ~60-70% of dense bf16 peak in large GEMMs, ~85% of HBM bandwidth, NCCL bus bandwidth
+    # (GPU optimizers: fused Adam, 32 B per parameter)
     "h100": Hardware("h100", flops=600e12, mem_bw=2.8e12, intra_bw=360e9, inter_bw=45e9,
-                     latency_s=20e-6, layer_overhead_s=30e-6, gpu_memory_gb=80.0),
+                     latency_s=20e-6, layer_overhead_s=30e-6, gpu_memory_gb=80.0,
+                     optimizer_bytes_per_param=32.0),
     # measured on one H200 (DESIGN.md): bf16 GEMM ~790 TFLOP/s, device copy ~4.3 TB/s
     "h200": Hardware("h200", flops=650e12, mem_bw=4.0e12, intra_bw=360e9, inter_bw=45e9,
-                     latency_s=20e-6, layer_overhead_s=30e-6, gpu_memory_gb=141.0),
+                     latency_s=20e-6, layer_overhead_s=30e-6, gpu_memory_gb=141.0,
+                     optimizer_bytes_per_param=32.0),
     "a100": Hardware("a100", flops=230e12, mem_bw=1.7e12, intra_bw=230e9, inter_bw=23e9,
-                     latency_s=25e-6, layer_overhead_s=30e-6, gpu_memory_gb=80.0),
+                     latency_s=25e-6, layer_overhead_s=30e-6, gpu_memory_gb=80.0,
+                     optimizer_bytes_per_param=32.0),
     # this project's 2-core CPU machine, rough (DESIGN.md): ~170 GFLOP/s fp32 GEMMs, 5-10 GB/s
     # memory, gloo between processes; tools/profile_costs.py measures it properly
     "cpu": Hardware("cpu", flops=1.5e11, mem_bw=7e9, intra_bw=2e9, inter_bw=1e9,
                     latency_s=1e-4, layer_overhead_s=3e-4, decode_overhead_s=3e-4,
-                    gpus_per_node=2, gpu_memory_gb=12.0),
+                    gpus_per_node=2, gpu_memory_gb=12.0, cores=2),
 }
 
 
@@ -99,14 +141,57 @@ class Profile:
     decode: list[float]
     context: int
     hardware: dict = field(default_factory=dict)
-    """The :class:`Hardware` fitted alongside (links, overheads)."""
+    """The :class:`Hardware` fitted alongside (links, collectives, cores, overheads)."""
+    head_train: list[float] = field(default_factory=list)
+    """The LM head's forward + backward per token count, with the loss's log-probs and
+    entropy (empty: three forwards)."""
+    tp_tables: dict = field(default_factory=dict)
+    """TP size -> ``{"tokens", "forward", "train", "head", "head_train"}``: the same tables
+    measured on TP-sharded models (every TP group of the machine busy at once, the
+    all-reduces included), for token counts from ``tokens[0]`` on."""
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path) -> "Profile":
-        return cls(**json.loads(Path(path).read_text()))
+        """The Profile at ``path``; what older profiles kept in ``FILE.meta.json`` beside it
+        (the head's backward, the TP tables, the collective fits, the cores) is read from there."""
+        data = json.loads(Path(path).read_text())
+        meta = Path(path).with_name(Path(path).stem + ".meta.json")
+        if meta.is_file() and "head_train" not in data:
+            data = merge_meta(data, json.loads(meta.read_text()))
+        return cls(**data)
+
+    def tp_table(self, tp: int, name: str, tokens: float) -> float | None:
+        """Seconds of table ``name`` at ``tp`` for ``tokens`` (None: not measured there)."""
+        t = self.tp_tables.get(str(tp), self.tp_tables.get(tp))
+        if tp <= 1 or not t or not t.get(name) or tokens < t["tokens"][0]:
+            return None
+        return _interp(t["tokens"], t[name], tokens)
+
+
+def merge_meta(data: dict, meta: dict) -> dict:
+    """A Profile's fields completed from ``tools/profile_costs.py``'s meta file: the head's
+    forward + backward, the TP tables, and into ``hardware`` the per-step all-reduce fit,
+    the reduce-scatter and all-gather fits and the cores the ranks shared."""
+    data = dict(data, hardware=dict(data.get("hardware", {})))
+    data.setdefault("head_train", meta.get("head_train_s", []))
+    data.setdefault("tp_tables", meta.get("tp_tables", {}))
+    hw = data["hardware"]
+    ring = meta.get("ring_fit")
+    if ring and "ring_latency_s" not in hw:  # a bandwidth and a latency from the one fit
+        hw.update(ring_latency_s=ring["latency_per_step_s"], intra_bw=ring["bus_bw"],
+                  inter_bw=ring["bus_bw"])
+    for op in ("reduce_scatter", "all_gather"):
+        fit = meta.get(f"{op}_fit")
+        if fit:
+            hw.setdefault(f"{op}_bw", fit["bw"])
+            hw.setdefault(f"{op}_latency_s", fit["latency_s"])
+    if "cores" in meta:
+        hw.setdefault("cores", meta["cores"])
+        hw.setdefault("threads_per_rank", meta.get("key", {}).get("threads", 1))
+    return data
 
 
 def shape_key(cfg: ModelConfig) -> str:
@@ -166,13 +251,23 @@ class Estimator:
     def all_reduce(self, nbytes: float, group: int) -> float:
         if group <= 1:
             return 0.0
-        return self.hw.latency_s + 2 * (group - 1) / group * nbytes / self._bw(group)
+        bw, hw = self._bw(group), self.hw
+        if hw.ring_latency_s > 0:
+            return 2 * (group - 1) * (hw.ring_latency_s + nbytes / group / bw)
+        return hw.latency_s + 2 * (group - 1) / group * nbytes / bw
 
-    def reduce_scatter(self, nbytes: float, group: int) -> float:
-        """Also an all-gather of ``nbytes`` in total."""
+    def reduce_scatter(self, nbytes: float, group: int, op: str = "reduce_scatter") -> float:
+        """``nbytes`` in (``op="all_gather"``: out) over ``group`` ranks, at the fitted
+        bandwidth of that collective inside a node where the hardware has one."""
         if group <= 1:
             return 0.0
-        return self.hw.latency_s + (group - 1) / group * nbytes / self._bw(group)
+        bw, latency = getattr(self.hw, f"{op}_bw"), getattr(self.hw, f"{op}_latency_s")
+        if bw <= 0 or group > self.hw.gpus_per_node:
+            bw, latency = self._bw(group), self.hw.latency_s
+        return latency + (group - 1) / group * nbytes / bw
+
+    def all_gather(self, nbytes: float, group: int) -> float:
+        return self.reduce_scatter(nbytes, group, "all_gather")
 
     def _profile(self, cfg: ModelConfig) -> Profile | None:
         return self.profiles.get(shape_key(cfg))
@@ -182,6 +277,9 @@ class Estimator:
         including its two activation all-reduces."""
         tokens = batch * seq
         p = self._profile(cfg)
+        measured = p.tp_table(tp, "forward", tokens) if p is not None else None
+        if measured is not None:
+            return measured
         if p is not None:
             compute = _interp(p.tokens, p.forward, tokens) / tp
         else:
@@ -195,22 +293,31 @@ class Estimator:
         """Forward and backward of one layer (re-run forward under full recompute)."""
         tokens = batch * seq
         p = self._profile(cfg)
+        recompute = self.layer_forward(cfg, batch, seq, tp) if self.opt.recompute == "full" else 0.0
+        measured = p.tp_table(tp, "train", tokens) if p is not None else None
+        if measured is not None:
+            return measured + recompute
         if p is not None:
             compute = _interp(p.tokens, p.train, tokens) / tp
         else:
             compute = 3 * (self.layer_forward(cfg, batch, seq, tp)
                            - 2 * self.all_reduce(tokens * cfg.hidden_size * self.opt.param_bytes, tp))
-        if self.opt.recompute == "full":
-            compute += self.layer_forward(cfg, batch, seq, tp)
-        return compute + 4 * self.all_reduce(tokens * cfg.hidden_size * self.opt.param_bytes, tp)
+        return compute + recompute + 4 * self.all_reduce(tokens * cfg.hidden_size * self.opt.param_bytes, tp)
 
-    def head(self, cfg: ModelConfig, tokens: int, tp: int, value: bool = False) -> float:
-        """The LM head (or a value head: negligible) over ``tokens`` positions."""
+    def head(self, cfg: ModelConfig, tokens: int, tp: int, value: bool = False, train: bool = False) -> float:
+        """The LM head (or a value head: negligible) over ``tokens`` positions; ``train``:
+        its forward and backward with the loss's log-probs and entropy."""
         if value:
             return 0.0
         p = self._profile(cfg)
-        if p is not None:
-            return _interp(p.tokens, p.head, tokens) / tp
+        name = "head_train" if train else "head"
+        measured = p.tp_table(tp, name, tokens) if p is not None else None
+        if measured is not None:
+            return measured
+        if p is not None and (not train or p.head_train):
+            return _interp(p.tokens, p.head_train if train else p.head, tokens) / tp
+        if train:  # the backward's two matmuls: twice the forward
+            return 3 * self.head(cfg, tokens, tp)
         vocab = cfg.head_vocab_size or cfg.padded_vocab_size
         return max(2 * tokens * cfg.hidden_size * vocab / tp / self.hw.flops,
                    vocab * cfg.hidden_size * self.opt.param_bytes / tp / self.hw.mem_bw)
@@ -240,21 +347,32 @@ class Estimator:
             self._memo[key] = parts
         return self._memo[key]
 
+    def micro_batches(self, call: Call, layout: Layout) -> tuple[int, int]:
+        """(micro-batch size, micro-batches per pass) on one data-parallel rank: a
+        micro-batch holds at most the samples the rank has."""
+        per_rank = math.ceil(call.samples / layout.dp)
+        mbs = min(self.opt.micro_batch_size, per_rank)
+        return mbs, math.ceil(per_rank / mbs)
+
     def _pipelined(self, call: Call, layout: Layout, per_layer, value: bool) -> tuple[float, float]:
         """(seconds of the micro-batches through the pipeline, of which bubble)."""
         cfg = self.models[call.model]
-        mbs = self.opt.micro_batch_size
-        per_rank = math.ceil(call.samples / layout.dp)
-        micro = math.ceil(per_rank / mbs)
+        mbs, micro = self.micro_batches(call, layout)
         layers = cfg.num_layers // layout.pp
-        stage = layers * per_layer(cfg, mbs, call.seq_len, layout.tp) \
-            + self.head(cfg, mbs * call.seq_len, layout.tp, value) / layout.pp
+        train = call.kind == "train"
+        if train:  # the loss (log-probs, entropy) reads the response's positions only; the
+            # head's matmul runs forward and backward over the prompt's too
+            head = self.head(cfg, mbs * call.gen_len, layout.tp, value, train=True) \
+                + 3 * self.head(cfg, mbs * call.prompt_len, layout.tp, value)
+        else:
+            head = self.head(cfg, mbs * call.seq_len, layout.tp, value)
+        stage = layers * per_layer(cfg, mbs, call.seq_len, layout.tp) + head / layout.pp
         if layout.pp > 1:
             stage += self.hw.latency_s + mbs * call.seq_len * cfg.hidden_size * self.opt.param_bytes \
                 / self._bw(layout.pp * layout.tp)
-        steps = call.passes * call.steps if call.kind == "train" else 1
-        slots = call.passes * micro + steps * (layout.pp - 1)
-        return slots * stage, steps * (layout.pp - 1) * stage
+        steps = call.passes * call.steps if train else 1
+        bubble = 0.0 if self.hw.oversubscribed else steps * (layout.pp - 1) * stage
+        return call.passes * micro * stage + bubble, bubble
 
     def _infer(self, call: Call, layout: Layout) -> dict:
         total, bubble = self._pipelined(call, layout, self.layer_forward, call.model in ("critic", "reward"))
@@ -266,14 +384,19 @@ class Estimator:
         params = mem.stage_params(cfg, call.model, layout.pp, 0).per_gpu(layout.tp)
         steps = call.passes * call.steps
         dp = layout.dp
-        grad_sync = steps * (self.reduce_scatter(params * 4, dp)  # fp32 gradients
-                             + self.reduce_scatter(params * self.opt.param_bytes, dp))  # params back
+        if self.opt.distributed_optimizer:
+            sync = self.reduce_scatter(params * 4, dp) + self.all_gather(params * self.opt.param_bytes, dp)
+        else:
+            sync = self.all_reduce(params * 4, dp)  # fp32 gradients
+        if layout.pp > 1 and cfg.tie_embeddings and call.model in mem.LM_ROLES:
+            sync += self.all_reduce(cfg.padded_vocab_size * cfg.hidden_size / layout.tp * 4, 2)
         shard = params / dp if self.opt.distributed_optimizer else params
-        optimizer = steps * shard * 16 * 2 / self.hw.mem_bw  # Adam: read and write 16 B/param
+        # the step's traffic over its shard, and zeroing the fp32 gradient buffer
+        optimizer = steps * (shard * self.hw.optimizer_bytes_per_param + params * 4) / self.hw.mem_bw
         if call.model == "draft":  # distillation reads the actor's logits: one actor forward
             actor = Call("teacher", "actor", "infer", call.samples, call.prompt_len, call.gen_len)
             total += self._infer(actor, layout)["compute"]
-        return {"compute": total - bubble, "bubble": bubble, "grad_sync": grad_sync,
+        return {"compute": total - bubble, "bubble": bubble, "grad_sync": steps * sync,
                 "optimizer": optimizer}
 
     def _generate(self, call: Call, layout: Layout) -> dict:

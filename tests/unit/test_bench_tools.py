@@ -88,3 +88,21 @@ def test_rlhf_compare_is_the_median_of_per_round_ratios():
                      [row(2.0, 6.0, 0.2), row(2.0, 6.0, 0.2), row(4.0, 8.0, 0.2)])
     assert c["generation_speedup"] == 2.0 and c["iteration_speedup"] == pytest.approx(1.2)
     assert c["reward_mean_diff"] == pytest.approx(0.1)
+
+
+def test_plan_bench_rows_ratios_and_replayed_predictions():
+    plan = tool("bench_plan")
+    assert not hasattr(plan, "Proposed") and not hasattr(plan, "_proposed_class")
+    meas = {"time_rollout_s": 2.0, "time_experience_s": 1.0, "time_train_s": 6.0, "time_reallocate_s": 0.0,
+            "time_iteration_s": 9.0, "wall_iteration_s": 10.0}
+    pred = {"time_rollout_s": 3.0, "time_experience_s": 1.0, "time_train_s": 6.35, "time_reallocate_s": 0.0,
+            "time_iteration_s": 10.35}
+    row = plan.compare_row("1x1x4/1x4", 0, meas, {}, (pred, {}), [{"realloc_mb": 0.0}] * 3)
+    assert row["ratio"]["time_iteration_s"] == pytest.approx(1.15) and row["ratio"]["time_reallocate_s"] is None
+    assert row["within_20pct"] and row["ratio"]["wall_iteration_s"] == pytest.approx(1.035)
+    row["replayed"] = {"predicted": 7.2, "ratio": 0.8}
+    other = dict(row, plan="2x1x2/2x2", ratio=dict(row["ratio"], time_iteration_s=1.3))
+    acc = plan.accuracy({"1x1x4/1x4": [row], "2x1x2/2x2": [other]})
+    assert acc["within_20pct"] == 1 and not acc["met"]
+    assert acc["replayed"] == {"ratios": {"1x1x4/1x4": 0.8, "2x1x2/2x2": 0.8}, "within_20pct": 2}
+    assert "one-sample-steps" in plan.SEARCH_CASES

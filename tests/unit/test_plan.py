@@ -5,6 +5,7 @@ their shortfall), plan files and what the trainer executes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -65,18 +66,115 @@ def test_inference_time_by_hand():
 
 def test_training_time_by_hand():
     """PP=2 x DP=2: 1F1B over 2 micro-batches takes 2 + (2 - 1) slots of one stage (one
-    layer's forward+backward, half the head, a point-to-point send); the distributed
-    optimizer's reduce-scatter (fp32 gradients) and all-gather (parameters) per step; Adam
-    reads and writes 16 bytes per parameter of its DP shard."""
+    layer's forward+backward, half the head, a point-to-point send); the LM head trains the
+    response's 4 positions per sample with its loss and the prompt's 6 with its matmul
+    (three forwards each: no head_train table); the distributed optimizer's reduce-scatter
+    (fp32 gradients) and all-gather (parameters) per step, and the tied embedding's
+    gradient all-reduced between the two stages; the optimizer moves 96 bytes per
+    parameter of its DP shard and zeroes 4 per parameter of the gradient buffer."""
     call = Call("actor_train", "actor", "train", samples=8, prompt_len=6, gen_len=4)
     got = _est().call_time(call, Layout(tp=1, pp=2, dp=2))
-    stage = 6e-3 + 4e-4 / 2 + (1e-3 + 20 * 64 * 4 / 1e9)
+    head = 3 * 2e-4 * 8 / 10 + 3 * 2e-4 * 12 / 10
+    stage = 6e-3 + head / 2 + (1e-3 + 20 * 64 * 4 / 1e9)
     assert got["compute"] + got["bubble"] == pytest.approx(3 * stage, rel=1e-9)
     assert got["bubble"] == pytest.approx(stage, rel=1e-9)
     params = mem.stage_params(TINY, "actor", 2, 0).per_gpu(1)
     rs = 1e-3 + 0.5 * params * 4 / 1e9
-    assert got["grad_sync"] == pytest.approx(2 * rs, rel=1e-9)
-    assert got["optimizer"] == pytest.approx(params / 2 * 32 / 1e11, rel=1e-9)
+    assert TINY.tie_embeddings
+    tied = _all_reduce(TINY.padded_vocab_size * TINY.hidden_size * 4, 2)
+    assert got["grad_sync"] == pytest.approx(2 * rs + tied, rel=1e-9)
+    assert got["optimizer"] == pytest.approx((params / 2 * 96 + params * 4) / 1e11, rel=1e-9)
+    untied = _est().call_time(dataclasses.replace(call, model="critic"), Layout(tp=1, pp=2, dp=2))
+    assert untied["grad_sync"] == pytest.approx(2 * (1e-3 + 0.5 * mem.stage_params(
+        TINY, "critic", 2, 0).per_gpu(1) * 4 / 1e9), rel=1e-9)  # a value head: nothing tied
+
+
+def _measured_est(hw=HW, **opt) -> Estimator:
+    """The estimator on a profile that measured the head's backward and TP=2 tables."""
+    prof = Profile(**dict(PROFILE.__dict__, head_train=[1e-3, 1e-1], tp_tables={"2": {
+        "tokens": [20, 1000], "forward": [5e-3, 0.25], "train": [1.5e-2, 0.75],
+        "head": [7e-4, 3.5e-2], "head_train": [3e-3, 0.15]}}))
+    opts = dict(param_bytes=4, micro_batch_size=2)
+    opts.update(opt)
+    return Estimator({"actor": TINY, "critic": TINY, "reference": TINY}, hw, {prof.shape: prof},
+                     Options(**opts))
+
+
+def test_lm_training_pays_the_measured_head_backward_and_the_critic_does_not():
+    """TP=1 x DP=4 (no pipeline, no bubble): per micro-batch of 2 samples, 2 layers of
+    forward+backward over 20 tokens, and for the actor the head's measured forward+backward
+    over the 8 response positions (1e-4 s per token) plus three head forwards over the 12
+    prompt positions; the critic's value head costs nothing."""
+    est = _measured_est()
+    lay = Layout(tp=1, pp=1, dp=4)
+    actor = est.call_time(Call("actor_train", "actor", "train", 8, 6, 4), lay)
+    critic = est.call_time(Call("critic_train", "critic", "train", 8, 6, 4), lay)
+    assert critic["compute"] == pytest.approx(2 * 6e-3, rel=1e-9)
+    assert actor["compute"] - critic["compute"] == pytest.approx(8e-4 + 3 * 2e-4 * 12 / 10, rel=1e-9)
+    assert est.head(TINY, 8, 1, train=True) == pytest.approx(8e-4, rel=1e-9)
+    assert est.head(TINY, 8, 1, value=True, train=True) == 0.0
+    # without a head_train table the backward is two more forwards
+    assert _est().head(TINY, 8, 1, train=True) == pytest.approx(3 * 2e-4 * 8 / 10, rel=1e-9)
+
+
+def test_tp_tables_replace_the_divided_tp1_costs_from_their_first_token_count():
+    est = _measured_est()
+    assert est.layer_forward(TINY, 2, 10, 2) == pytest.approx(5e-3, rel=1e-9)  # all-reduces included
+    assert est.layer_train(TINY, 2, 10, 2) == pytest.approx(1.5e-2, rel=1e-9)
+    assert est.head(TINY, 20, 2) == pytest.approx(7e-4, rel=1e-9)
+    assert est.head(TINY, 20, 2, train=True) == pytest.approx(3e-3, rel=1e-9)
+    # below the table's first token count, and at a TP size it lacks: TP=1 costs / TP + all-reduces
+    assert est.layer_forward(TINY, 1, 10, 2) == pytest.approx(1e-3 / 2 + 2 * _all_reduce(10 * 64 * 4, 2), rel=1e-9)
+    assert est.layer_forward(TINY, 2, 10, 4) == pytest.approx(2e-3 / 4 + 2 * _all_reduce(20 * 64 * 4, 4), rel=1e-9)
+
+
+def test_collectives_use_their_fitted_costs():
+    """A reduce-scatter and an all-gather at their own fitted bandwidth and latency inside
+    a node (the all-reduce's beyond it); an all-reduce pays its latency per ring step."""
+    hw = dataclasses.replace(HW, reduce_scatter_bw=2e8, reduce_scatter_latency_s=2e-3,
+                             all_gather_bw=4e8, all_gather_latency_s=3e-3, ring_latency_s=1e-4)
+    est = _measured_est(hw)
+    n = 1 << 20
+    assert est.reduce_scatter(n, 4) == pytest.approx(2e-3 + 0.75 * n / 2e8, rel=1e-9)
+    assert est.all_gather(n, 4) == pytest.approx(3e-3 + 0.75 * n / 4e8, rel=1e-9)
+    assert est.reduce_scatter(n, 16) == pytest.approx(1e-3 + 15 / 16 * n / 1e8, rel=1e-9)  # across nodes
+    assert est.all_reduce(n, 4) == pytest.approx(6 * (1e-4 + n / 4 / 1e9), rel=1e-9)
+    assert est.all_reduce(n, 1) == est.reduce_scatter(n, 1) == 0.0
+    assert _est().all_reduce(n, 4) == pytest.approx(_all_reduce(n, 4), rel=1e-9)  # one latency
+    params = mem.stage_params(TINY, "critic").per_gpu(1)
+    got = est.call_time(Call("critic_train", "critic", "train", 8, 6, 4), Layout(tp=1, pp=1, dp=4))
+    assert got["grad_sync"] == pytest.approx(est.reduce_scatter(params * 4, 4) + est.all_gather(params * 4, 4),
+                                             rel=1e-9)
+    plain = _measured_est(hw, distributed_optimizer=False)
+    got = plain.call_time(Call("critic_train", "critic", "train", 8, 6, 4), Layout(tp=1, pp=1, dp=4))
+    assert got["grad_sync"] == pytest.approx(est.all_reduce(params * 4, 4), rel=1e-9)
+    assert got["optimizer"] == pytest.approx(params * 100 / 1e11, rel=1e-9)  # no shard
+
+
+def test_the_pipeline_bubble_is_free_only_on_oversubscribed_cores():
+    call = Call("critic_train", "critic", "train", samples=8, prompt_len=6, gen_len=4)
+    lay = Layout(tp=1, pp=2, dp=2)
+    busy = _measured_est(dataclasses.replace(HW, cores=4)).call_time(call, lay)  # 8 ranks, 4 cores
+    own = _measured_est(dataclasses.replace(HW, cores=8)).call_time(call, lay)
+    gpus = _measured_est().call_time(call, lay)  # cores unknown: a device per rank
+    stage = 6e-3 + 1e-3 + 20 * 64 * 4 / 1e9
+    assert busy["bubble"] == 0.0 and busy["compute"] == pytest.approx(2 * stage, rel=1e-9)
+    assert own["bubble"] == gpus["bubble"] == pytest.approx(stage, rel=1e-9)
+    assert dataclasses.replace(HW, cores=4, gpus_per_node=2, threads_per_rank=4).oversubscribed
+    from megatron_rlhf.plan.cost import HARDWARE
+
+    assert not any(hw.oversubscribed for hw in HARDWARE.values())
+    assert all(HARDWARE[g].optimizer_bytes_per_param == 32 for g in ("h100", "h200", "a100"))
+
+
+def test_a_micro_batch_holds_at_most_a_ranks_samples():
+    """--micro-batch-size 8 with 2 samples per rank runs micro-batches of 2, not 8."""
+    call = Call("ref_inf", "reference", "infer", samples=8, prompt_len=6, gen_len=4)
+    lay = Layout(tp=1, pp=1, dp=4)
+    assert _est(micro_batch_size=8).micro_batches(call, lay) == (2, 1)
+    assert _est(micro_batch_size=8).call_time(call, lay)["total"] == pytest.approx(
+        _est(micro_batch_size=2).call_time(call, lay)["total"], rel=1e-12)
+    assert _est(micro_batch_size=1).micro_batches(call, lay) == (1, 2)
 
 
 def test_generation_time_follows_the_tail_by_hand():

@@ -1,5 +1,6 @@
 """tools/profile_costs.py: its output is a Profile the estimator loads (a tiny model on 2
-gloo ranks), its cache key decides reuse, and its link fits recover known costs."""
+gloo ranks), its cache key decides reuse, its link fits recover known costs and land in
+the Hardware, and older profiles are completed from their meta file."""
 
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ def test_profile_of_a_tiny_model_loads_into_the_estimator(tmp_path):
     meta = json.loads((tmp_path / "tiny.meta.json").read_text())
     assert meta["key"]["ranks"] == 2 and meta["key"]["dtype"] == "fp32"
     assert len(meta["head_train_s"]) == 3 and len(meta["decode_rest_s"]) == 2
+    assert len(prof.head_train) == 3 and all(x > 0 for x in prof.head_train) and prof.tp_tables == {}
+    assert hw.reduce_scatter_bw > 0 and hw.all_gather_bw > 0 and hw.ring_latency_s >= 0
+    assert hw.cores >= 1 and hw.threads_per_rank >= 1
 
     est = Estimator({"actor": cfg, "reference": cfg, "critic": cfg}, hw, {prof.shape: prof})
     graph = rlhf_graph(4, 8, 8)
@@ -73,3 +77,56 @@ def test_profile_of_a_tiny_model_loads_into_the_estimator(tmp_path):
     assert pc.cached(out, key)
     assert not pc.cached(out, dict(key, dtype="bf16")) and not pc.cached(out, dict(key, ranks=4))
     assert not pc.cached(tmp_path / "other.json", key)
+
+
+def test_fitted_hardware_holds_the_collective_fits_and_the_cores():
+    import argparse
+
+    from megatron_rlhf.config import preset
+    from megatron_rlhf.plan.cost import Hardware
+
+    pc = tool()
+    bw, step = 1e9, 2e-4
+    links = [{"group": g, "bytes": b, "s": 2 * (g - 1) * step + 2 * (g - 1) / g * b / bw}
+             for g in (2, 4) for b in (4096, 1 << 20, 16 << 20)]
+    shards = [{"op": op, "group": g, "bytes": b, "s": lat + (g - 1) / g * b / obw}
+              for op, obw, lat in (("reduce_scatter", 3e8, 2e-3), ("all_gather", 5e8, 1e-3))
+              for g in (2, 4) for b in (1 << 20, 16 << 20, 64 << 20)]
+    args = argparse.Namespace(tokens=[1, 8], gpu_memory_gb=2.0)
+    hw = Hardware(**pc.fit_hardware(preset("tiny"), args, 4, [1e-3, 2e-3], [1e-3], [1e-3], links, 4,
+                                    shards, cores=2, threads=1))
+    assert hw.intra_bw == pytest.approx(bw, rel=1e-6) and hw.ring_latency_s == pytest.approx(step, rel=1e-6)
+    assert hw.reduce_scatter_bw == pytest.approx(3e8, rel=1e-6)
+    assert hw.reduce_scatter_latency_s == pytest.approx(2e-3, rel=1e-6)
+    assert hw.all_gather_bw == pytest.approx(5e8, rel=1e-6)
+    assert hw.cores == 2 and hw.gpus_per_node == 4 and hw.oversubscribed
+    assert not Hardware(**pc.fit_hardware(preset("tiny"), args, 2, [1e-3, 2e-3], [1e-3], [1e-3], links, 4,
+                                          shards, cores=2, threads=1)).oversubscribed
+
+
+def test_an_older_profile_is_completed_from_its_meta_file(tmp_path):
+    from megatron_rlhf.plan.cost import Hardware, Profile
+
+    old = {"shape": "s", "tokens": [1, 64], "forward": [1e-3, 2e-3], "train": [3e-3, 6e-3],
+           "head": [1e-3, 4e-3], "batches": [1], "decode": [1e-3], "context": 8,
+           "hardware": {"name": "cpu-measured", "flops": 1e11, "mem_bw": 1e10, "intra_bw": 1e9,
+                        "inter_bw": 1e9, "latency_s": 3e-3, "gpus_per_node": 4}}
+    (tmp_path / "p.json").write_text(json.dumps(old))
+    plain = Profile.load(tmp_path / "p.json")  # no meta: the new fields' defaults
+    assert plain.head_train == [] and plain.tp_tables == {}
+    assert not Hardware(**plain.hardware).oversubscribed
+    tp = {"2": {"tokens": [32, 64], "forward": [1, 2], "train": [3, 4], "head": [5, 6], "head_train": [7, 8]}}
+    meta = {"key": {"threads": 1}, "cores": 2, "head_train_s": [2e-3, 9e-3], "tp_tables": tp,
+            "ring_fit": {"bus_bw": 8e8, "latency_per_step_s": 5e-4},
+            "reduce_scatter_fit": {"bw": 3e8, "latency_s": 2e-3}, "all_gather_fit": {"bw": 5e8, "latency_s": 1e-3}}
+    (tmp_path / "p.meta.json").write_text(json.dumps(meta))
+    prof = Profile.load(tmp_path / "p.json")
+    hw = Hardware(**prof.hardware)
+    assert prof.head_train == [2e-3, 9e-3] and prof.tp_table(2, "train", 48) == pytest.approx(3.5)
+    assert prof.tp_table(2, "train", 16) is None and prof.tp_table(4, "train", 48) is None
+    assert hw.ring_latency_s == 5e-4 and hw.intra_bw == 8e8 and hw.latency_s == 3e-3
+    assert (hw.reduce_scatter_bw, hw.reduce_scatter_latency_s, hw.all_gather_bw) == (3e8, 2e-3, 5e8)
+    assert hw.cores == 2 and hw.oversubscribed
+    prof.save(tmp_path / "new.json")  # a new-style file round-trips without its meta
+    again = Profile.load(tmp_path / "new.json")
+    assert again == prof and Hardware(**again.hardware) == hw
