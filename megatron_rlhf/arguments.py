@@ -76,6 +76,12 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                    help="with TP > 1, split whole sequences over the TP ranks outside "
                         "attention and MLP in training and inference (activations / TP); "
                         "generation runs whole sequences")
+    r = g.add_mutually_exclusive_group()
+    r.add_argument("--release-train-copy", dest="release_train_copy", action="store_true",
+                   default=None, help="with a --gen-layout of its own, the actor's training "
+                                      "copy waits in host memory during generation (default on GPU)")
+    r.add_argument("--no-release-train-copy", dest="release_train_copy", action="store_false",
+                   help="keep the training copy on the device during generation")
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -219,6 +225,12 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                                       "(default on GPU)")
     v.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                    help="reduce gradients after the backward (default on CPU)")
+    w = g.add_mutually_exclusive_group()
+    w.add_argument("--overlap-param-gather", dest="overlap_param_gather", action="store_true",
+                   default=None, help="gather updated parameters during the next mini-batch's "
+                                      "forward (default with --overlap-grad-reduce)")
+    w.add_argument("--no-overlap-param-gather", dest="overlap_param_gather", action="store_false",
+                   help="gather updated parameters in the optimizer step")
 
 
 def add_rlhf_args(p: argparse.ArgumentParser) -> None:

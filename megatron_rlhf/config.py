@@ -198,6 +198,9 @@ class ParallelConfig:
     """Split whole sequences over TP between its regions in the train layout's models
     (actor, reference, critic, reward; not the generation copy or the draft): activations
     outside attention/MLP divided by TP. Nothing changes at TP = 1."""
+    release_train_copy: bool | None = None
+    """When the actor generates on a copy of its own (a generation layout), its training
+    copy's weights wait in pinned host memory during the rollout. None: on GPU."""
     plan: str | None = None
     """An execution plan (``tools/plan.py --out FILE``) or ``auto`` (searched at start-up,
     :mod:`megatron_rlhf.plan.search`): sets ``train_layout`` and ``gen_layout``."""
@@ -484,6 +487,11 @@ class OptimConfig:
     overlap_grad_reduce: bool | None = None
     """Reduce gradients bucket by bucket during the last micro-batch's backward (megatron's
     DDP) instead of after it; None: on GPU only."""
+    overlap_param_gather: bool | None = None
+    """With the distributed optimizer and overlapped gradient reduction: gather the updated
+    parameters bucket by bucket during the next mini-batch's forward instead of in the
+    optimizer step (megatron's DDP forward pre-hooks); the trainer completes the gather when
+    a training stage ends. None: wherever gradients overlap."""
 
     def __post_init__(self) -> None:
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -492,6 +500,12 @@ class OptimConfig:
             raise ValueError("critic_lr and draft_lr must be >= 0")
         if self.lr_warmup_iters < 0 or self.clip_grad < 0 or self.weight_decay < 0:
             raise ValueError("lr_warmup_iters, clip_grad and weight_decay must be >= 0")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather gathers the distributed optimizer's shards: "
+                             "drop --no-distributed-optimizer or --overlap-param-gather")
+        if self.overlap_param_gather and self.overlap_grad_reduce is False:
+            raise ValueError("--overlap-param-gather needs overlapped gradient reduction: drop "
+                             "--no-overlap-grad-reduce or --overlap-param-gather")
 
 
 

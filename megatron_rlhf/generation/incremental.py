@@ -298,11 +298,11 @@ def _plain_head(model) -> str | None:
     return None if known == "subset" and head.head_only else known
 
 
-def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable, **kw):
+def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable, *args, **kw):
     """:func:`_forward_cached` (documented there), with a sequence-parallel model's modules
     running whole sequences (:func:`~megatron_rlhf.models.sequence_parallel.disabled`)."""
     with sequence_parallel.disabled(model):
-        return _forward_cached(model, cache, tokens, rope, **kw)
+        return _forward_cached(model, cache, tokens, rope, *args, **kw)
 
 
 def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,

@@ -244,7 +244,8 @@ def memory_warning(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int) ->
             mem.MemoryOptions(param_bytes=plan.dtype.itemsize,
                               distributed_optimizer=plan.optim.use_distributed_optimizer,
                               recompute=plan.par.recompute_granularity or "none",
-                              sequence_parallel=plan.par.sequence_parallel))
+                              sequence_parallel=plan.par.sequence_parallel,
+                              release_train_copy=plan.par.release_train_copy is not False))
         mem.fits_or_raise(est)
     except ValueError as e:
         return f"memory estimate: {e}"
@@ -355,4 +356,5 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     return RLHFTrainer(models, generator, maker, plan.ppo, plan.loop, plan.gen, plan.spec,
                        plan.prompts, plan.prompt_ids, pg, tokenizer=tok, save_dir=plan.save_dir,
                        log_dir=plan.log_dir, start_iteration=start, run_info=run_info,
-                       migration=plan.migration, gen_pg=gen_pg)
+                       migration=plan.migration, gen_pg=gen_pg,
+                       release_train_copy=plan.par.release_train_copy)

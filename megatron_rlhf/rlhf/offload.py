@@ -3,7 +3,9 @@
 Every stage runs on the same ranks. Between its uses, a model's weights (reference,
 reward) or an optimizer's states move to pinned CPU memory and come back before the next
 use; the generator's KV cache is freed when generation returns; optimizer states and
-gradient buffers leave the GPU while the rollout and experience stages run. On CPU these are no-ops.
+gradient buffers leave the GPU while the rollout and experience stages run; when the actor
+generates on a copy of its own (another layout), its training copy's weights leave the GPU
+during the rollout (:func:`release_weights`). On CPU these are no-ops.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def park_trainee(t, host: bool, move=None) -> None:
         if not platform.has_cuda():
             return
         move = _move_tensor
-    if getattr(t, "parked", False) == host:
+    if t.parked == host:
         return
     for holder, key in optimizer_tensors(t):
         holder[key] = move(holder[key], host)
@@ -95,6 +97,42 @@ def park_trainee(t, host: bool, move=None) -> None:
         torch.cuda.synchronize()
         if host:
             torch.cuda.empty_cache()
+
+
+def release_weights(t, host: bool, force: bool = False) -> None:
+    """While generation runs on the actor's generation copy, the training copy's weights of
+    trainee ``t`` wait in (pinned) host memory: each distinct storage behind its parameters
+    (DDP's parameter buffers under the distributed optimizer, which an fp32 model's
+    optimizer steps in place) is copied to the host and resized to nothing; ``host=False``
+    brings the bytes back into the same storages, so every parameter, view and optimizer
+    reference stays valid. On CPU a no-op unless ``force`` (tests: the same bookkeeping).
+    Releasing twice, or restoring what is not released, changes nothing."""
+    if not (platform.has_cuda() or force) or (t.released is not False) == host:
+        return
+    if host:
+        t.released = []
+        seen = set()
+        for p in t.model.parameters():
+            storage = p.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            keep = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=platform.has_cuda())
+            keep.untyped_storage().copy_(storage, non_blocking=True)
+            t.released.append((storage, keep))
+        if platform.has_cuda():
+            torch.cuda.synchronize()
+        for storage, _ in t.released:
+            storage.resize_(0)
+        if platform.has_cuda():
+            torch.cuda.empty_cache()
+        return
+    for storage, keep in t.released:
+        storage.resize_(keep.numel())
+        storage.copy_(keep.untyped_storage(), non_blocking=True)
+    if platform.has_cuda():
+        torch.cuda.synchronize()
+    t.released = False
 
 
 def _move_tensor(t: torch.Tensor, host: bool) -> torch.Tensor:

@@ -5,7 +5,9 @@ optimizer, with a warmup + cosine learning rate.
   and are reduced once per step (during the last micro-batch's backward, bucket by bucket,
   with ``overlap_grad_reduce``, the default on GPU): reduce-scattered over data-parallel ranks when the
   distributed optimizer shards the fp32 masters and Adam states (ZeRO-1), all-reduced
-  otherwise.
+  otherwise. With ``overlap_param_gather`` (the default with overlapped reduction) the
+  updated parameters are all-gathered bucket by bucket in the next forward's pre-hooks;
+  :meth:`Trainee.gather_params` completes the gather when a stage ends.
 - Losses are normalised by the token count of the whole (all-DP) mini-batch and summed
   over DP (``calculate_per_token_loss``: DDP does not divide by the DP size), so the update
   is exactly the DP=1 update.
@@ -41,6 +43,12 @@ class Trainee:
     """The model's ProcessGroupCollection."""
     parked: bool = False
     """The optimizer's states (and masters) are in host memory (:mod:`~megatron_rlhf.rlhf.offload`)."""
+    released: bool | list = False
+    """The weights wait in host memory (:func:`~megatron_rlhf.rlhf.offload.release_weights`:
+    the storages and their host copies)."""
+    params_pending: bool = False
+    """Under ``overlap_param_gather``: the last step's parameters are not all gathered yet
+    (the next forward's pre-hooks gather them; :meth:`gather_params` completes it)."""
 
     def step(self) -> float:
         """Reduce the accumulated gradients (over DP, and a tied embedding's gradient over
@@ -55,7 +63,17 @@ class Trainee:
             raise FloatingPointError(f"{self.model.mrlhf_role}: the optimizer found inf/nan gradients")
         self.scheduler.step()
         self.zero_grad()
+        self.params_pending = bool(self.ddp.ddp_config.overlap_param_gather)
         return float(norm) if norm is not None else 0.0
+
+    def gather_params(self) -> None:
+        """Complete the parameter all-gather of the last step (a no-op without
+        ``overlap_param_gather``): before anything reads the weights other than the modules'
+        own forwards (decoding's plain-layer path, reallocation, checkpoints)."""
+        if self.params_pending:
+            with platform.cuda_as_cpu():
+                self.ddp.start_param_sync(force_sync=True)
+            self.params_pending = False
 
     def accumulating(self, last: bool):
         """The context of one micro-batch's backward: gradient reduction held back unless
@@ -92,8 +110,10 @@ def build_trainee(model: torch.nn.Module, pg, cfg: OptimConfig, lr: float,
     dtype = next(p.dtype for p in model.parameters())
     model.config.calculate_per_token_loss = True  # sum over DP: losses are global token means
     overlap = platform.has_cuda() if cfg.overlap_grad_reduce is None else cfg.overlap_grad_reduce
+    gather = overlap and cfg.use_distributed_optimizer if cfg.overlap_param_gather is None \
+        else cfg.overlap_param_gather
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, overlap_param_gather=gather,
         use_distributed_optimizer=cfg.use_distributed_optimizer)
     with platform.cuda_as_cpu():
         ddp = DistributedDataParallel(model.config, ddp_cfg, model, pg_collection=pg)

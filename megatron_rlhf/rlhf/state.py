@@ -129,6 +129,8 @@ def save_training(root: str | os.PathLike, iteration: int, models: dict, trainee
     pg); ``trainees``: name -> :class:`~megatron_rlhf.rlhf.optim.Trainee` (all under one
     layout); ``state``: JSON-able loop state (data position, layout, ...). ``keep_last`` > 0
     deletes older checkpoints once this one is committed."""
+    for t in trainees.values():  # (weights read directly: no pending overlapped gather)
+        t.gather_params()
     tmp = begin_iteration(root, iteration)
     for name, (model, pg) in models.items():
         write_model(tmp / name, iteration, model, pg, tokenizer if name == "actor" else None)

@@ -68,8 +68,12 @@ class RLHFTrainer:
                  loop: LoopConfig, gen: GenerationConfig, spec: SpecConfig, prompts: list,
                  prompt_ids: list[list[int]], pg, tokenizer=None, save_dir=None, log_dir=None,
                  start_iteration: int = 0, run_info: dict | None = None,
-                 migration: MigrationConfig | None = None, gen_pg=None):
+                 migration: MigrationConfig | None = None, gen_pg=None,
+                 release_train_copy: bool | None = None):
         self.m, self.generator, self.maker = models, generator, maker
+        # (None: on GPU; only where the actor generates on a copy of its own)
+        release = platform.has_cuda() if release_train_copy is None else release_train_copy
+        self.release_train_copy = release and models.actor_gen is not None
         self.gen_pg = gen_pg if gen_pg is not None else pg
         self.reallocate = None
         if models.actor_gen is not None:
@@ -132,10 +136,13 @@ class RLHFTrainer:
             for t in (m.actor, m.critic, m.draft_trainee):
                 if t is not None:
                     offload.park_trainee(t, host=True)
+            if self.release_train_copy:  # generation has its own copy: the training one waits
+                offload.release_weights(m.actor, host=True, force=True)
             generated = self.generator.generate(gen_ids, self.gen, self.spec,
                                                 seed=iteration_seed(self.loop.seed, it),
                                                 sample_ids=gen_sids, migrator=self.migrator)
             self.generator.release()  # the KV cache store (and its graphs) until the next rollout
+            offload.release_weights(m.actor, host=False, force=True)
         ids, texts, sids = self._my_samples(it, self.pg.dp)
         rollout = generated
         if m.actor_gen is not None:  # to the train layout's data-parallel ranks
@@ -157,6 +164,9 @@ class RLHFTrainer:
             metrics.update(train_actor(m.actor, exp, self.ppo))
             if m.critic is not None:
                 metrics.update(train_critic(m.critic, exp, self.ppo))
+            for t in (m.actor, m.critic):  # (generation and reallocation read weights directly)
+                if t is not None:
+                    t.gather_params()
         if m.actor_gen is not None:
             with stages.stage("reallocate"):
                 offload.move_model(m.actor_gen, dev)
@@ -170,6 +180,7 @@ class RLHFTrainer:
                 batch = exp if m.actor_gen is None else token_batch(gen_ids, generated, self.generator.pad_id)
                 metrics.update(train_draft(m.draft_trainee, m.generating_actor, batch,
                                            self.ppo.micro_batch_size, self.loop.draft_distill_topk))
+                m.draft_trainee.gather_params()
         metrics.update(stages.metrics)
         metrics["time_iteration_s"] = sum(v for k, v in stages.metrics.items() if k.startswith("time_"))
         return metrics

@@ -151,7 +151,9 @@ def test_tp2_equals_tp1(world1, tmp_path, extra):
 
 
 OVERLAP = ("--overlap-grad-reduce",)  # gradients reduced during the last micro-batch's backward
-LAYOUTS = [("2x1x1", "1x2", ()), ("1x1x2", "2x1", OVERLAP),  # TP <-> DP, 2 ranks
+# (with overlapped reduction the parameter gather overlaps too; the training copy's weights
+# wait in host memory while the generation copy generates, forced on CPU)
+LAYOUTS = [("2x1x1", "1x2", ()), ("1x1x2", "2x1", (*OVERLAP, "--release-train-copy")),  # TP <-> DP
            ("1x2x1", "1x2", ("--recompute-granularity", "full")),  # PP=2 (1F1B over gloo)
            ("1x2x2", "1x4", OVERLAP), ("2x2x1", "2x2", ()),  # PP=2 x DP=2, TP=2 x PP=2, 4 ranks
            ("2x2x1", "1x4", ("--sequence-parallel",))]  # pipelined sequence shards

@@ -86,3 +86,13 @@ def test_generation_configs():
         GenerationConfig(max_new_tokens=0)
     with pytest.raises(ValueError, match="--num-draft-tokens must be an integer >= 0 or .auto., got -1"):
         SpecConfig(num_draft_tokens=-1)
+
+
+def test_overlap_param_gather_needs_its_prerequisites():
+    from megatron_rlhf.config import OptimConfig
+
+    assert OptimConfig(overlap_param_gather=True).overlap_param_gather  # grad overlap: default
+    with pytest.raises(ValueError, match="drop --no-distributed-optimizer or --overlap-param-gather"):
+        OptimConfig(overlap_param_gather=True, use_distributed_optimizer=False)
+    with pytest.raises(ValueError, match="drop --no-overlap-grad-reduce or --overlap-param-gather"):
+        OptimConfig(overlap_param_gather=True, overlap_grad_reduce=False)

@@ -159,3 +159,36 @@ def test_parking_the_optimizer_between_steps_changes_no_update(world1, dtype):
         finals.append([p.detach().float().clone() for p in params])
     for a, b in zip(*finals):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_releasing_the_weights_during_generation_changes_no_update(world1, dtype):
+    """While the actor generates on a copy of its own, its training copy's weights wait in
+    host memory (:func:`~megatron_rlhf.rlhf.offload.release_weights`, forced on CPU): every
+    parameter's storage is emptied (its memory given back), released twice changes nothing,
+    and the weights come back bit for bit into the same storages, so the optimizer (whose
+    fp32 masters of an fp32 model are those storages) steps on as if never released."""
+    from megatron_rlhf.rlhf.offload import release_weights
+
+    finals = []
+    for release in (False, True):
+        model = _tiny(world1, dtype)
+        params = [p for p in model.parameters() if p.requires_grad]
+        t = build_trainee(model, world1, OptimConfig(lr=1e-2), 1e-2)
+        for step in range(3):
+            torch.manual_seed(step)
+            for p in params:
+                p.main_grad.copy_(torch.randn(p.shape))
+            t.step()
+            if release:
+                before = [p.detach().clone() for p in params]
+                release_weights(t, True, force=True)
+                assert all(p.untyped_storage().nbytes() == 0 for p in params)
+                release_weights(t, True, force=True)  # already released
+                release_weights(t, False, force=True)
+                release_weights(t, False, force=True)  # already back
+                for a, p in zip(before, params):
+                    assert torch.equal(a, p)
+        finals.append([p.detach().float().clone() for p in params])
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)
