@@ -76,12 +76,9 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                    help="with TP > 1, split whole sequences over the TP ranks outside "
                         "attention and MLP in training and inference (activations / TP); "
                         "generation runs whole sequences")
-    r = g.add_mutually_exclusive_group()
-    r.add_argument("--release-train-copy", dest="release_train_copy", action="store_true",
-                   default=None, help="with a --gen-layout of its own, the actor's training "
-                                      "copy waits in host memory during generation (default on GPU)")
-    r.add_argument("--no-release-train-copy", dest="release_train_copy", action="store_false",
-                   help="keep the training copy on the device during generation")
+    _on_off(g, "release-train-copy", "with a --gen-layout of its own, the actor's training copy "
+            "waits in host memory during generation (default on GPU)",
+            "keep the training copy on the device during generation")
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -219,18 +216,19 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                    help="shard fp32 masters and Adam states over data-parallel ranks (default)")
     o.add_argument("--no-distributed-optimizer", dest="use_distributed_optimizer",
                    action="store_false", help="every data-parallel rank keeps the whole optimizer")
-    v = g.add_mutually_exclusive_group()
-    v.add_argument("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true",
-                   default=None, help="reduce gradients during the last micro-batch's backward "
-                                      "(default on GPU)")
-    v.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
-                   help="reduce gradients after the backward (default on CPU)")
-    w = g.add_mutually_exclusive_group()
-    w.add_argument("--overlap-param-gather", dest="overlap_param_gather", action="store_true",
-                   default=None, help="gather updated parameters during the next mini-batch's "
-                                      "forward (default with --overlap-grad-reduce)")
-    w.add_argument("--no-overlap-param-gather", dest="overlap_param_gather", action="store_false",
-                   help="gather updated parameters in the optimizer step")
+    _on_off(g, "overlap-grad-reduce", "reduce gradients during the last micro-batch's backward "
+            "(default on GPU)", "reduce gradients after the backward (default on CPU)")
+    _on_off(g, "overlap-param-gather", "gather updated parameters during the next mini-batch's "
+            "forward (default with --overlap-grad-reduce)",
+            "gather updated parameters in the optimizer step")
+
+
+def _on_off(g, flag: str, on_help: str, off_help: str) -> None:
+    """``--FLAG`` / ``--no-FLAG`` setting one field to True / False (None when neither is given)."""
+    x = g.add_mutually_exclusive_group()
+    dest = flag.replace("-", "_")
+    x.add_argument(f"--{flag}", dest=dest, action="store_true", default=None, help=on_help)
+    x.add_argument(f"--no-{flag}", dest=dest, action="store_false", help=off_help)
 
 
 def add_rlhf_args(p: argparse.ArgumentParser) -> None:

@@ -118,6 +118,14 @@ def test_activation_recompute_keeps_the_gradients(world1, recompute):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def _random_step(t, params, seed: int) -> None:
+    """One optimizer step of trainee ``t`` on random gradients."""
+    torch.manual_seed(seed)
+    for p in params:
+        p.main_grad.copy_(torch.randn(p.shape))
+    t.step()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_parking_the_optimizer_between_steps_changes_no_update(world1, dtype):
     """The trainer parks each optimizer in pinned host memory while other stages run
@@ -140,10 +148,7 @@ def test_parking_the_optimizer_between_steps_changes_no_update(world1, dtype):
         t = build_trainee(model, world1, OptimConfig(lr=1e-2), 1e-2)
         weights = [p.data_ptr() for p in params]
         for step in range(3):
-            torch.manual_seed(step)
-            for p in params:
-                p.main_grad.copy_(torch.randn(p.shape))
-            t.step()
+            _random_step(t, params, step)
             if park:
                 held = optimizer_tensors(t)
                 adam = [h for h, k in held if k is not None]
@@ -176,10 +181,7 @@ def test_releasing_the_weights_during_generation_changes_no_update(world1, dtype
         params = [p for p in model.parameters() if p.requires_grad]
         t = build_trainee(model, world1, OptimConfig(lr=1e-2), 1e-2)
         for step in range(3):
-            torch.manual_seed(step)
-            for p in params:
-                p.main_grad.copy_(torch.randn(p.shape))
-            t.step()
+            _random_step(t, params, step)
             if release:
                 before = [p.detach().clone() for p in params]
                 release_weights(t, True, force=True)
