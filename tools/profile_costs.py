@@ -413,6 +413,31 @@ def measure_collective(timer, world: int, op: str, sizes=ALLREDUCE_BYTES) -> lis
     return out
 
 
+def measure_optimizer(model, pg, timer) -> dict:
+    """Seconds of one step of megatron's distributed optimizer (as the trainer builds it) on
+    ``model`` at DP = the world, random gradients: clipping's norm, Adam over this rank's
+    shard, the copy back and the parameters' all-gather; with the parameter count and the
+    shard's (``optimizer_s``, ``params``, ``shard``)."""
+    import torch.distributed as dist
+
+    from megatron_rlhf import platform
+    from megatron_rlhf.config import OptimConfig
+    from megatron_rlhf.rlhf.optim import build_trainee
+
+    t = build_trainee(model, pg, OptimConfig(lr=1e-6), 1e-6)
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for p in params:
+        p.main_grad.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
+
+    def step():
+        with platform.cuda_as_cpu():
+            t.optimizer.step()
+
+    total = sum(p.numel() for p in params)
+    return {"optimizer_s": timer(step), "params": total, "shard": total / dist.get_world_size()}
+
+
 def fit_bus(rows: list[dict], steps) -> tuple[float, float]:
     """(bandwidth, latency) from ``t = latency + steps(g) * bytes / bw``, least squares."""
     xs = [steps(r["group"]) * r["bytes"] for r in rows]
@@ -448,8 +473,11 @@ def fit_ring(rows: list[dict]) -> tuple[float, float]:
 
 
 def fit_hardware(cfg, args, world: int, per_layer_fwd, per_layer_decode, head_fwd, links,
-                 param_bytes: int, shards: list[dict] = (), cores: int = 0, threads: int = 1) -> dict:
-    """The Hardware of the measurements (``shards``: reduce-scatter and all-gather rows)."""
+                 param_bytes: int, shards: list[dict] = (), cores: int = 0, threads: int = 1,
+                 optimizer: dict | None = None) -> dict:
+    """The Hardware of the measurements (``shards``: reduce-scatter and all-gather rows;
+    ``optimizer``: :func:`measure_optimizer`'s step, less the parameters' all-gather at its
+    fitted cost, gives the bytes of memory traffic per shard parameter at ``mem_bw``)."""
     from megatron_rlhf.plan import memory as mem
     from megatron_rlhf.plan.cost import Hardware
 
@@ -470,6 +498,13 @@ def fit_hardware(cfg, args, world: int, per_layer_fwd, per_layer_decode, head_fw
         rows = [r for r in shards if r["op"] == op]
         if rows:
             fits[f"{op}_bw"], fits[f"{op}_latency_s"] = fit_bus(rows, lambda g: (g - 1) / g)
+    if optimizer is not None:
+        gather = 0.0
+        if "all_gather_bw" in fits:
+            gather = fits["all_gather_latency_s"] + (world - 1) / world * optimizer["params"] \
+                * param_bytes / fits["all_gather_bw"]
+        adam = max(optimizer["optimizer_s"] - gather, 0.0)
+        fits["optimizer_bytes_per_param"] = adam * mem_bw / optimizer["shard"]
     hw = Hardware("cpu-measured", flops=flops, mem_bw=mem_bw, intra_bw=bw, inter_bw=bw,
                   latency_s=latency, layer_overhead_s=max(per_layer_fwd[0] - stream, 0.0),
                   decode_overhead_s=max(per_layer_decode[0] - stream, 0.0),
@@ -534,6 +569,7 @@ def main(argv=None) -> int:
     big = [*ALLREDUCE_BYTES[-3:], SHARD_BYTES]
     shards = measure_collective(timer, world, "reduce_scatter", big) + \
         measure_collective(timer, world, "all_gather", big)
+    optimizer = measure_optimizer(model, pg, timer)
     n, m = len(args.tokens), len(args.batches)
     flat = average_over_ranks(fwd + fwd_rest + train + train_rest + head + head_train
                               + decode + decode_rest + [r["s"] for r in links + shards])
@@ -547,7 +583,10 @@ def main(argv=None) -> int:
             tables[k] = average_over_ranks(tables[k])
     param_bytes = 2 if args.dtype == "bf16" else 4
     cores = len(os.sched_getaffinity(0))
-    hw = fit_hardware(cfg, args, world, fwd, decode, head, links, param_bytes, shards, cores, key["threads"])
+    if optimizer is not None:
+        optimizer["optimizer_s"] = average_over_ranks([optimizer["optimizer_s"]])[0]
+    hw = fit_hardware(cfg, args, world, fwd, decode, head, links, param_bytes, shards, cores,
+                      key["threads"], optimizer)
     prof = Profile(shape=key["shape"], tokens=args.tokens, forward=fwd, train=train, head=head,
                    batches=args.batches, decode=decode, context=args.context, hardware=hw,
                    head_train=head_train, tp_tables={str(tp): t for tp, t in tp_tables.items()})
@@ -561,7 +600,7 @@ def main(argv=None) -> int:
                 "forward_rest_s": fwd_rest, "train_rest_s": train_rest, "head_train_s": head_train,
                 "decode_rest_s": decode_rest, "allreduce": links,
                 "ring_fit": dict(zip(("bus_bw", "latency_per_step_s"), fit_ring(links))),
-                "shard_collectives": shards, "tp_tables": tp_tables,
+                "shard_collectives": shards, "tp_tables": tp_tables, "optimizer_step": optimizer,
                 "reduce_scatter_fit": dict(zip(("bw", "latency_s"), fit_bus(
                     [r for r in shards if r["op"] == "reduce_scatter"], lambda g: (g - 1) / g))),
                 "all_gather_fit": dict(zip(("bw", "latency_s"), fit_bus(

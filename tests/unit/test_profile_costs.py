@@ -102,6 +102,15 @@ def test_fitted_hardware_holds_the_collective_fits_and_the_cores():
     assert hw.cores == 2 and hw.gpus_per_node == 4 and hw.oversubscribed
     assert not Hardware(**pc.fit_hardware(preset("tiny"), args, 2, [1e-3, 2e-3], [1e-3], [1e-3], links, 4,
                                           shards, cores=2, threads=1)).oversubscribed
+    # the optimizer step, less the parameters' all-gather at its fit, at mem_bw per shard parameter
+    params, bpp = 4_000_000, 60.0
+    mem_bw = hw.mem_bw
+    gather = hw.all_gather_latency_s + 3 / 4 * params * 4 / hw.all_gather_bw
+    step = {"optimizer_s": gather + params / 4 * bpp / mem_bw, "params": params, "shard": params / 4}
+    fitted = Hardware(**pc.fit_hardware(preset("tiny"), args, 4, [1e-3, 2e-3], [1e-3], [1e-3], links, 4,
+                                        shards, cores=2, threads=1, optimizer=step))
+    assert fitted.optimizer_bytes_per_param == pytest.approx(bpp, rel=1e-6)
+    assert hw.optimizer_bytes_per_param == 96.0  # not measured: the count of torch's AdamW
 
 
 def test_an_older_profile_is_completed_from_its_meta_file(tmp_path):
