@@ -15,12 +15,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf import platform
-from megatron_rlhf.config import OptimConfig, preset
+from megatron_rlhf.config import GenerationConfig, OptimConfig, preset
+from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.forward import lm_logits
 from megatron_rlhf.parallel.groups import build_process_groups
 from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.rlhf.optim import build_trainee
+
+
+PROMPTS = [[5, 17, 33], [4, 8, 15, 16]]
 
 
 def train(pg, overlap: bool, steps: list | None = None):
@@ -56,6 +60,12 @@ def train_gathering(pg, ref_steps):
     t = build_trainee(model, pg, OptimConfig(lr=1e-2, overlap_grad_reduce=True,
                                              overlap_param_gather=True), 1e-2)
     assert t.ddp.ddp_config.overlap_param_gather
+    # the trainee generates (one layout) with megatron's pre-hooks on its modules: the first
+    # forward dispatches the (initial) gather; tokens equal a model outside DDP
+    cfg = GenerationConfig(max_new_tokens=6, temperature=0)
+    plain = build_model(preset("tiny"), "actor", pg, dtype=torch.float32, seed=3)
+    assert Generator(model).generate(PROMPTS, cfg).responses() == \
+        Generator(plain).generate(PROMPTS, cfg).responses()
     gathers = []
     for group in t.ddp.bucket_groups:
         def counted(*a, _start=group.start_param_sync, **k):
