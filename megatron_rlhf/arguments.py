@@ -61,10 +61,16 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-layout", default=None, metavar="TPxDP",
                    help="layout of generation, e.g. 1x4; the actor's weights move to it after "
                         "every update (default: the train layout's TP x the rest: no move)")
+    for flag, what in (("--ref-layout", "the reference model's inference"),
+                       ("--reward-layout", "the reward model's inference"),
+                       ("--critic-layout", "the critic's inference and training")):
+        g.add_argument(flag, default=None, metavar="TPxPPxDP",
+                       help=f"layout of {what}, over all ranks (default: the train layout); the "
+                            "samples move to its data-parallel ranks and the results back")
     g.add_argument("--plan", default=None, metavar="FILE.json|auto",
                    help="layouts from an execution plan (tools/plan.py --out) or searched now "
                         "(auto: the plan search over what this trainer executes, priced with "
-                        "--plan-hardware); replaces --train-layout/--gen-layout")
+                        "--plan-hardware); replaces the --*-layout flags")
     g.add_argument("--plan-hardware", default=None, metavar="NAME|FILE.json",
                    help="--plan auto: a hardware profile (h100, h200, a100, cpu), a Hardware "
                         "JSON or a tools/profile_costs.py Profile JSON (default: h100 on GPU, "

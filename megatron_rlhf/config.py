@@ -191,6 +191,12 @@ class ParallelConfig:
     gen_layout: str | None = None
     """``TPxDP`` of generation (None: the train layout's TP x the rest of the world, i.e.
     no reallocation)."""
+    ref_layout: str | None = None
+    """``TPxPPxDP`` of the reference model's inference (None: the train layout)."""
+    reward_layout: str | None = None
+    """``TPxPPxDP`` of the reward model's inference (None: the train layout)."""
+    critic_layout: str | None = None
+    """``TPxPPxDP`` of the critic, its inference and training (None: the train layout)."""
     recompute_granularity: str | None = None
     """Activation recompute of the models that train: ``full`` (each layer re-run in
     backward from its input), ``selective`` (the attention core only), None (keep all)."""
@@ -209,8 +215,9 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _positive("tensor parallel size", self.tensor_model_parallel_size)
-        if self.plan is not None and (self.train_layout or self.gen_layout):
-            raise ValueError("--plan sets the layouts: drop --train-layout and --gen-layout, or --plan")
+        if self.plan is not None and (self.train_layout or self.gen_layout or self.ref_layout
+                                      or self.reward_layout or self.critic_layout):
+            raise ValueError("--plan sets the layouts: drop the --*-layout flags, or --plan")
         _positive("pipeline parallel size", self.pipeline_model_parallel_size)
         from megatron_rlhf.parallel.layout import Layout
 
@@ -224,12 +231,33 @@ class ParallelConfig:
             self.tensor_model_parallel_size, self.pipeline_model_parallel_size = t.tp, t.pp
         if self.gen_layout is not None:
             Layout.parse(self.gen_layout, pipeline=False)
+        for text in (self.ref_layout, self.reward_layout, self.critic_layout):
+            if text is not None:
+                Layout.parse(text)
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"--recompute-granularity {self.recompute_granularity!r}: use full or selective")
 
     def check_world(self, world_size: int) -> int:
         """Return the train layout's data-parallel size, or raise if it does not fit."""
         return self.layouts(world_size)[0].dp
+
+    def model_layouts(self, world_size: int) -> dict:
+        """``{model: Layout}`` of the models given a layout of their own (reference, reward,
+        critic); ValueError naming the flag when one does not cover the world."""
+        from megatron_rlhf.parallel.layout import Layout
+
+        out = {}
+        for name, flag, text in (("reference", "--ref-layout", self.ref_layout),
+                                 ("reward", "--reward-layout", self.reward_layout),
+                                 ("critic", "--critic-layout", self.critic_layout)):
+            if text is None:
+                continue
+            lay = Layout.parse(text)
+            if lay.size != world_size:
+                raise ValueError(f"{flag} {text} covers {lay.size} ranks, the world has "
+                                 f"{world_size}: TP x PP x DP must equal it")
+            out[name] = lay
+        return out
 
     def layouts(self, world_size: int):
         """``(train, gen)`` :class:`~megatron_rlhf.parallel.layout.Layout` over

@@ -5,7 +5,7 @@
       --nodes 8 --gpus-per-node 8 --gpu-memory-gb 80 [--hardware h100|h200|a100|FILE.json] \\
       [--profile FILE.json ...] [--rollout-batch 512 --max-prompt-length 1024 --max-new-tokens 1024] \\
       [--response-fractions 0.25,0.5,0.75,1] [--draft NAME --acceptance 0.6] \\
-      [--space full|trainer] [--seed 0] [--budget 20000] [--json] [--out PLAN.json]
+      [--space full|trainer|models] [--seed 0] [--budget 20000] [--json] [--out PLAN.json]
 
 Models are presets (llama2-7b, llama2-13b, llama2-70b, smollm2-135m, ...) or checkpoint
 directories; the critic and reference default to the actor's shape, ``none`` leaves a
@@ -14,9 +14,10 @@ role out (GRPO: ``--critic none``). Every call of the iteration's dataflow graph
 actor and critic training) gets a layout; the cost estimator (``plan/cost.py``) prices
 plans from the hardware profile (a roofline: sustained FLOP/s, memory and link
 bandwidths) or from profiles measured by ``tools/profile_costs.py``, and the search
-(``plan/search.py``) finds the fastest plan that fits in memory. ``--space trainer``:
-only plans the trainer executes today (generation on ``--gen-layout``, every other call on
-one ``--train-layout``). Prints the plan, predicted seconds per call and reallocation,
+(``plan/search.py``) finds the fastest plan that fits in memory. ``--space models``: only
+plans the trainer executes (generation on ``--gen-layout``, the actor's other calls on
+``--train-layout``, the reference, reward and critic each on one layout of its own);
+``--space trainer``: generation on its layout, every other call on one. Prints the plan, predicted seconds per call and reallocation,
 memory per GPU, and the comparison with the heuristic default (every call on the
 smallest training layout that fits); ``--out`` writes the plan for ``train --plan``.
 Exit code 2 with a message when nothing fits (the smallest shortfall named).
@@ -60,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--max-draft-tokens", type=int, default=4)
     w.add_argument("--fp32", action="store_true", help="fp32 weights and activations (default bf16)")
     s = p.add_argument_group("search")
-    s.add_argument("--space", choices=("full", "trainer"), default="full")
+    s.add_argument("--space", choices=("full", "trainer", "models"), default="full")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--budget", type=int, default=20_000, help="annealing steps")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")

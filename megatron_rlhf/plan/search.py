@@ -9,8 +9,10 @@ space is small, by simulated annealing (seeded, deterministic) beyond that, and 
 it with the heuristic default (every call on the training layout that fits with the
 smallest model-parallel size).
 
-``space="trainer"`` restricts plans to what the trainer executes today: generation on its
-own layout (``--gen-layout``), every other call on one layout (``--train-layout``).
+``space="trainer"`` restricts plans to generation on its own layout (``--gen-layout``) and
+every other call on one layout (``--train-layout``); ``space="models"`` to what the trainer
+executes: that, and the reference, reward and critic (its inference and training together)
+each on a layout of its own (``--ref-layout``, ``--reward-layout``, ``--critic-layout``).
 """
 
 from __future__ import annotations
@@ -183,19 +185,26 @@ def search(graph: Graph, est: Estimator, cluster: mem.Cluster, seed: int = 0,
            space: str = "full", budget: int = 20_000) -> SearchResult:
     """The fastest plan that fits; ValueError naming the smallest memory shortfall when
     none does. Deterministic for a seed."""
-    if space not in ("full", "trainer"):
-        raise ValueError(f"space must be full or trainer, got {space!r}")
+    if space not in ("full", "trainer", "models"):
+        raise ValueError(f"space must be full, trainer or models, got {space!r}")
     cands = candidates(graph, est, cluster)
     fallback = heuristic(graph, est, cluster, cands)
     default = evaluate(graph, fallback, est, cluster) if len(fallback.layouts) == len(graph.calls) else None
     gen = next(c.name for c in graph.calls if c.kind == "generate")
     others = [c.name for c in graph.calls if c.name != gen]
-    if space == "trainer":
-        shared = [lay for lay in cands[others[0]] if all(lay in cands[c] for c in others)]
-        choices = {gen: cands[gen], "_shared": shared}
+    if space in ("trainer", "models"):
+        groups = {"_shared": others}
+        if space == "models":  # a layout per model besides the actor's calls
+            groups = {}
+            for c in others:
+                model = next(x.model for x in graph.calls if x.name == c)
+                groups.setdefault(f"_{model}" if model in OWN_LAYOUT else "_shared", []).append(c)
+        choices = {gen: cands[gen]}
+        for g, calls in groups.items():
+            choices[g] = [lay for lay in cands[calls[0]] if all(lay in cands[c] for c in calls)]
 
         def plan_of(pick):
-            return Plan({gen: pick[gen], **{c: pick["_shared"] for c in others}})
+            return Plan({gen: pick[gen], **{c: pick[g] for g, calls in groups.items() for c in calls}})
     else:
         choices = cands
 
@@ -274,6 +283,41 @@ def _plan_text(plan: Plan) -> str:
     return ", ".join(f"{c} {plan.text(c)}" for c in plan.layouts)
 
 
+OWN_LAYOUT = {"reference": "ref_layout", "reward": "reward_layout", "critic": "critic_layout"}
+"""Models the trainer can place on a layout of their own, and the setting that does it."""
+
+
+def trainer_flags(plan: Plan, models: dict[str, str] | None = None) -> dict[str, str]:
+    """The trainer's layout settings (``train_layout``, ``gen_layout`` and, where they
+    differ from the train layout, ``ref_layout``/``reward_layout``/``critic_layout``) of a
+    plan in the ``models`` space; ValueError naming what the trainer cannot run. ``models``:
+    call -> model (default: from the call names, ``ref_inf`` -> reference, ``critic_*`` -> critic)."""
+    def model_of(call):
+        if models and call in models:
+            return models[call]
+        head = call.split("_")[0]
+        return {"ref": "reference"}.get(head, head)
+
+    own = {}
+    rest = {}
+    for c, lay in plan.layouts.items():
+        if c.endswith("_gen"):
+            continue
+        m = model_of(c)
+        (own.setdefault(m, {}) if m in OWN_LAYOUT else rest)[c] = lay
+    train, gen = trainer_layouts(Plan({**rest, **{c: plan.layouts[c] for c in plan.layouts if c.endswith("_gen")}}))
+    flags = {"train_layout": train, "gen_layout": gen}
+    for m, calls in own.items():
+        texts = {mem.layout_text(lay) for lay in calls.values()}
+        if len(texts) > 1:
+            raise ValueError(f"the plan puts the {m}'s calls on {sorted(texts)}: this trainer runs "
+                             f"all of a {m}'s calls on one layout (tools/plan.py --space models)")
+        text = texts.pop()
+        if text != train:
+            flags[OWN_LAYOUT[m]] = text
+    return flags
+
+
 def trainer_layouts(plan: Plan) -> tuple[str, str]:
     """``(--train-layout, --gen-layout)`` of a plan the trainer executes: generation on its
     own TPxDP, every other call on one TPxPPxDP; ValueError naming the call that differs."""
@@ -291,6 +335,6 @@ def trainer_layouts(plan: Plan) -> tuple[str, str]:
         if plan.layouts[c] != first:
             raise ValueError(
                 f"the plan puts {rest[0]} on {plan.text(rest[0])} and {c} on {plan.text(c)}: this "
-                "trainer runs every call but generation on one layout (tools/plan.py --space "
-                "trainer writes such plans)")
+                "trainer runs every call but generation on one layout, or the reference, reward "
+                "and critic on their own (tools/plan.py --space trainer or models writes such plans)")
     return mem.layout_text(first), plan.text(gens[0])

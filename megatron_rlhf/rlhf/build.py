@@ -124,8 +124,16 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
         raise ValueError(f"--global-batch-size {ppo.global_batch_size} prompts must split evenly "
                          f"over the generation layout's {gen_layout.dp} data-parallel ranks "
                          f"(--gen-layout {gen_layout.tp}x{gen_layout.dp})")
+    own = par.model_layouts(world_size)
+    for name, flag in (("reference", "--ref-layout"), ("reward", "--reward-layout"), ("critic", "--critic-layout")):
+        if name in own and name not in infos:
+            raise ValueError(f"{flag} places a model this run does not have (the {name}): drop it")
+        if name in own:
+            ppo.check_data_parallel(own[name].dp)
     for name, info in infos.items():
-        if name != "draft":
+        if name in own:
+            _check_layout(info, name, name, own[name].tp, own[name].pp)
+        elif name != "draft":
             _check_layout(info, name, "train", train_layout.tp, train_layout.pp)
         if name in ("actor", "draft"):
             _check_layout(info, name, "gen", gen_layout.tp)
@@ -160,7 +168,7 @@ def execution_plan(par: ParallelConfig, infos: dict, ppo: PPOConfig, loop: LoopC
                    world_size: int) -> ParallelConfig:
     """``par`` with the layouts of ``--plan FILE`` (a plan from ``tools/plan.py --out``) or
     of ``--plan auto``: the plan search (:mod:`megatron_rlhf.plan.search`) over what this
-    trainer executes, on this world and these models, priced with ``--plan-hardware``.
+    trainer executes (``space="models"``), on this world and these models, priced with ``--plan-hardware``.
     Every rank computes the same plan (the search is deterministic); no collectives."""
     import dataclasses
 
@@ -169,8 +177,7 @@ def execution_plan(par: ParallelConfig, infos: dict, ppo: PPOConfig, loop: LoopC
     from megatron_rlhf.plan.graph import rlhf_graph
 
     if par.plan != "auto":
-        train, gen_layout = search.trainer_layouts(search.Plan.load(par.plan))
-        return dataclasses.replace(par, plan=None, train_layout=train, gen_layout=gen_layout)
+        return dataclasses.replace(par, plan=None, **search.trainer_flags(search.Plan.load(par.plan)))
     models = {role: info.config for role, info in infos.items()}
     hw, profiles = _plan_hardware(par.plan_hardware)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -191,13 +198,13 @@ def execution_plan(par: ParallelConfig, infos: dict, ppo: PPOConfig, loop: LoopC
                        group=ppo.rollout_n)
     cluster = mem.Cluster(nodes=max(world_size // local, 1), gpus_per_node=min(local, world_size),
                           gpu_memory_gb=gpu_gb)
-    found = search.search(graph, est, cluster, seed=loop.seed, space="trainer")
-    train, gen_layout = search.trainer_layouts(found.best.plan)
+    found = search.search(graph, est, cluster, seed=loop.seed, space="models")
+    flags = search.trainer_flags(found.best.plan)
     if os.environ.get("RANK", "0") == "0":
-        print(f"plan auto: --train-layout {train} --gen-layout {gen_layout} (predicted "
-              f"{found.best.time_s:.1f} s per iteration, {found.speedup:.2f}x the default; "
-              f"{found.method}, {found.evaluated} plans)", file=sys.stderr)
-    return dataclasses.replace(par, plan=None, train_layout=train, gen_layout=gen_layout)
+        text = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items())
+        print(f"plan auto: {text} (predicted {found.best.time_s:.1f} s per iteration, "
+              f"{found.speedup:.2f}x the default; {found.method}, {found.evaluated} plans)", file=sys.stderr)
+    return dataclasses.replace(par, plan=None, **flags)
 
 
 def _plan_hardware(name: str | None):
@@ -316,16 +323,25 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     from megatron_rlhf.rlhf.state import load_trainer_states
     from megatron_rlhf.rlhf.trainer import Models, RLHFTrainer
 
+    from megatron_rlhf.parallel.groups import build_process_groups
+
+    train_layout, gen_layout = plan.par.layouts(plan.world_size)
+    own = plan.par.model_layouts(plan.world_size)
+    pgs = {}  # a model's process groups: its own layout's, or the train layout's
+    for name, lay in own.items():
+        same = [n for n, other in own.items() if other == lay and n in pgs]
+        pgs[name] = pg if lay == train_layout else pgs[same[0]] if same else build_process_groups(lay)
     actor = _model(plan, "actor", "actor", pg, trains=True)
-    reference = _model(plan, "reference", "reference", pg)
+    reference = _model(plan, "reference", "reference", pgs.get("reference", pg))
     models = Models(actor=_trainee(plan, actor, pg, plan.optim.lr, True), reference=reference)
     if plan.ppo.use_critic:
         from_actor = plan.infos["critic"].role not in ("critic", "reward")
-        critic = _model(plan, "critic", "critic", pg, skip=("output_layer.",) if from_actor else (),
+        critic_pg = pgs.get("critic", pg)
+        critic = _model(plan, "critic", "critic", critic_pg, skip=("output_layer.",) if from_actor else (),
                         trains=True)
-        models.critic = _trainee(plan, critic, pg, plan.optim.critic_lr, True)
+        models.critic = _trainee(plan, critic, critic_pg, plan.optim.critic_lr, True)
     if "reward" in plan.infos:
-        models.reward_model = _model(plan, "reward", "reward", pg)
+        models.reward_model = _model(plan, "reward", "reward", pgs.get("reward", pg))
     gen_pg = pg if gen_pg is None else gen_pg
     if gen_pg is not pg:
         models.actor_gen = _model(plan, "actor", "actor", gen_pg, whole_sequences=False)
@@ -347,14 +363,15 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     maker = ExperienceMaker(plan.ppo, reference, actor=actor, critic=models.critic and models.critic.model,
                             reward_model=models.reward_model, reward_fn=plan.reward_fn,
                             tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=pg.dp, gen=plan.gen)
-    train_layout, gen_layout = plan.par.layouts(plan.world_size)
     run_info = {"tp": train_layout.tp, "seed": plan.loop.seed,
                 "train_layout": f"{train_layout.tp}x{train_layout.pp}x{train_layout.dp}",
                 "gen_layout": f"{gen_layout.tp}x{gen_layout.dp}",
                 "sequence_parallel": bool(actor.config.sequence_parallel),
+                **{f"{n}_layout": f"{lay.tp}x{lay.pp}x{lay.dp}" for n, lay in own.items()},
                 "actor_init": str(plan.paths.actor), "reference": str(plan.infos["reference"].path)}
     return RLHFTrainer(models, generator, maker, plan.ppo, plan.loop, plan.gen, plan.spec,
                        plan.prompts, plan.prompt_ids, pg, tokenizer=tok, save_dir=plan.save_dir,
                        log_dir=plan.log_dir, start_iteration=start, run_info=run_info,
                        migration=plan.migration, gen_pg=gen_pg,
-                       release_train_copy=plan.par.release_train_copy)
+                       release_train_copy=plan.par.release_train_copy,
+                       model_pgs={n: g for n, g in pgs.items() if g is not pg})

@@ -21,6 +21,7 @@ from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, PPOConfig
 from megatron_rlhf.models.forward import logits_of, values_of
 from megatron_rlhf.models.pipeline import map_micro_batches
+from megatron_rlhf.rlhf import placement
 from megatron_rlhf.rlhf.advantages import (
     gae,
     grpo_advantages,
@@ -99,6 +100,9 @@ class ExperienceMaker:
                 next(actor.parameters()).dtype, gen)
         if self.recompute and actor is None:
             raise ValueError("recompute_logprobs needs the actor")
+        self.placed: dict = {}
+        """Model name (reference, critic, reward) -> its :class:`~megatron_rlhf.rlhf.placement.Share`
+        of this iteration's samples, for the models on a layout of their own (set per iteration)."""
 
     def make(self, prompts: list[list[int]], prompt_texts: list[str], rollout,
              first_index: int = 0) -> Experience:
@@ -107,19 +111,18 @@ class ExperienceMaker:
         cfg, mbs = self.cfg, self.cfg.micro_batch_size
         responses = rollout.responses()
         dev = platform.device()
-        ids, att, mask = pack(prompts, responses, self.pad_id, dev)
-        t = mask.shape[1]
-        old = _pad_to(generation_logprobs(rollout, self.gen).float(), t) * mask
-        exp = Experience(input_ids=ids, attention_mask=att, response_mask=mask,
-                         old_logprobs=old, ref_logprobs=old, scores=torch.zeros(len(prompts), device=dev),
-                         kl=torch.zeros_like(old), advantages=torch.zeros_like(old), policy=self.gen)
+        exp = self._batch(prompts, responses)
+        mask = exp.response_mask
+        exp.old_logprobs = _pad_to(generation_logprobs(rollout, self.gen).float(), mask.shape[1]) * mask
+        sample_ids = list(range(first_index, first_index + len(prompts)))
+        self._tokens = placement.gather_rows(sample_ids, list(zip(prompts, responses))) if self.placed else {}
         if self.recompute:
             exp.old_logprobs = response_logprobs(self.actor, exp, mbs)
-        exp.ref_logprobs = response_logprobs(self.reference, exp, mbs)
+        exp.ref_logprobs = self._placed_rows("reference", exp, sample_ids, responses, response_logprobs)
         exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
         exp.scores = self._scores(exp, prompts, prompt_texts, responses, rollout, first_index).to(dev)
         if cfg.use_critic:
-            exp.values = response_values(self.critic, exp, mbs)
+            exp.values = self._placed_rows("critic", exp, sample_ids, responses, response_values)
             rewards = token_rewards(exp.scores, exp.kl, mask, cfg.kl_coef)
             adv, exp.returns = gae(rewards, exp.values, mask, cfg.gamma, cfg.lam)
             exp.advantages = masked_whiten(adv, mask, group=self.dp_group) if cfg.whiten_advantages else adv
@@ -132,11 +135,52 @@ class ExperienceMaker:
                                                      group=self.dp_group)
         return exp
 
+    def _batch(self, prompts: list[list[int]], responses: list[list[int]]) -> Experience:
+        """An Experience of token lists, every per-token field zero (to be filled)."""
+        ids, att, mask = pack(prompts, responses, self.pad_id, platform.device())
+        zeros = torch.zeros_like(mask)
+        return Experience(input_ids=ids, attention_mask=att, response_mask=mask, old_logprobs=zeros,
+                          ref_logprobs=zeros, scores=torch.zeros(len(prompts), device=mask.device),
+                          kl=zeros, advantages=zeros, policy=self.gen)
+
+    def _placed_rows(self, name: str, exp: Experience, sample_ids, responses, compute) -> torch.Tensor:
+        """``compute(model, batch, micro_batch_size)`` for this rank's samples: here, or, for a
+        model on a layout of its own, on the samples of its data-parallel ranks there, the
+        per-sample rows (or scalars) brought back by global sample index."""
+        model = {"reference": self.reference, "critic": self.critic, "reward": self.reward_model}[name]
+        mbs = self.cfg.micro_batch_size
+        share = self.placed.get(name)
+        if share is None:
+            return compute(model, exp, mbs)
+        theirs = [self._tokens[s] for s in share.sample_ids]
+        out = compute(model, self._batch([p for p, _ in theirs], [r for _, r in theirs]), mbs)
+        rows = [placement.to_host(out[i, : len(r)] if out.dim() == 2 else out[i]) for i, (_, r) in enumerate(theirs)]
+        back = placement.gather_rows(share.sample_ids, rows)
+        mine = [back[s] for s in sample_ids]
+        if out.dim() == 1:
+            return torch.stack(mine).to(exp.response_mask.device)
+        return placement.padded(mine, exp.response_mask.shape[1]).to(out.dtype)
+
+    def on_layout(self, exp: Experience, name: str, sample_ids: list[int]) -> Experience:
+        """The batch that model ``name`` (on a layout of its own) trains on: the samples of its
+        data-parallel ranks with their values and returns (the critic's PPO inputs)."""
+        share = self.placed[name]
+        rows = [(self._tokens[s], placement.to_host(exp.values[i, :len(self._tokens[s][1])]),
+                 placement.to_host(exp.returns[i, :len(self._tokens[s][1])])) for i, s in enumerate(sample_ids)]
+        table = placement.gather_rows(sample_ids, rows)
+        theirs = [table[s] for s in share.sample_ids]
+        batch = self._batch([tok[0] for tok, _, _ in theirs], [tok[1] for tok, _, _ in theirs])
+        width = batch.response_mask.shape[1]
+        batch.values = placement.padded([v for _, v, _ in theirs], width).to(exp.values.dtype)
+        batch.returns = placement.padded([r for _, _, r in theirs], width).to(exp.returns.dtype)
+        return batch
+
     def _scores(self, exp, prompts, prompt_texts, responses, rollout, first_index):
         error = None
         try:
             if self.reward_model is not None:
-                scores = reward_model_scores(self.reward_model, exp, self.cfg.micro_batch_size)
+                sample_ids = list(range(first_index, first_index + len(prompts)))
+                scores = self._placed_rows("reward", exp, sample_ids, responses, reward_model_scores)
                 bad = (~torch.isfinite(scores)).nonzero()
                 if len(bad):
                     raise RewardError(f"the reward model returned {scores[bad[0, 0]].item()} for "

@@ -30,6 +30,7 @@ from megatron_rlhf.config import GenerationConfig, LoopConfig, MigrationConfig, 
 from megatron_rlhf.data.sampler import batch_indices
 from megatron_rlhf.rlhf import offload
 from megatron_rlhf.rlhf.experience import ExperienceMaker
+from megatron_rlhf.rlhf.placement import Share
 from megatron_rlhf.rlhf.metrics import MetricsLog, progress
 from megatron_rlhf.rlhf.state import save_training
 from megatron_rlhf.rlhf.optim import Trainee
@@ -69,8 +70,10 @@ class RLHFTrainer:
                  prompt_ids: list[list[int]], pg, tokenizer=None, save_dir=None, log_dir=None,
                  start_iteration: int = 0, run_info: dict | None = None,
                  migration: MigrationConfig | None = None, gen_pg=None,
-                 release_train_copy: bool | None = None):
+                 release_train_copy: bool | None = None, model_pgs: dict | None = None):
         self.m, self.generator, self.maker = models, generator, maker
+        self.model_pgs = model_pgs or {}
+        """Model -> process groups of a layout of its own (reference, reward, critic)."""
         # (None: on GPU; only where the actor generates on a copy of its own)
         release = platform.has_cuda() if release_train_copy is None else release_train_copy
         self.release_train_copy = release and models.actor_gen is not None
@@ -152,6 +155,8 @@ class RLHFTrainer:
             for extra in (m.reference, m.reward_model):
                 if extra is not None:
                     offload.move_model(extra, dev)
+            self.maker.placed = {name: Share(self._my_samples(it, g.dp)[2], g)
+                                 for name, g in self.model_pgs.items()}
             exp = self.maker.make(ids, texts, rollout, first_index=sids[0] if sids else 0)
             for extra in (m.reference, m.reward_model):
                 if extra is not None:
@@ -163,7 +168,8 @@ class RLHFTrainer:
                     offload.park_trainee(t, host=False)
             metrics.update(train_actor(m.actor, exp, self.ppo))
             if m.critic is not None:
-                metrics.update(train_critic(m.critic, exp, self.ppo))
+                on = self.maker.on_layout(exp, "critic", sids) if "critic" in self.model_pgs else exp
+                metrics.update(train_critic(m.critic, on, self.ppo))
             for t in (m.actor, m.critic):  # (generation and reallocation read weights directly)
                 if t is not None:
                     t.gather_params()

@@ -156,7 +156,9 @@ OVERLAP = ("--overlap-grad-reduce",)  # gradients reduced during the last micro-
 LAYOUTS = [("2x1x1", "1x2", ()), ("1x1x2", "2x1", (*OVERLAP, "--release-train-copy")),  # TP <-> DP
            ("1x2x1", "1x2", ("--recompute-granularity", "full")),  # PP=2 (1F1B over gloo)
            ("1x2x2", "1x4", OVERLAP), ("2x2x1", "2x2", ()),  # PP=2 x DP=2, TP=2 x PP=2, 4 ranks
-           ("2x2x1", "1x4", ("--sequence-parallel",))]  # pipelined sequence shards
+           ("2x2x1", "1x4", ("--sequence-parallel",)),  # pipelined sequence shards
+           # the reference (DP=4) and the critic (PP=2 x DP=2) on layouts of their own
+           ("2x1x2", "1x4", ("--ref-layout", "1x1x4", "--critic-layout", "1x2x2"))]
 
 
 @pytest.mark.parametrize("train_layout, gen_layout, extra", LAYOUTS)
@@ -177,6 +179,10 @@ def test_generation_layout_trains_as_one_layout(world1, tmp_path, train_layout, 
     for a, b in zip(m1, m2, strict=True):
         F.assert_metrics_equal(a, b)
         assert b["realloc_mb"] > 0 and "time_reallocate_s" in b and "realloc_mb" not in a
+    state = json.loads((run2 / "save" / "iter_0000002" / "trainer" / "state.json").read_text())
+    for flag, model in (("--ref-layout", "reference"), ("--critic-layout", "critic")):
+        if flag in extra:  # the model really ran on its own layout
+            assert state[f"{model}_layout"] == extra[extra.index(flag) + 1], state
 
 
 def test_overlapped_gradient_reduction():

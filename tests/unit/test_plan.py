@@ -265,6 +265,21 @@ def test_plans_the_trainer_executes_and_plan_files(tmp_path):
     if split["ref_inf"] != found.best.plan.layouts["actor_train"]:
         with pytest.raises(ValueError, match="this trainer runs every call but generation on one layout"):
             S.trainer_layouts(S.Plan(split))
+        # ... which the trainer runs with the reference on a layout of its own
+        assert S.trainer_flags(S.Plan(split)) == {"train_layout": train, "gen_layout": gen,
+                                                  "ref_layout": "8x1x1"}
+    # the models space: per-model layouts the trainer executes, never slower than one layout
+    models = S.search(graph, est, cluster, space="models")
+    assert models.best.time_s <= found.best.time_s * (1 + 1e-9)
+    flags = S.trainer_flags(models.best.plan)
+    lay = models.best.plan.layouts
+    assert lay["critic_inf"] == lay["critic_train"]
+    assert flags["train_layout"] == models.best.plan.text("actor_train")
+    for call, key in (("ref_inf", "ref_layout"), ("critic_inf", "critic_layout")):
+        assert flags.get(key, flags["train_layout"]) == models.best.plan.text(call)
+    apart = dict(lay, critic_train=Layout(tp=8, pp=1, dp=1), critic_inf=Layout(tp=1, pp=1, dp=8))
+    with pytest.raises(ValueError, match="this trainer runs all of a critic's calls on one layout"):
+        S.trainer_flags(S.Plan(apart))
 
 
 def test_tools_plan_prints_and_writes_a_plan(tmp_path, capsys):

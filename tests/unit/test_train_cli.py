@@ -65,6 +65,15 @@ CASES = [
     ("layers_not_divisible_by_pp",
      dict(train_layout="1x3x1", global_batch_size=3, micro_batch_size=1, rollout_n=2), 3,
      "in the train layout: pipeline parallel size 3 must divide 2 layers; sizes that work for this model: [1, 2]"),
+    ("ref_layout_not_the_world",
+     dict(ref_layout="1x1x4"), 2,
+     "--ref-layout 1x1x4 covers 4 ranks, the world has 2: TP x PP x DP must equal it"),
+    ("reward_layout_without_a_reward_model",
+     dict(reward_layout="1x1x2"), 2,
+     "--reward-layout places a model this run does not have (the reward): drop it"),
+    ("critic_layout_tp_beyond_kv_heads",
+     dict(critic_layout="4x1x1", advantage_estimator="gae", global_batch_size=4, micro_batch_size=1), 4,
+     "in the critic layout: tensor parallel size 4 must divide 2 KV heads"),
     ("layout_form",
      dict(gen_layout="1x1x2"), 2,
      "layout '1x1x2' is not of the form TPxDP, e.g. 1x8"),
@@ -73,16 +82,17 @@ CASES = [
      "--tensor-model-parallel-size 2 contradicts --train-layout 1x1x2"),
     ("plan_and_layouts",
      dict(plan="auto", gen_layout="1x2"), 2,
-     "--plan sets the layouts: drop --train-layout and --gen-layout, or --plan"),
+     "--plan sets the layouts: drop the --*-layout flags, or --plan"),
     ("plan_file_missing",
      lambda f: dict(plan=f["empty"] / "plan.json"), 2,
      "plan.json does not exist (write one with tools/plan.py --out FILE)"),
     ("plan_not_executable",
      lambda f: dict(plan=f["plans"]["split"]), 2,
-     "the plan puts ref_inf on 1x1x2 and critic_inf on 2x1x1: this trainer runs every call but "
-     "generation on one layout"),
+     "the plan puts the critic's calls on ['1x1x2', '2x1x1']: this trainer runs all of a "
+     "critic's calls on one layout"),
     ("valid", {}, 2, None),  # the control: good flags get as far as the first collective
     ("valid_plan", lambda f: dict(plan=f["plans"]["ok"]), 2, None),
+    ("valid_plan_reference_apart", lambda f: dict(plan=f["plans"]["ref_apart"]), 2, None),
     ("valid_layouts", dict(train_layout="2x1x1", gen_layout="1x2"), 2, None),
     ("valid_pipeline", dict(train_layout="1x2x1"), 2, None),
 ]
@@ -99,8 +109,9 @@ def results(world1, tmp_path_factory):
     files = {"long_prompts": F.write_prompts(d / "long.jsonl", long), "empty": d / "empty"}
     files["empty"].mkdir()
     files["plans"] = {}
-    for name, train in (("ok", "2x1x1"), ("split", "1x1x2")):
-        layouts = {"actor_gen": "1x2", "ref_inf": train, "critic_inf": "2x1x1",
+    for name, ref, critic in (("ok", "2x1x1", "2x1x1"), ("ref_apart", "1x1x2", "2x1x1"),
+                              ("split", "2x1x1", "1x1x2")):
+        layouts = {"actor_gen": "1x2", "ref_inf": ref, "critic_inf": critic,
                    "actor_train": "2x1x1", "critic_train": "2x1x1"}
         files["plans"][name] = d / f"{name}.json"
         files["plans"][name].write_text(json.dumps({"layouts": layouts}))
