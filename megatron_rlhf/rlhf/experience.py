@@ -154,7 +154,8 @@ class ExperienceMaker:
             return compute(model, exp, mbs)
         theirs = [self._tokens[s] for s in share.sample_ids]
         out = compute(model, self._batch([p for p, _ in theirs], [r for _, r in theirs]), mbs)
-        rows = [placement.to_host(out[i, : len(r)] if out.dim() == 2 else out[i]) for i, (_, r) in enumerate(theirs)]
+        host = out.detach().cpu()  # one copy to the host; rows cloned (a pickled view carries its storage)
+        rows = [(host[i, : len(r)] if host.dim() == 2 else host[i]).clone() for i, (_, r) in enumerate(theirs)]
         back = placement.gather_rows(share.sample_ids, rows)
         mine = [back[s] for s in sample_ids]
         if out.dim() == 1:
@@ -165,8 +166,9 @@ class ExperienceMaker:
         """The batch that model ``name`` (on a layout of its own) trains on: the samples of its
         data-parallel ranks with their values and returns (the critic's PPO inputs)."""
         share = self.placed[name]
-        rows = [(self._tokens[s], placement.to_host(exp.values[i, :len(self._tokens[s][1])]),
-                 placement.to_host(exp.returns[i, :len(self._tokens[s][1])])) for i, s in enumerate(sample_ids)]
+        values, returns = exp.values.detach().cpu(), exp.returns.detach().cpu()
+        rows = [(self._tokens[s], values[i, :len(self._tokens[s][1])].clone(),
+                 returns[i, :len(self._tokens[s][1])].clone()) for i, s in enumerate(sample_ids)]
         table = placement.gather_rows(sample_ids, rows)
         theirs = [table[s] for s in share.sample_ids]
         batch = self._batch([tok[0] for tok, _, _ in theirs], [tok[1] for tok, _, _ in theirs])

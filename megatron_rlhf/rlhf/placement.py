@@ -44,15 +44,6 @@ def gather_rows(sample_ids: list[int], rows: list) -> dict:
     return table
 
 
-def to_host(x):
-    """Rows with tensors on the host (what travels in an all-gather of objects)."""
-    if torch.is_tensor(x):
-        return x.detach().cpu()
-    if isinstance(x, (list, tuple)):
-        return type(x)(to_host(v) for v in x)
-    return x
-
-
 def padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     """``[len(rows), width]`` of variable-length rows (zeros after each), on the device."""
     out = torch.zeros(len(rows), width, dtype=rows[0].dtype if rows else torch.float32)
