@@ -155,10 +155,10 @@ OVERLAP = ("--overlap-grad-reduce",)  # gradients reduced during the last micro-
 # wait in host memory while the generation copy generates, forced on CPU)
 LAYOUTS = [("2x1x1", "1x2", ()), ("1x1x2", "2x1", (*OVERLAP, "--release-train-copy")),  # TP <-> DP
            ("1x2x1", "1x2", ("--recompute-granularity", "full")),  # PP=2 (1F1B over gloo)
-           ("1x2x2", "1x4", OVERLAP), ("2x2x1", "2x2", ()),  # PP=2 x DP=2, TP=2 x PP=2, 4 ranks
-           ("2x2x1", "1x4", ("--sequence-parallel",)),  # pipelined sequence shards
-           # the reference (DP=4) and the critic (PP=2 x DP=2) on layouts of their own
-           ("2x1x2", "1x4", ("--ref-layout", "1x1x4", "--critic-layout", "1x2x2"))]
+           # PP=2 x DP=2, 4 ranks, with the reference (DP=4) and the critic (TP=2 x DP=2) on
+           # layouts of their own
+           ("1x2x2", "1x4", (*OVERLAP, "--ref-layout", "1x1x4", "--critic-layout", "2x1x2")),
+           ("2x2x1", "2x2", ("--sequence-parallel",))]  # TP=2 x PP=2, sequence shards pipelined
 
 
 @pytest.mark.parametrize("train_layout, gen_layout, extra", LAYOUTS)
