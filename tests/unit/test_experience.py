@@ -49,3 +49,40 @@ def test_padded_batch_matches_samples_alone(world1):
             want = torch.log_softmax(logits, -1)[torch.arange(len(p) - 1, len(p) + n - 1), r]
             assert torch.allclose(logps[i, :n], want, atol=1e-5)
             assert (logps[i, n:] == 0).all()
+
+
+def test_a_model_on_a_layout_of_its_own_gives_the_same_experience(world1):
+    """The placement path (token lists to the model's data-parallel ranks, per-sample rows
+    back by global sample index; here one process, its samples in another order) gives the
+    experience the model computes in place: reference log-probs, reward scores, values, and
+    the critic's training batch (values and returns of the samples it holds)."""
+    from megatron_rlhf.config import PPOConfig
+    from megatron_rlhf.rlhf.experience import ExperienceMaker
+    from megatron_rlhf.rlhf.placement import Share
+
+    class Rollout:
+        def responses(self):
+            return RESPONSES
+        response_logprobs = sampling_logprobs = torch.zeros(3, 4)
+        finish_reasons = ["eos", "length", "eos"]
+
+    cfg = preset("tiny")
+    ref = build_model(cfg, "reference", world1, dtype=torch.float32, seed=5)
+    critic = build_model(cfg, "critic", world1, dtype=torch.float32, seed=6)
+    reward = build_model(cfg, "reward", world1, dtype=torch.float32, seed=7)
+    for m in (critic, reward):
+        torch.nn.init.normal_(m.output_layer.weight)
+    ppo = PPOConfig(global_batch_size=3, rollout_n=1, micro_batch_size=2, advantage_estimator="gae")
+    maker = ExperienceMaker(ppo, ref, critic=critic, reward_model=reward)
+    here = maker.make(PROMPTS, ["a", "b", "c"], Rollout(), first_index=10)
+    maker.placed = {n: Share([12, 10, 11], world1) for n in ("reference", "critic", "reward")}
+    apart = maker.make(PROMPTS, ["a", "b", "c"], Rollout(), first_index=10)
+    for f in ("ref_logprobs", "scores", "values", "returns", "advantages"):
+        torch.testing.assert_close(getattr(apart, f), getattr(here, f), rtol=1e-5, atol=1e-6, msg=f)
+    batch = maker.on_layout(apart, "critic", [10, 11, 12])  # the critic's samples: 12, 10, 11
+    assert batch.input_ids.shape[0] == 3
+    for row, i in enumerate([2, 0, 1]):
+        n = len(RESPONSES[i])
+        torch.testing.assert_close(batch.values[row, :n], here.values[i, :n])
+        torch.testing.assert_close(batch.returns[row, :n], here.returns[i, :n])
+        assert batch.response_mask[row].sum() == n
