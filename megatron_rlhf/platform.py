@@ -260,7 +260,7 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tenso
 
 def padded(rows: list, fill, dtype: torch.dtype, to=None, width: int | None = None,
            left: bool = False) -> torch.Tensor:
-    """``[len(rows), width]`` tensor of the lists ``rows`` padded with ``fill`` (on the right,
+    """``[len(rows), width]`` tensor of the lists (or 1-D tensors) ``rows`` padded with ``fill`` (on the right,
     or on the left), on device ``to`` (default: this rank's). Assembled on the host and
     moved in one copy: a tensor per row on a GPU would be one transfer per row."""
     width = max([0] + [len(r) for r in rows]) if width is None else width
@@ -268,6 +268,6 @@ def padded(rows: list, fill, dtype: torch.dtype, to=None, width: int | None = No
     for i, r in enumerate(rows):
         if len(r):
             (out[i, width - len(r):] if left else out[i, : len(r)]).copy_(
-                torch.tensor(r, dtype=dtype, device="cpu"))
+                torch.as_tensor(r, dtype=dtype, device="cpu"))
     to = torch.device(to) if to is not None else device()
     return out if to.type == "cpu" else out.pin_memory().to(to, non_blocking=True)

@@ -327,10 +327,11 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
 
     train_layout, gen_layout = plan.par.layouts(plan.world_size)
     own = plan.par.model_layouts(plan.world_size)
-    pgs = {}  # a model's process groups: its own layout's, or the train layout's
-    for name, lay in own.items():
-        same = [n for n, other in own.items() if other == lay and n in pgs]
-        pgs[name] = pg if lay == train_layout else pgs[same[0]] if same else build_process_groups(lay)
+    groups = {train_layout: pg}  # one set of process groups per distinct layout
+    for lay in own.values():
+        if lay not in groups:
+            groups[lay] = build_process_groups(lay)
+    pgs = {name: groups[lay] for name, lay in own.items()}
     actor = _model(plan, "actor", "actor", pg, trains=True)
     reference = _model(plan, "reference", "reference", pgs.get("reference", pg))
     models = Models(actor=_trainee(plan, actor, pg, plan.optim.lr, True), reference=reference)

@@ -118,11 +118,11 @@ class ExperienceMaker:
         self._tokens = placement.gather_rows(sample_ids, list(zip(prompts, responses))) if self.placed else {}
         if self.recompute:
             exp.old_logprobs = response_logprobs(self.actor, exp, mbs)
-        exp.ref_logprobs = self._placed_rows("reference", exp, sample_ids, responses, response_logprobs)
+        exp.ref_logprobs = self._placed_rows("reference", exp, sample_ids, response_logprobs)
         exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
         exp.scores = self._scores(exp, prompts, prompt_texts, responses, rollout, first_index).to(dev)
         if cfg.use_critic:
-            exp.values = self._placed_rows("critic", exp, sample_ids, responses, response_values)
+            exp.values = self._placed_rows("critic", exp, sample_ids, response_values)
             rewards = token_rewards(exp.scores, exp.kl, mask, cfg.kl_coef)
             adv, exp.returns = gae(rewards, exp.values, mask, cfg.gamma, cfg.lam)
             exp.advantages = masked_whiten(adv, mask, group=self.dp_group) if cfg.whiten_advantages else adv
@@ -143,7 +143,7 @@ class ExperienceMaker:
                           ref_logprobs=zeros, scores=torch.zeros(len(prompts), device=mask.device),
                           kl=zeros, advantages=zeros, policy=self.gen)
 
-    def _placed_rows(self, name: str, exp: Experience, sample_ids, responses, compute) -> torch.Tensor:
+    def _placed_rows(self, name: str, exp: Experience, sample_ids, compute) -> torch.Tensor:
         """``compute(model, batch, micro_batch_size)`` for this rank's samples: here, or, for a
         model on a layout of its own, on the samples of its data-parallel ranks there, the
         per-sample rows (or scalars) brought back by global sample index."""
@@ -160,7 +160,7 @@ class ExperienceMaker:
         mine = [back[s] for s in sample_ids]
         if out.dim() == 1:
             return torch.stack(mine).to(exp.response_mask.device)
-        return placement.padded(mine, exp.response_mask.shape[1]).to(out.dtype)
+        return platform.padded(mine, 0, out.dtype, width=exp.response_mask.shape[1])
 
     def on_layout(self, exp: Experience, name: str, sample_ids: list[int]) -> Experience:
         """The batch that model ``name`` (on a layout of its own) trains on: the samples of its
@@ -173,8 +173,8 @@ class ExperienceMaker:
         theirs = [table[s] for s in share.sample_ids]
         batch = self._batch([tok[0] for tok, _, _ in theirs], [tok[1] for tok, _, _ in theirs])
         width = batch.response_mask.shape[1]
-        batch.values = placement.padded([v for _, v, _ in theirs], width).to(exp.values.dtype)
-        batch.returns = placement.padded([r for _, _, r in theirs], width).to(exp.returns.dtype)
+        batch.values = platform.padded([v for _, v, _ in theirs], 0, exp.values.dtype, width=width)
+        batch.returns = platform.padded([r for _, _, r in theirs], 0, exp.returns.dtype, width=width)
         return batch
 
     def _scores(self, exp, prompts, prompt_texts, responses, rollout, first_index):
@@ -182,7 +182,7 @@ class ExperienceMaker:
         try:
             if self.reward_model is not None:
                 sample_ids = list(range(first_index, first_index + len(prompts)))
-                scores = self._placed_rows("reward", exp, sample_ids, responses, reward_model_scores)
+                scores = self._placed_rows("reward", exp, sample_ids, reward_model_scores)
                 bad = (~torch.isfinite(scores)).nonzero()
                 if len(bad):
                     raise RewardError(f"the reward model returned {scores[bad[0, 0]].item()} for "

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
-
-from megatron_rlhf import platform
 
 
 @dataclass
@@ -25,8 +22,6 @@ class Share:
     """The samples one rank holds under a layout: their global indices, in batch order."""
 
     sample_ids: list[int]
-    pg: object
-    """That layout's process groups (its data-parallel group splits the batch)."""
 
 
 def _all_gather(obj) -> list:
@@ -42,11 +37,3 @@ def gather_rows(sample_ids: list[int], rows: list) -> dict:
     for sids, values in _all_gather((list(sample_ids), rows)):
         table.update(zip(sids, values))
     return table
-
-
-def padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    """``[len(rows), width]`` of variable-length rows (zeros after each), on the device."""
-    out = torch.zeros(len(rows), width, dtype=rows[0].dtype if rows else torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r[:width]
-    return out.to(platform.device())

@@ -155,7 +155,7 @@ class RLHFTrainer:
             for extra in (m.reference, m.reward_model):
                 if extra is not None:
                     offload.move_model(extra, dev)
-            self.maker.placed = {name: Share(self._my_samples(it, g.dp)[2], g)
+            self.maker.placed = {name: Share(self._my_samples(it, g.dp)[2])
                                  for name, g in self.model_pgs.items()}
             exp = self.maker.make(ids, texts, rollout, first_index=sids[0] if sids else 0)
             for extra in (m.reference, m.reward_model):

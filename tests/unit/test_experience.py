@@ -75,7 +75,7 @@ def test_a_model_on_a_layout_of_its_own_gives_the_same_experience(world1):
     ppo = PPOConfig(global_batch_size=3, rollout_n=1, micro_batch_size=2, advantage_estimator="gae")
     maker = ExperienceMaker(ppo, ref, critic=critic, reward_model=reward)
     here = maker.make(PROMPTS, ["a", "b", "c"], Rollout(), first_index=10)
-    maker.placed = {n: Share([12, 10, 11], world1) for n in ("reference", "critic", "reward")}
+    maker.placed = {n: Share([12, 10, 11]) for n in ("reference", "critic", "reward")}
     apart = maker.make(PROMPTS, ["a", "b", "c"], Rollout(), first_index=10)
     for f in ("ref_logprobs", "scores", "values", "returns", "advantages"):
         torch.testing.assert_close(getattr(apart, f), getattr(here, f), rtol=1e-5, atol=1e-6, msg=f)
