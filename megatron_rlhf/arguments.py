@@ -63,7 +63,9 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                         "every update (default: the train layout's TP x the rest: no move)")
     for flag, what in (("--ref-layout", "the reference model's inference"),
                        ("--reward-layout", "the reward model's inference"),
-                       ("--critic-layout", "the critic's inference and training")):
+                       ("--critic-layout", "the critic's training (and inference)"),
+                       ("--critic-infer-layout", "the critic's inference apart from its training "
+                        "(a second copy, reallocated after each update)")):
         g.add_argument(flag, default=None, metavar="TPxPPxDP",
                        help=f"layout of {what}, over all ranks (default: the train layout); the "
                             "samples move to its data-parallel ranks and the results back")

@@ -175,6 +175,10 @@ class ModelConfig:
         return dataclasses.replace(self, **overrides)
 
 
+SUBSET_MODELS = ("reference", "reward")
+"""Models whose layout may cover part of the world (frozen: no weights move to them)."""
+
+
 @dataclass
 class ParallelConfig:
     """How the models are split over ranks: one layout for training and inference, one for
@@ -192,11 +196,19 @@ class ParallelConfig:
     """``TPxDP`` of generation (None: the train layout's TP x the rest of the world, i.e.
     no reallocation)."""
     ref_layout: str | None = None
-    """``TPxPPxDP`` of the reference model's inference (None: the train layout)."""
+    """``TPxPPxDP`` of the reference model's inference (None: the train layout); over all
+    ranks, or over fewer with ``@R`` (ranks R..R+size-1; the model lives there only, and
+    runs beside a reward model on other ranks)."""
     reward_layout: str | None = None
-    """``TPxPPxDP`` of the reward model's inference (None: the train layout)."""
+    """``TPxPPxDP[@R]`` of the reward model's inference (None: the train layout), as
+    ``ref_layout``."""
     critic_layout: str | None = None
-    """``TPxPPxDP`` of the critic, its inference and training (None: the train layout)."""
+    """``TPxPPxDP`` of the critic's training, and of its inference unless
+    ``critic_infer_layout`` says otherwise (None: the train layout)."""
+    critic_infer_layout: str | None = None
+    """``TPxPPxDP`` of the critic's inference (values) when it differs from its training
+    layout: a second critic copy there, its weights reallocated after every critic update
+    (None: the critic's training layout, one copy)."""
     recompute_granularity: str | None = None
     """Activation recompute of the models that train: ``full`` (each layer re-run in
     backward from its input), ``selective`` (the attention core only), None (keep all)."""
@@ -216,7 +228,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _positive("tensor parallel size", self.tensor_model_parallel_size)
         if self.plan is not None and (self.train_layout or self.gen_layout or self.ref_layout
-                                      or self.reward_layout or self.critic_layout):
+                                      or self.reward_layout or self.critic_layout
+                                      or self.critic_infer_layout):
             raise ValueError("--plan sets the layouts: drop the --*-layout flags, or --plan")
         _positive("pipeline parallel size", self.pipeline_model_parallel_size)
         from megatron_rlhf.parallel.layout import Layout
@@ -231,7 +244,7 @@ class ParallelConfig:
             self.tensor_model_parallel_size, self.pipeline_model_parallel_size = t.tp, t.pp
         if self.gen_layout is not None:
             Layout.parse(self.gen_layout, pipeline=False)
-        for text in (self.ref_layout, self.reward_layout, self.critic_layout):
+        for text in (self.ref_layout, self.reward_layout, self.critic_layout, self.critic_infer_layout):
             if text is not None:
                 Layout.parse(text)
         if self.recompute_granularity not in (None, "full", "selective"):
@@ -242,20 +255,27 @@ class ParallelConfig:
         return self.layouts(world_size)[0].dp
 
     def model_layouts(self, world_size: int) -> dict:
-        """``{model: Layout}`` of the models given a layout of their own (reference, reward,
-        critic); ValueError naming the flag when one does not cover the world."""
+        """``{name: Layout}`` of the models given a layout of their own (``reference``,
+        ``reward``, ``critic``: its training) and of the critic's inference when given apart
+        (``critic_inf``); ValueError naming the flag when one does not cover the world."""
         from megatron_rlhf.parallel.layout import Layout
 
         out = {}
         for name, flag, text in (("reference", "--ref-layout", self.ref_layout),
                                  ("reward", "--reward-layout", self.reward_layout),
-                                 ("critic", "--critic-layout", self.critic_layout)):
+                                 ("critic", "--critic-layout", self.critic_layout),
+                                 ("critic_inf", "--critic-infer-layout", self.critic_infer_layout)):
             if text is None:
                 continue
             lay = Layout.parse(text)
-            if lay.size != world_size:
-                raise ValueError(f"{flag} {text} covers {lay.size} ranks, the world has "
-                                 f"{world_size}: TP x PP x DP must equal it")
+            if name in SUBSET_MODELS:
+                if max(lay.ranks) >= world_size:
+                    raise ValueError(f"{flag} {text} needs ranks {lay.ranks[0]}..{lay.ranks[-1]}, the "
+                                     f"world has 0..{world_size - 1}: fewer ranks or a lower @FIRST_RANK")
+            elif lay.size != world_size or lay.first_rank != 0:
+                raise ValueError(f"{flag} {text} covers {lay.size} ranks from rank {lay.ranks[0]}, the "
+                                 f"world {world_size} from rank 0: TP x PP x DP must equal it (a layout "
+                                 "over fewer ranks, @FIRST_RANK, is for --ref-layout and --reward-layout)")
             out[name] = lay
         return out
 
@@ -267,7 +287,7 @@ class ParallelConfig:
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         if self.train_layout is not None:
             train = Layout.parse(self.train_layout)
-            if train.size != world_size:
+            if train.size != world_size or train.first_rank != 0:
                 raise ValueError(f"--train-layout {self.train_layout} covers {train.size} ranks, "
                                  f"the world has {world_size}: TP x PP x DP must equal it")
         else:
@@ -281,7 +301,7 @@ class ParallelConfig:
                 raise ValueError(f"the train layout's TP {train.tp} must divide the world size {world_size}")
             return train, Layout(tp=train.tp, dp=world_size // train.tp)
         gen = Layout.parse(self.gen_layout, pipeline=False)
-        if gen.size != world_size:
+        if gen.size != world_size or gen.first_rank != 0:
             raise ValueError(f"--gen-layout {self.gen_layout} covers {gen.size} ranks, the world "
                              f"has {world_size}: TP x DP must equal it (e.g. --gen-layout "
                              f"{gen.tp}x{max(world_size // gen.tp, 1)})")

@@ -42,8 +42,9 @@ DEFAULT_MODEL = ROOT / "out" / "bench" / "layout_model"
 DEFAULT_TOKENIZER = ROOT / "out" / "bench" / "smollm2" / "iter_0000000" / "tokenizer"
 
 
-def write_model(out: Path, tokenizer_dir: Path) -> None:
-    """A random model of SmolLM2's shape with 8/4 heads (see the module docstring)."""
+def write_model(out: Path, tokenizer_dir: Path, role: str = "actor") -> None:
+    """A random model of SmolLM2's shape with 8/4 heads (see the module docstring); a
+    ``reward`` model gets a random value head (zero-initialised otherwise)."""
     code = f"""
 import torch
 from transformers import AutoTokenizer
@@ -58,7 +59,9 @@ if __name__ == "__main__":
     platform.init_distributed()
     pg = build_process_groups(Layout())
     cfg = preset("smollm2-135m", num_attention_heads=8, num_query_groups=4, kv_channels=72)
-    model = build_model(cfg, "actor", pg, dtype=torch.float32, seed=0)
+    model = build_model(cfg, {role!r}, pg, dtype=torch.float32, seed=0)
+    if {role!r} == "reward":
+        torch.nn.init.normal_(model.output_layer.weight, std=0.02)
     save_checkpoint({str(out)!r}, 0, model, pg, tokenizer=AutoTokenizer.from_pretrained({str(tokenizer_dir)!r}))
 """
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,

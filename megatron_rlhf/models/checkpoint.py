@@ -301,9 +301,19 @@ def check_shapes(model, pg_collection, info: CheckpointInfo, skip: tuple[str, ..
             )
 
 
+def load_elsewhere(path: str | os.PathLike) -> None:
+    """This rank's part in a load of ``path`` that other ranks make into a model this rank
+    does not hold (a layout over part of the world): megatron's loader is collective over
+    the world (metadata exchange, torch's planning), so it takes part with nothing to read."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.load({}, str(read_checkpoint(path).path))
+
+
 def load_checkpoint(model, pg_collection, path: str | os.PathLike,
                     skip: tuple[str, ...] = ()) -> CheckpointInfo:
-    """Load weights into ``model`` (any TP size); collective over the model's ranks.
+    """Load weights into ``model`` (any TP size); collective over the world (ranks without
+    the model call :func:`load_elsewhere`).
 
     The files and shapes are verified first, on every rank, before any collective.
     Tensors whose key starts with one of ``skip`` keep their current values (e.g. a critic's

@@ -66,14 +66,24 @@ class Layout:
     @classmethod
     def parse(cls, text: str, pipeline: bool = True) -> "Layout":
         """``"TPxPPxDP"`` (``"TPxDP"`` where ``pipeline`` is False, e.g. generation),
-        e.g. ``"2x1x4"``; ValueError naming the expected form otherwise."""
+        e.g. ``"2x1x4"``, over ranks ``0..size-1``; with ``"@R"`` appended (``"1x1x2@2"``)
+        over the ``size`` ranks from ``R`` on. ValueError naming the expected form otherwise."""
         form = "TPxPPxDP, e.g. 2x1x4" if pipeline else "TPxDP, e.g. 1x8"
-        parts = str(text).lower().split("x")
-        if len(parts) != (3 if pipeline else 2) or not all(p.isdigit() for p in parts):
-            raise ValueError(f"layout {text!r} is not of the form {form}")
+        body, at, first = str(text).lower().partition("@")
+        parts = body.split("x")
+        if (len(parts) != (3 if pipeline else 2) or not all(p.isdigit() for p in parts)
+                or (at and not first.isdigit())):
+            raise ValueError(f"layout {text!r} is not of the form {form} (optionally @FIRST_RANK)")
         sizes = [int(p) for p in parts]
         tp, pp, dp = sizes if pipeline else (sizes[0], 1, sizes[1])
-        return cls(tp=tp, pp=pp, dp=dp)
+        start = int(first) if at else 0
+        return cls(tp=tp, pp=pp, dp=dp, ranks=tuple(range(start, start + tp * pp * dp)))
+
+    @property
+    def first_rank(self) -> int | None:
+        """``R`` of a layout over the contiguous ranks ``R..R+size-1``; None otherwise."""
+        r0 = self.ranks[0]
+        return r0 if self.ranks == tuple(range(r0, r0 + self.size)) else None
 
     @property
     def size(self) -> int:

@@ -452,7 +452,8 @@ class Estimator:
     def call_memory(self, call: Call, layout: Layout, resident: dict[str, Layout]) -> int:
         """Peak bytes on the worst GPU while ``call`` runs: its own working set plus the
         weights that stay on the GPUs between calls (``resident``: model -> layout of the
-        actor's and critic's training copies; the reference and reward wait on the host)."""
+        actor's and critic's training copies, counted beside a second copy of the same model
+        in another layout; the reference and reward wait on the host)."""
         o = mem.MemoryOptions(param_bytes=self.opt.param_bytes, recompute=self.opt.recompute,
                               distributed_optimizer=self.opt.distributed_optimizer)
         cfg = self.models[call.model]
@@ -462,7 +463,7 @@ class Estimator:
         for stage in range(layout.pp):
             total = mem.weight_bytes(cfg, call.model, layout, stage, o)
             for other, lay in resident.items():
-                if other != call.model or call.kind == "generate":
+                if other != call.model or call.kind == "generate" or lay != layout:
                     total += mem.weight_bytes(self.models[other], other, lay, min(stage, lay.pp - 1), o)
             per_rank = math.ceil(call.samples / layout.dp)
             if call.kind == "generate":

@@ -650,10 +650,13 @@ def search_train_layouts(models: dict[str, ModelConfig], cluster: Cluster,
 # ---------------------------------------------------------------- small helpers
 
 def layout_text(layout: Layout, pipeline: bool = True) -> str:
-    """``"TPxPPxDP"``, or ``"TPxDP"`` for a layout without pipeline (generation)."""
-    if pipeline:
-        return f"{layout.tp}x{layout.pp}x{layout.dp}"
-    return f"{layout.tp}x{layout.dp}"
+    """``"TPxPPxDP"``, or ``"TPxDP"`` for a layout without pipeline (generation); with
+    ``"@R"`` for one over ranks ``R..R+size-1``, R > 0 (:meth:`Layout.parse`'s form)."""
+    text = f"{layout.tp}x{layout.pp}x{layout.dp}" if pipeline else f"{layout.tp}x{layout.dp}"
+    first = layout.first_rank
+    if first is None:
+        raise ValueError(f"{layout} is not over contiguous ranks: no TPxPPxDP@R text")
+    return f"{text}@{first}" if first else text
 
 
 def _positive_int(name: str, value) -> None:

@@ -1,8 +1,10 @@
 """Execution plans for the RLHF dataflow graph and their search (ReaLHF).
 
 A :class:`Plan` gives every call of the graph a layout (TP x PP x DP; generation PP=1)
-over all GPUs. Calls run one after another; a weight edge between two calls of one model
-under different layouts costs a reallocation. :func:`evaluate` prices a plan with the
+over all GPUs, or, for the reference's and reward model's inference, over either half of
+them. Calls run one after another, but the inference calls run together: each GPU runs
+its share of them in turn, so calls on disjoint GPUs overlap (ReaLHF's concurrent calls).
+A weight edge between two calls of one model under different layouts costs a reallocation. :func:`evaluate` prices a plan with the
 cost estimator (:mod:`.cost`): time per call, reallocations, peak memory per call against
 the GPUs' memory. :func:`search` finds the fastest plan that fits: exhaustively where the
 space is small, by simulated annealing (seeded, deterministic) beyond that, and compares
@@ -11,8 +13,9 @@ smallest model-parallel size).
 
 ``space="trainer"`` restricts plans to generation on its own layout (``--gen-layout``) and
 every other call on one layout (``--train-layout``); ``space="models"`` to what the trainer
-executes: that, and the reference, reward and critic (its inference and training together)
-each on a layout of its own (``--ref-layout``, ``--reward-layout``, ``--critic-layout``).
+executes: that, and the reference's and reward model's inference and the critic's training
+and inference each on a layout of its own (``--ref-layout``, ``--reward-layout``,
+``--critic-layout``, ``--critic-infer-layout``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_rlhf.config import SUBSET_MODELS
 from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.plan import memory as mem
 from megatron_rlhf.plan.cost import Estimator
@@ -39,7 +43,7 @@ class Plan:
 
     def text(self, call: str) -> str:
         lay = self.layouts[call]
-        return f"{lay.tp}x{lay.dp}" if lay.pp == 1 and call.endswith("_gen") else mem.layout_text(lay)
+        return mem.layout_text(lay, pipeline=not (lay.pp == 1 and call.endswith("_gen")))
 
     def to_json(self) -> dict:
         return {"layouts": {c: self.text(c) for c in self.layouts}}
@@ -62,7 +66,7 @@ class Plan:
         return cls.from_json(data)
 
     def key(self) -> tuple:
-        return tuple(sorted((c, (lay.tp, lay.pp, lay.dp)) for c, lay in self.layouts.items()))
+        return tuple(sorted((c, (lay.tp, lay.pp, lay.dp, lay.ranks[0])) for c, lay in self.layouts.items()))
 
 
 @dataclass
@@ -77,6 +81,9 @@ class Evaluation:
     """Call -> peak bytes per GPU."""
     capacity: int
     """Usable bytes per GPU."""
+    overlap_s: float = 0.0
+    """Seconds the inference calls save by running on disjoint GPUs at once (their sum
+    less the busiest GPU's share)."""
 
     @property
     def shortfall(self) -> int:
@@ -92,7 +99,7 @@ class Evaluation:
                 "calls": {c: {k: round(v, 6) for k, v in p.items()} for c, p in self.calls.items()},
                 "reallocations": {e: {"s": t, "bytes_per_gpu": b} for e, (t, b) in self.reallocs.items()},
                 "memory_gb": {c: m / mem.GB for c, m in self.memory.items()},
-                "usable_gb": self.capacity / mem.GB, "fits": self.fits}
+                "usable_gb": self.capacity / mem.GB, "fits": self.fits, "overlap_s": self.overlap_s}
 
 
 def evaluate(graph: Graph, plan: Plan, est: Estimator, cluster: mem.Cluster,
@@ -102,6 +109,13 @@ def evaluate(graph: Graph, plan: Plan, est: Estimator, cluster: mem.Cluster,
     if missing:
         raise ValueError(f"the plan gives no layout to {missing}")
     calls = {c.name: est.call_time(c, plan.layouts[c.name]) for c in graph.calls}
+    # the inference calls run together: each rank runs its own one after another, and
+    # calls on disjoint ranks at the same time (the trainer exchanges their results once)
+    infer = [c.name for c in graph.calls if c.kind == "infer"]
+    busy: dict[int, float] = {}
+    for name in infer:
+        for r in plan.layouts[name].ranks:
+            busy[r] = busy.get(r, 0.0) + calls[name]["total"]
     reallocs = {}
     for e in graph.weight_edges():
         reallocs[f"{e.src}->{e.dst}"] = est.realloc(e.what, plan.layouts[e.src], plan.layouts[e.dst]) \
@@ -113,18 +127,26 @@ def evaluate(graph: Graph, plan: Plan, est: Estimator, cluster: mem.Cluster,
     memory = {c.name: est.call_memory(c, plan.layouts[c.name], resident) for c in graph.calls}
     options = mem.MemoryOptions(reserve_gb=reserve_gb)
     capacity = int(cluster.gpu_memory_gb * mem.GB) - options.reserve_bytes(cluster)
-    time_s = sum(p["total"] for p in calls.values()) + sum(t for t, _ in reallocs.values())
-    return Evaluation(plan, time_s, calls, reallocs, memory, capacity)
+    together = max(busy.values(), default=0.0)
+    time_s = (sum(p["total"] for c, p in calls.items() if c not in infer) + together
+              + sum(t for t, _ in reallocs.values()))
+    overlap = sum(calls[c]["total"] for c in infer) - together
+    return Evaluation(plan, time_s, calls, reallocs, memory, capacity, overlap_s=max(overlap, 0.0))
 
 
 def candidates(graph: Graph, est: Estimator, cluster: mem.Cluster) -> dict[str, list[Layout]]:
     """Every layout each call may take: all GPUs, TP inside a node dividing the model's
-    heads and KV heads, PP dividing its layers (1 for generation), DP splitting its samples."""
+    heads and KV heads, PP dividing its layers (1 for generation), DP splitting its samples;
+    for the reference's and reward model's inference also either half of the GPUs (see
+    :func:`halves`)."""
     out = {}
     for call in graph.calls:
         cfg = est.models[call.model]
         found = []
-        for lay in mem.candidate_layouts(cluster):
+        layouts = mem.candidate_layouts(cluster)
+        if call.kind == "infer" and call.model in SUBSET_MODELS:
+            layouts += halves(cluster)
+        for lay in layouts:
             if call.kind == "generate" and lay.pp != 1:
                 continue
             try:
@@ -143,6 +165,20 @@ def candidates(graph: Graph, est: Estimator, cluster: mem.Cluster) -> dict[str, 
                              f"{call.samples} samples)")
         out[call.name] = found
     return out
+
+
+def halves(cluster: mem.Cluster) -> list[Layout]:
+    """The layouts of :func:`~megatron_rlhf.plan.memory.candidate_layouts` over the first
+    and over the second half of the GPUs (half the nodes, or half of a single node): where
+    a call on half runs beside another call on the other half."""
+    if cluster.nodes > 1 and cluster.nodes % 2 == 0:
+        half = mem.Cluster(cluster.nodes // 2, cluster.gpus_per_node, cluster.gpu_memory_gb)
+    elif cluster.nodes == 1 and cluster.gpus_per_node % 2 == 0:
+        half = mem.Cluster(1, cluster.gpus_per_node // 2, cluster.gpu_memory_gb)
+    else:
+        return []
+    return [Layout(lay.tp, lay.pp, lay.dp, ranks=tuple(r + start for r in lay.ranks))
+            for start in (0, half.gpus) for lay in mem.candidate_layouts(half)]
 
 
 def heuristic(graph: Graph, est: Estimator, cluster: mem.Cluster, cands: dict) -> Plan:
@@ -194,11 +230,10 @@ def search(graph: Graph, est: Estimator, cluster: mem.Cluster, seed: int = 0,
     others = [c.name for c in graph.calls if c.name != gen]
     if space in ("trainer", "models"):
         groups = {"_shared": others}
-        if space == "models":  # a layout per model besides the actor's calls
+        if space == "models":  # a layout per call besides the actor's
             groups = {}
             for c in others:
-                model = next(x.model for x in graph.calls if x.name == c)
-                groups.setdefault(f"_{model}" if model in OWN_LAYOUT else "_shared", []).append(c)
+                groups.setdefault(f"_{c}" if c in OWN_LAYOUT else "_shared", []).append(c)
         choices = {gen: cands[gen]}
         for g, calls in groups.items():
             choices[g] = [lay for lay in cands[calls[0]] if all(lay in cands[c] for c in calls)]
@@ -283,38 +318,24 @@ def _plan_text(plan: Plan) -> str:
     return ", ".join(f"{c} {plan.text(c)}" for c in plan.layouts)
 
 
-OWN_LAYOUT = {"reference": "ref_layout", "reward": "reward_layout", "critic": "critic_layout"}
-"""Models the trainer can place on a layout of their own, and the setting that does it."""
+OWN_LAYOUT = {"ref_inf": "ref_layout", "reward_inf": "reward_layout", "critic_train": "critic_layout",
+              "critic_inf": "critic_infer_layout"}
+"""Calls the trainer can place on a layout of their own, and the setting that does it."""
 
 
-def trainer_flags(plan: Plan, models: dict[str, str] | None = None) -> dict[str, str]:
-    """The trainer's layout settings (``train_layout``, ``gen_layout`` and, where they
-    differ from the train layout, ``ref_layout``/``reward_layout``/``critic_layout``) of a
-    plan in the ``models`` space; ValueError naming what the trainer cannot run. ``models``:
-    call -> model (default: from the call names, ``ref_inf`` -> reference, ``critic_*`` -> critic)."""
-    def model_of(call):
-        if models and call in models:
-            return models[call]
-        head = call.split("_")[0]
-        return {"ref": "reference"}.get(head, head)
-
-    own = {}
-    rest = {}
-    for c, lay in plan.layouts.items():
-        if c.endswith("_gen"):
-            continue
-        m = model_of(c)
-        (own.setdefault(m, {}) if m in OWN_LAYOUT else rest)[c] = lay
-    train, gen = trainer_layouts(Plan({**rest, **{c: plan.layouts[c] for c in plan.layouts if c.endswith("_gen")}}))
+def trainer_flags(plan: Plan) -> dict[str, str]:
+    """The trainer's layout settings of a plan in the ``models`` space: ``train_layout``,
+    ``gen_layout`` and, where they differ from their default, ``ref_layout``,
+    ``reward_layout``, ``critic_layout`` (default: the train layout) and
+    ``critic_infer_layout`` (default: the critic's training layout); ValueError naming what
+    the trainer cannot run."""
+    own = {c: mem.layout_text(lay) for c, lay in plan.layouts.items() if c in OWN_LAYOUT}
+    train, gen = trainer_layouts(Plan({c: lay for c, lay in plan.layouts.items() if c not in OWN_LAYOUT}))
     flags = {"train_layout": train, "gen_layout": gen}
-    for m, calls in own.items():
-        texts = {mem.layout_text(lay) for lay in calls.values()}
-        if len(texts) > 1:
-            raise ValueError(f"the plan puts the {m}'s calls on {sorted(texts)}: this trainer runs "
-                             f"all of a {m}'s calls on one layout (tools/plan.py --space models)")
-        text = texts.pop()
-        if text != train:
-            flags[OWN_LAYOUT[m]] = text
+    defaults = {"critic_inf": own.get("critic_train", train)}
+    for c, text in own.items():
+        if text != defaults.get(c, train):
+            flags[OWN_LAYOUT[c]] = text
     return flags
 
 

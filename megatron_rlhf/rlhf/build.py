@@ -125,9 +125,11 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                          f"over the generation layout's {gen_layout.dp} data-parallel ranks "
                          f"(--gen-layout {gen_layout.tp}x{gen_layout.dp})")
     own = par.model_layouts(world_size)
-    for name, flag in (("reference", "--ref-layout"), ("reward", "--reward-layout"), ("critic", "--critic-layout")):
-        if name in own and name not in infos:
-            raise ValueError(f"{flag} places a model this run does not have (the {name}): drop it")
+    for name, flag in (("reference", "--ref-layout"), ("reward", "--reward-layout"),
+                       ("critic", "--critic-layout"), ("critic_inf", "--critic-infer-layout")):
+        model = name.removesuffix("_inf")
+        if name in own and model not in infos:
+            raise ValueError(f"{flag} places a model this run does not have (the {model}): drop it")
         if name in own:
             ppo.check_data_parallel(own[name].dp)
     for name, info in infos.items():
@@ -135,6 +137,8 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
             _check_layout(info, name, name, own[name].tp, own[name].pp)
         elif name != "draft":
             _check_layout(info, name, "train", train_layout.tp, train_layout.pp)
+        if name == "critic" and "critic_inf" in own:
+            _check_layout(info, name, "critic inference", own["critic_inf"].tp, own["critic_inf"].pp)
         if name in ("actor", "draft"):
             _check_layout(info, name, "gen", gen_layout.tp)
         if info.config.vocab_size != infos["actor"].config.vocab_size:
@@ -322,6 +326,7 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     from megatron_rlhf.rlhf.experience import ExperienceMaker, recompute_by_default
     from megatron_rlhf.rlhf.state import load_trainer_states
     from megatron_rlhf.rlhf.trainer import Models, RLHFTrainer
+    from megatron_rlhf.plan import memory as mem
 
     from megatron_rlhf.parallel.groups import build_process_groups
 
@@ -332,17 +337,30 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
         if lay not in groups:
             groups[lay] = build_process_groups(lay)
     pgs = {name: groups[lay] for name, lay in own.items()}
+    def held(name):  # None on the ranks outside a layout over part of the world
+        g = pgs.get(name, pg)
+        if g is None:
+            from megatron_rlhf.models.checkpoint import load_elsewhere
+
+            load_elsewhere(plan.infos[name].path)  # (the loader is collective over the world)
+            return None
+        return _model(plan, name, name, g)
+
     actor = _model(plan, "actor", "actor", pg, trains=True)
-    reference = _model(plan, "reference", "reference", pgs.get("reference", pg))
-    models = Models(actor=_trainee(plan, actor, pg, plan.optim.lr, True), reference=reference)
+    models = Models(actor=_trainee(plan, actor, pg, plan.optim.lr, True), reference=held("reference"))
+    places = {n: g for n, g in pgs.items() if n != "critic_inf"}  # call -> its process groups
     if plan.ppo.use_critic:
-        from_actor = plan.infos["critic"].role not in ("critic", "reward")
+        skip = ("output_layer.",) if plan.infos["critic"].role not in ("critic", "reward") else ()
         critic_pg = pgs.get("critic", pg)
-        critic = _model(plan, "critic", "critic", critic_pg, skip=("output_layer.",) if from_actor else (),
-                        trains=True)
+        critic = _model(plan, "critic", "critic", critic_pg, skip=skip, trains=True)
         models.critic = _trainee(plan, critic, critic_pg, plan.optim.critic_lr, True)
+        infer_pg = pgs.get("critic_inf", critic_pg)
+        if infer_pg is not critic_pg:  # a second copy; its weights follow each update
+            models.critic_inf = _model(plan, "critic", "critic", infer_pg, skip=skip)
+        places.pop("critic", None)
+        places.update(critic=infer_pg, critic_train=critic_pg)
     if "reward" in plan.infos:
-        models.reward_model = _model(plan, "reward", "reward", pgs.get("reward", pg))
+        models.reward_model = held("reward")
     gen_pg = pg if gen_pg is None else gen_pg
     if gen_pg is not pg:
         models.actor_gen = _model(plan, "actor", "actor", gen_pg, whole_sequences=False)
@@ -361,18 +379,24 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     generator = Generator(models.generating_actor, models.draft, pad_id=pad)
     if plan.ppo.recompute_logprobs is None:
         plan.ppo.recompute_logprobs = recompute_by_default(plan.dtype, plan.gen)
-    maker = ExperienceMaker(plan.ppo, reference, actor=actor, critic=models.critic and models.critic.model,
-                            reward_model=models.reward_model, reward_fn=plan.reward_fn,
+    from megatron_rlhf.rlhf.placement import Elsewhere
+
+    def here(model, name):  # what the experience maker calls: the model, or where it is not
+        return Elsewhere(name) if model is None else model
+
+    reward_model = here(models.reward_model, "reward") if plan.paths.reward else None
+    maker = ExperienceMaker(plan.ppo, here(models.reference, "reference"), actor=actor,
+                            critic=models.inferring_critic, reward_model=reward_model, reward_fn=plan.reward_fn,
                             tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=pg.dp, gen=plan.gen)
     run_info = {"tp": train_layout.tp, "seed": plan.loop.seed,
                 "train_layout": f"{train_layout.tp}x{train_layout.pp}x{train_layout.dp}",
                 "gen_layout": f"{gen_layout.tp}x{gen_layout.dp}",
                 "sequence_parallel": bool(actor.config.sequence_parallel),
-                **{f"{n}_layout": f"{lay.tp}x{lay.pp}x{lay.dp}" for n, lay in own.items()},
+                **{f"{n}_layout": mem.layout_text(lay) for n, lay in own.items()},
                 "actor_init": str(plan.paths.actor), "reference": str(plan.infos["reference"].path)}
     return RLHFTrainer(models, generator, maker, plan.ppo, plan.loop, plan.gen, plan.spec,
                        plan.prompts, plan.prompt_ids, pg, tokenizer=tok, save_dir=plan.save_dir,
                        log_dir=plan.log_dir, start_iteration=start, run_info=run_info,
                        migration=plan.migration, gen_pg=gen_pg,
                        release_train_copy=plan.par.release_train_copy,
-                       model_pgs={n: g for n, g in pgs.items() if g is not pg})
+                       model_pgs={n: g for n, g in places.items() if g is not pg})

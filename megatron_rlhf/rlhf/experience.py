@@ -101,8 +101,11 @@ class ExperienceMaker:
         if self.recompute and actor is None:
             raise ValueError("recompute_logprobs needs the actor")
         self.placed: dict = {}
-        """Model name (reference, critic, reward) -> its :class:`~megatron_rlhf.rlhf.placement.Share`
-        of this iteration's samples, for the models on a layout of their own (set per iteration)."""
+        """Call (``reference``, ``critic``, ``reward``: inference; ``critic_train``) -> this
+        rank's :class:`~megatron_rlhf.rlhf.placement.Share` of the iteration's samples, for
+        the calls on a layout of their own (set per iteration; an empty share on the ranks
+        outside a layout over part of the world)."""
+        self._tables: dict = {}
 
     def make(self, prompts: list[list[int]], prompt_texts: list[str], rollout,
              first_index: int = 0) -> Experience:
@@ -118,6 +121,7 @@ class ExperienceMaker:
         self._tokens = placement.gather_rows(sample_ids, list(zip(prompts, responses))) if self.placed else {}
         if self.recompute:
             exp.old_logprobs = response_logprobs(self.actor, exp, mbs)
+        self._tables = self._placed_tables()
         exp.ref_logprobs = self._placed_rows("reference", exp, sample_ids, response_logprobs)
         exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
         exp.scores = self._scores(exp, prompts, prompt_texts, responses, rollout, first_index).to(dev)
@@ -143,24 +147,36 @@ class ExperienceMaker:
                           ref_logprobs=zeros, scores=torch.zeros(len(prompts), device=mask.device),
                           kl=zeros, advantages=zeros, policy=self.gen)
 
+    def _placed_tables(self) -> dict[str, dict]:
+        """The inference calls on layouts of their own, each on its share of the samples,
+        all before one world exchange of the results (so calls on disjoint ranks run at
+        the same time): call -> {global sample index: row (or scalar)}."""
+        models = {"reference": (self.reference, response_logprobs), "critic": (self.critic, response_values),
+                  "reward": (self.reward_model, reward_model_scores)}
+        mine = {}
+        for name, share in self.placed.items():
+            if name not in models or not share.sample_ids:
+                continue
+            model, compute = models[name]
+            theirs = [self._tokens[s] for s in share.sample_ids]
+            out = compute(model, self._batch([p for p, _ in theirs], [r for _, r in theirs]),
+                          self.cfg.micro_batch_size)
+            host = out.detach().cpu()  # one copy to the host; rows cloned (a pickled view carries its storage)
+            mine[name] = (share.sample_ids, [(host[i, : len(r)] if host.dim() == 2 else host[i]).clone()
+                                             for i, (_, r) in enumerate(theirs)])
+        # (every rank has the same calls in ``placed``: all of them exchange, or none)
+        return placement.gather_tables(mine) if any(n in models for n in self.placed) else {}
+
     def _placed_rows(self, name: str, exp: Experience, sample_ids, compute) -> torch.Tensor:
         """``compute(model, batch, micro_batch_size)`` for this rank's samples: here, or, for a
-        model on a layout of its own, on the samples of its data-parallel ranks there, the
-        per-sample rows (or scalars) brought back by global sample index."""
-        model = {"reference": self.reference, "critic": self.critic, "reward": self.reward_model}[name]
-        mbs = self.cfg.micro_batch_size
-        share = self.placed.get(name)
-        if share is None:
-            return compute(model, exp, mbs)
-        theirs = [self._tokens[s] for s in share.sample_ids]
-        out = compute(model, self._batch([p for p, _ in theirs], [r for _, r in theirs]), mbs)
-        host = out.detach().cpu()  # one copy to the host; rows cloned (a pickled view carries its storage)
-        rows = [(host[i, : len(r)] if host.dim() == 2 else host[i]).clone() for i, (_, r) in enumerate(theirs)]
-        back = placement.gather_rows(share.sample_ids, rows)
-        mine = [back[s] for s in sample_ids]
-        if out.dim() == 1:
+        model on a layout of its own, the rows :meth:`_placed_tables` brought back."""
+        if name not in self.placed:
+            model = {"reference": self.reference, "critic": self.critic, "reward": self.reward_model}[name]
+            return compute(model, exp, self.cfg.micro_batch_size)
+        mine = [self._tables[name][s] for s in sample_ids]
+        if mine[0].dim() == 0:
             return torch.stack(mine).to(exp.response_mask.device)
-        return platform.padded(mine, 0, out.dtype, width=exp.response_mask.shape[1])
+        return platform.padded(mine, 0, mine[0].dtype, width=exp.response_mask.shape[1])
 
     def on_layout(self, exp: Experience, name: str, sample_ids: list[int]) -> Experience:
         """The batch that model ``name`` (on a layout of its own) trains on: the samples of its

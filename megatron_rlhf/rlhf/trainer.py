@@ -9,7 +9,9 @@ lockstep on the same prompts and seeds. Generation may run under its own layout
 (``--gen-layout``, with the draft): its samples are then regrouped onto the train layout's
 data-parallel ranks for the experience, and after the update the actor's weights are
 reallocated to the generation copy (``reallocate`` stage, before draft distillation, whose
-teacher is the updated actor). Each iteration's prompts and sampling seed are a
+teacher is the updated actor); a critic whose inference has a layout apart from its
+training (``--critic-infer-layout``) gets its weights reallocated there in the same stage.
+Each iteration's prompts and sampling seed are a
 function of (seed, iteration) alone, and a sample's random numbers are keyed by its index
 in the iteration's global batch, so a resumed run repeats the uninterrupted one and (with
 a fixed draft length) the samples do not depend on the data-parallel size. With more than
@@ -43,7 +45,9 @@ class Models:
     """The models of a run, built and loaded on this rank."""
 
     actor: Trainee
-    reference: torch.nn.Module
+    reference: torch.nn.Module | None
+    """None on the ranks outside a reference layout over part of the world (so for
+    ``reward_model``)."""
     critic: Trainee | None = None
     draft: torch.nn.Module | None = None
     draft_trainee: Trainee | None = None
@@ -52,9 +56,25 @@ class Models:
     """The actor in the generation layout, when it differs from the train layout (the
     draft lives there too); its weights are reallocated from ``actor`` after each update."""
 
+    critic_inf: torch.nn.Module | None = None
+    """The critic in its inference layout, when it differs from its training layout; its
+    weights are reallocated from ``critic`` after each update."""
+
     @property
     def generating_actor(self) -> torch.nn.Module:
         return self.actor_gen if self.actor_gen is not None else self.actor.model
+
+    @property
+    def inferring_critic(self) -> torch.nn.Module | None:
+        if self.critic_inf is not None:
+            return self.critic_inf
+        return self.critic.model if self.critic is not None else None
+
+    def copies(self) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
+        """``(trained, copy)`` pairs of the models with a second layout, whose weights move
+        from the first to the second after every update."""
+        return [(t.model, c) for t, c in ((self.actor, self.actor_gen), (self.critic, self.critic_inf))
+                if c is not None]
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
@@ -73,16 +93,15 @@ class RLHFTrainer:
                  release_train_copy: bool | None = None, model_pgs: dict | None = None):
         self.m, self.generator, self.maker = models, generator, maker
         self.model_pgs = model_pgs or {}
-        """Model -> process groups of a layout of its own (reference, reward, critic)."""
+        """Call (reference, reward, critic: inference; critic_train) -> the process groups
+        of its own layout (None on the ranks outside one over part of the world)."""
         # (None: on GPU; only where the actor generates on a copy of its own)
         release = platform.has_cuda() if release_train_copy is None else release_train_copy
         self.release_train_copy = release and models.actor_gen is not None
         self.gen_pg = gen_pg if gen_pg is not None else pg
-        self.reallocate = None
-        if models.actor_gen is not None:
-            from megatron_rlhf.parallel.reshard import Reallocator
+        from megatron_rlhf.parallel.reshard import Reallocator
 
-            self.reallocate = Reallocator()
+        self.reallocators = [Reallocator() for _ in models.copies()]  # one plan per pair
         self.ppo, self.loop, self.gen, self.spec = ppo, loop, gen, spec
         self.prompts, self.prompt_ids, self.pg, self.tokenizer = prompts, prompt_ids, pg, tokenizer
         self.save_dir, self.start = save_dir, start_iteration
@@ -151,16 +170,15 @@ class RLHFTrainer:
         if m.actor_gen is not None:  # to the train layout's data-parallel ranks
             rollout = regroup(generated, gen_sids, self.gen_pg, sids, ids, self.generator.pad_id)
             offload.move_model(m.actor_gen, host)
+        inferring = [x for x in (m.reference, m.reward_model, m.critic_inf) if x is not None]
         with stages.stage("experience"):
-            for extra in (m.reference, m.reward_model):
-                if extra is not None:
-                    offload.move_model(extra, dev)
-            self.maker.placed = {name: Share(self._my_samples(it, g.dp)[2])
+            for extra in inferring:
+                offload.move_model(extra, dev)
+            self.maker.placed = {name: Share(self._my_samples(it, g.dp)[2] if g is not None else [])
                                  for name, g in self.model_pgs.items()}
             exp = self.maker.make(ids, texts, rollout, first_index=sids[0] if sids else 0)
-            for extra in (m.reference, m.reward_model):
-                if extra is not None:
-                    offload.move_model(extra, host)
+            for extra in inferring:
+                offload.move_model(extra, host)
         metrics = self._rollout_metrics(generated, rollout, exp)
         with stages.stage("train"):
             for t in (m.actor, m.critic):
@@ -168,17 +186,20 @@ class RLHFTrainer:
                     offload.park_trainee(t, host=False)
             metrics.update(train_actor(m.actor, exp, self.ppo))
             if m.critic is not None:
-                on = self.maker.on_layout(exp, "critic", sids) if "critic" in self.model_pgs else exp
+                on = self.maker.on_layout(exp, "critic_train", sids) if "critic_train" in self.model_pgs else exp
                 metrics.update(train_critic(m.critic, on, self.ppo))
             for t in (m.actor, m.critic):  # (generation and reallocation read weights directly)
                 if t is not None:
                     t.gather_params()
-        if m.actor_gen is not None:
+        if self.reallocators:
+            received = 0
             with stages.stage("reallocate"):
-                offload.move_model(m.actor_gen, dev)
-                r = self.reallocate(m.actor.model, m.actor_gen)
-            moved = platform.all_reduce(torch.tensor([float(r.bytes_received)], dtype=torch.float64,
-                                                     device=dev))
+                for (src, copy), move in zip(m.copies(), self.reallocators):
+                    offload.move_model(copy, dev)
+                    received += move(src, copy).bytes_received
+                    if copy is m.critic_inf:  # (it waits on the host until the next experience)
+                        offload.move_model(copy, host)
+            moved = platform.all_reduce(torch.tensor([float(received)], dtype=torch.float64, device=dev))
             metrics["realloc_mb"] = float(moved) / 2**20
         if m.draft_trainee is not None:
             with stages.stage("draft"):

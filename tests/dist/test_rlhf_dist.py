@@ -155,9 +155,10 @@ OVERLAP = ("--overlap-grad-reduce",)  # gradients reduced during the last micro-
 # wait in host memory while the generation copy generates, forced on CPU)
 LAYOUTS = [("2x1x1", "1x2", ()), ("1x1x2", "2x1", (*OVERLAP, "--release-train-copy")),  # TP <-> DP
            ("1x2x1", "1x2", ("--recompute-granularity", "full")),  # PP=2 (1F1B over gloo)
-           # PP=2 x DP=2, 4 ranks, with the reference (DP=4) and the critic (TP=2 x DP=2) on
-           # layouts of their own
-           ("1x2x2", "1x4", (*OVERLAP, "--ref-layout", "1x1x4", "--critic-layout", "2x1x2")),
+           # PP=2 x DP=2, 4 ranks, with the reference (DP=4) and the critic (training at
+           # TP=2 x DP=2, inference at DP=4: a second copy, reallocated) on layouts of their own
+           ("1x2x2", "1x4", (*OVERLAP, "--ref-layout", "1x1x4", "--critic-layout", "2x1x2",
+                             "--critic-infer-layout", "1x1x4")),
            ("2x2x1", "2x2", ("--sequence-parallel",))]  # TP=2 x PP=2, sequence shards pipelined
 
 
@@ -180,9 +181,36 @@ def test_generation_layout_trains_as_one_layout(world1, tmp_path, train_layout, 
         F.assert_metrics_equal(a, b)
         assert b["realloc_mb"] > 0 and "time_reallocate_s" in b and "realloc_mb" not in a
     state = json.loads((run2 / "save" / "iter_0000002" / "trainer" / "state.json").read_text())
-    for flag, model in (("--ref-layout", "reference"), ("--critic-layout", "critic")):
+    for flag, model in (("--ref-layout", "reference"), ("--critic-layout", "critic"),
+                        ("--critic-infer-layout", "critic_inf")):
         if flag in extra:  # the model really ran on its own layout
             assert state[f"{model}_layout"] == extra[extra.index(flag) + 1], state
+
+
+def test_reference_and_reward_model_on_disjoint_ranks(world1, tmp_path):
+    """ReaLHF's concurrent calls: on 4 ranks the reference infers on ranks 0-1 and a reward
+    model on ranks 2-3 at the same time (each built on its two ranks only), training at
+    TP=2 x DP=2: after 2 iterations the weights and metrics of one process."""
+    from megatron_rlhf.config import preset
+    from megatron_rlhf.models.checkpoint import save_checkpoint
+
+    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
+    rm = build_model(preset("tiny", vocab_size=F.VOCAB, max_position_embeddings=F.POSITIONS), "reward",
+                     world1, dtype=torch.float32, seed=5)
+    torch.nn.init.normal_(rm.output_layer.weight)  # zero-initialised otherwise
+    save_checkpoint(tmp_path / "rm", 0, rm, world1)
+    flags = dict(FLAGS, reward_fn=None, reward_load=str(tmp_path / "rm"))
+    run1, run2 = tmp_path / "one", tmp_path / "apart"
+    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, **flags), 4,
+                        [*F.train_args(actor, prompts, run2, **flags), "--train-layout", "2x1x2",
+                         "--ref-layout", "1x1x2", "--reward-layout", "1x1x2@2"])
+    _compare(run1, run2, 2, _load(actor, "actor", world1), world1)
+    for a, b in zip(F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log"), strict=True):
+        F.assert_metrics_equal(a, b)
+        assert b["reward_std"] > 0, b  # the reward model's scores vary with the samples
+    state = json.loads((run2 / "save" / "iter_0000002" / "trainer" / "state.json").read_text())
+    assert (state["reference_layout"], state["reward_layout"]) == ("1x1x2", "1x1x2@2"), state
 
 
 def test_overlapped_gradient_reduction():

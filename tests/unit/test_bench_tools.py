@@ -106,3 +106,16 @@ def test_plan_bench_rows_ratios_and_replayed_predictions():
     assert acc["within_20pct"] == 1 and not acc["met"]
     assert acc["replayed"] == {"ratios": {"1x1x4/1x4": 0.8, "2x1x2/2x2": 0.8}, "within_20pct": 2}
     assert "one-sample-steps" in plan.SEARCH_CASES
+    # plans with calls on layouts of their own (the trainer's flags, the estimator's plan)
+    import types
+
+    from megatron_rlhf.parallel.layout import Layout
+
+    assert plan.own_layouts("2x1x2/2x2") == {}
+    assert plan.own_layouts("2x1x2/2x2/ref_inf=1x1x2,reward_inf=1x1x2@2") == {"ref_inf": "1x1x2",
+                                                                              "reward_inf": "1x1x2@2"}
+    p = object.__new__(plan.Predictor)
+    p.flags = types.SimpleNamespace(reward_load="rm")
+    lay = p.plan_of("2x1x2/1x4/reward_inf=1x1x2@2,critic_train=1x1x4").layouts
+    assert lay["reward_inf"] == Layout(1, 1, 2, ranks=(2, 3)) and lay["ref_inf"] == lay["actor_train"] == Layout(2, 1, 2)
+    assert lay["critic_inf"] == lay["critic_train"] == Layout(1, 1, 4) and lay["actor_gen"] == Layout(1, 1, 4)

@@ -62,3 +62,17 @@ def test_for_world():
         Layout.for_world(4, tp=3)
     with pytest.raises(ValueError, match="rank 9 is not in layout"):
         Layout(tp=2).coords(9)
+
+
+def test_layout_text_over_part_of_the_world():
+    from megatron_rlhf.plan.memory import layout_text
+
+    lay = Layout.parse("1x2x2@4")
+    assert lay.ranks == (4, 5, 6, 7) and lay.first_rank == 4 and layout_text(lay) == "1x2x2@4"
+    assert Layout.parse("2x1x2@0") == Layout(tp=2, dp=2) and layout_text(Layout(tp=2, dp=2)) == "2x1x2"
+    assert layout_text(Layout.parse("2x3@3", pipeline=False), pipeline=False) == "2x3@3"
+    for bad in ("1x1x2@", "1x1x2@x", "1x2@1"):
+        with pytest.raises(ValueError, match="is not of the form TPxPPxDP, e.g. 2x1x4 \\(optionally @FIRST_RANK\\)"):
+            Layout.parse(bad)
+    with pytest.raises(ValueError, match="not over contiguous ranks"):
+        layout_text(Layout(tp=1, dp=2, ranks=(0, 2)))

@@ -229,6 +229,39 @@ def _llama_case(nodes=1, gb=80.0, critic=False):
     return graph, est, mem.Cluster(nodes=nodes, gpus_per_node=8, gpu_memory_gb=gb)
 
 
+def test_inference_calls_on_disjoint_gpus_overlap():
+    """The reference and a reward model on either half of 2x8 GPUs run at once: the
+    iteration pays the busiest GPU's share of the inference calls, not their sum; on the
+    same half, or on the whole cluster, they add up. The trainer takes such a plan."""
+    models = {m: preset("llama2-7b") for m in ("actor", "reference", "reward")}
+    from megatron_rlhf.plan.cost import HARDWARE
+
+    est = Estimator(models, HARDWARE["h100"], options=Options(response_fractions=(0.25, 0.5, 1.0)))
+    graph = rlhf_graph(64, 512, 512, critic=False, reward_model=True)
+    cluster = mem.Cluster(nodes=2, gpus_per_node=8, gpu_memory_gb=80)
+    half, second = Layout(tp=1, pp=1, dp=8), Layout(tp=1, pp=1, dp=8, ranks=tuple(range(8, 16)))
+    assert half in S.halves(cluster) and second in S.halves(cluster)
+    assert {lay.ranks for lay in S.halves(cluster)} == {half.ranks, second.ranks}
+    whole = Layout(tp=2, pp=1, dp=8)
+    base = {"actor_gen": Layout(tp=2, pp=1, dp=8), "actor_train": whole}
+    apart = S.evaluate(graph, S.Plan(dict(base, ref_inf=half, reward_inf=second)), est, cluster)
+    same = S.evaluate(graph, S.Plan(dict(base, ref_inf=half, reward_inf=half)), est, cluster)
+    ref, rew = apart.calls["ref_inf"]["total"], apart.calls["reward_inf"]["total"]
+    assert same.calls["reward_inf"]["total"] == rew  # where a call runs, not its cost, differs
+    others = sum(p["total"] for c, p in apart.calls.items() if c not in ("ref_inf", "reward_inf"))
+    reallocs = sum(t for t, _ in apart.reallocs.values())
+    assert apart.time_s == pytest.approx(others + reallocs + max(ref, rew), rel=1e-12)
+    assert apart.overlap_s == pytest.approx(min(ref, rew), rel=1e-12)
+    assert same.time_s == pytest.approx(others + reallocs + ref + rew, rel=1e-12) and same.overlap_s == 0
+    assert S.trainer_flags(apart.plan) == {"train_layout": "2x1x8", "gen_layout": "2x8",
+                                           "ref_layout": "1x1x8", "reward_layout": "1x1x8@8"}
+    assert S.Plan.from_json(apart.plan.to_json()).key() == apart.plan.key() != same.plan.key()
+    # the search considers halves for those two calls only
+    cands = S.candidates(graph, est, cluster)
+    assert second in cands["reward_inf"] and second in cands["ref_inf"]
+    assert all(lay.size == 16 for c in ("actor_gen", "actor_train") for lay in cands[c])
+
+
 def test_annealing_is_deterministic_and_reaches_the_exhaustive_optimum(monkeypatch):
     graph, est, cluster = _llama_case()
     exhaustive = S.search(graph, est, cluster, seed=0)
@@ -273,13 +306,23 @@ def test_plans_the_trainer_executes_and_plan_files(tmp_path):
     assert models.best.time_s <= found.best.time_s * (1 + 1e-9)
     flags = S.trainer_flags(models.best.plan)
     lay = models.best.plan.layouts
-    assert lay["critic_inf"] == lay["critic_train"]
     assert flags["train_layout"] == models.best.plan.text("actor_train")
-    for call, key in (("ref_inf", "ref_layout"), ("critic_inf", "critic_layout")):
+    for call, key in (("ref_inf", "ref_layout"), ("critic_train", "critic_layout")):
         assert flags.get(key, flags["train_layout"]) == models.best.plan.text(call)
-    apart = dict(lay, critic_train=Layout(tp=8, pp=1, dp=1), critic_inf=Layout(tp=1, pp=1, dp=8))
-    with pytest.raises(ValueError, match="this trainer runs all of a critic's calls on one layout"):
-        S.trainer_flags(S.Plan(apart))
+    assert flags.get("critic_infer_layout", models.best.plan.text("critic_train")) == models.best.plan.text("critic_inf")
+    # the critic's inference apart from its training: a second copy, reallocated (priced)
+    apart = dict(lay, actor_train=Layout(tp=2, pp=1, dp=4), critic_train=Layout(tp=8, pp=1, dp=1),
+                 critic_inf=Layout(tp=1, pp=1, dp=8))
+    assert S.trainer_flags(S.Plan(apart)) == dict(
+        S.trainer_flags(S.Plan(dict(apart, critic_train=apart["actor_train"], critic_inf=apart["actor_train"]))),
+        critic_layout="8x1x1", critic_infer_layout="1x1x8")
+    together = dict(apart, critic_inf=apart["critic_train"])
+    assert "critic_infer_layout" not in S.trainer_flags(S.Plan(together))
+    e_apart, e_together = (S.evaluate(graph, S.Plan(p), est, cluster) for p in (apart, together))
+    assert e_apart.reallocs["critic_train->critic_inf"][0] > 0 == e_together.reallocs["critic_train->critic_inf"][0]
+    # the training copy stays resident beside the inference copy
+    assert e_apart.memory["critic_inf"] > S.evaluate(graph, S.Plan(dict(apart, critic_train=apart["critic_inf"])),
+                                                     est, cluster).memory["critic_inf"]
 
 
 def test_tools_plan_prints_and_writes_a_plan(tmp_path, capsys):

@@ -65,15 +65,25 @@ CASES = [
     ("layers_not_divisible_by_pp",
      dict(train_layout="1x3x1", global_batch_size=3, micro_batch_size=1, rollout_n=2), 3,
      "in the train layout: pipeline parallel size 3 must divide 2 layers; sizes that work for this model: [1, 2]"),
-    ("ref_layout_not_the_world",
-     dict(ref_layout="1x1x4"), 2,
-     "--ref-layout 1x1x4 covers 4 ranks, the world has 2: TP x PP x DP must equal it"),
+    ("ref_layout_beyond_the_world",
+     dict(ref_layout="1x1x2@1"), 2,
+     "--ref-layout 1x1x2@1 needs ranks 1..2, the world has 0..1: fewer ranks or a lower @FIRST_RANK"),
+    ("critic_layout_on_part_of_the_world",
+     dict(critic_layout="1x1x1@1"), 2,
+     "--critic-layout 1x1x1@1 covers 1 ranks from rank 1, the world 2 from rank 0: TP x PP x DP must "
+     "equal it (a layout over fewer ranks, @FIRST_RANK, is for --ref-layout and --reward-layout)"),
     ("reward_layout_without_a_reward_model",
      dict(reward_layout="1x1x2"), 2,
      "--reward-layout places a model this run does not have (the reward): drop it"),
     ("critic_layout_tp_beyond_kv_heads",
      dict(critic_layout="4x1x1", advantage_estimator="gae", global_batch_size=4, micro_batch_size=1), 4,
      "in the critic layout: tensor parallel size 4 must divide 2 KV heads"),
+    ("critic_infer_layout_without_a_critic",
+     dict(critic_infer_layout="1x1x2", advantage_estimator="grpo", rollout_n=2), 2,
+     "--critic-infer-layout places a model this run does not have (the critic): drop it"),
+    ("critic_infer_layout_tp_beyond_kv_heads",
+     dict(critic_infer_layout="4x1x1", advantage_estimator="gae", global_batch_size=4, micro_batch_size=1), 4,
+     "in the critic inference layout: tensor parallel size 4 must divide 2 KV heads"),
     ("layout_form",
      dict(gen_layout="1x1x2"), 2,
      "layout '1x1x2' is not of the form TPxDP, e.g. 1x8"),
@@ -87,13 +97,15 @@ CASES = [
      lambda f: dict(plan=f["empty"] / "plan.json"), 2,
      "plan.json does not exist (write one with tools/plan.py --out FILE)"),
     ("plan_not_executable",
-     lambda f: dict(plan=f["plans"]["split"]), 2,
-     "the plan puts the critic's calls on ['1x1x2', '2x1x1']: this trainer runs all of a "
-     "critic's calls on one layout"),
+     lambda f: dict(plan=f["plans"]["actor_apart"]), 2,
+     "the plan puts actor_train on 2x1x1 and actor_inf on 1x1x2: this trainer runs every call "
+     "but generation on one layout"),
     ("valid", {}, 2, None),  # the control: good flags get as far as the first collective
     ("valid_plan", lambda f: dict(plan=f["plans"]["ok"]), 2, None),
     ("valid_plan_reference_apart", lambda f: dict(plan=f["plans"]["ref_apart"]), 2, None),
+    ("valid_plan_critic_split", lambda f: dict(plan=f["plans"]["critic_split"], advantage_estimator="gae"), 2, None),
     ("valid_layouts", dict(train_layout="2x1x1", gen_layout="1x2"), 2, None),
+    ("valid_reference_on_part_of_the_world", dict(ref_layout="1x1x1@1"), 2, None),
     ("valid_pipeline", dict(train_layout="1x2x1"), 2, None),
 ]
 
@@ -109,10 +121,11 @@ def results(world1, tmp_path_factory):
     files = {"long_prompts": F.write_prompts(d / "long.jsonl", long), "empty": d / "empty"}
     files["empty"].mkdir()
     files["plans"] = {}
-    for name, ref, critic in (("ok", "2x1x1", "2x1x1"), ("ref_apart", "1x1x2", "2x1x1"),
-                              ("split", "2x1x1", "1x1x2")):
+    for name, ref, critic, extra in (("ok", "2x1x1", "2x1x1", {}), ("ref_apart", "1x1x2", "2x1x1", {}),
+                                     ("critic_split", "2x1x1", "1x1x2", {}),  # a second critic copy
+                                     ("actor_apart", "2x1x1", "2x1x1", {"actor_inf": "1x1x2"})):
         layouts = {"actor_gen": "1x2", "ref_inf": ref, "critic_inf": critic,
-                   "actor_train": "2x1x1", "critic_train": "2x1x1"}
+                   "actor_train": "2x1x1", "critic_train": "2x1x1", **extra}
         files["plans"][name] = d / f"{name}.json"
         files["plans"][name].write_text(json.dumps({"layouts": layouts}))
     cases = []

@@ -2,7 +2,7 @@
 generation layout (TP=1 x DP=2) with megatron-core's resharding.
 
 - train -> gen -> a second train copy leaves every weight bit-identical (tied and untied
-  embeddings, a feature draft's fusion and subset head);
+  embeddings, a critic's value head, a feature draft's fusion and subset head);
 - greedy generation on the generation copy (each DP rank half the prompts, a feature
   draft at n=2) equals generation on the train copy (TP=2, all prompts), token for token;
 - the gen copy starts from other weights, so nothing passes without the copy."""
@@ -34,6 +34,15 @@ def round_trip(train, gen, name, role, make):
     assert moved.item() == total, (name, role, moved.item(), total)  # every gen shard, once
 
 
+def critic(pg, seed):
+    """A critic whose value head is not zero (a seeded random one, as after training)."""
+    model = build_model(preset("tiny"), "critic", pg, dtype=torch.float32, seed=seed)
+    with torch.no_grad():
+        model.output_layer.weight.copy_(torch.randn(model.output_layer.weight.shape,
+                                                    generator=torch.Generator().manual_seed(seed)))
+    return model
+
+
 def main():
     platform.quiet_third_party_warnings()
     rank, world = platform.init_distributed()
@@ -44,6 +53,7 @@ def main():
         round_trip({"model": model, "pg": tp2}, gen, name, "actor",
                    lambda pg, seed, name=name: build_model(preset(name), "actor", pg,
                                                            dtype=torch.float32, seed=seed))
+    round_trip({"model": critic(tp2, 5), "pg": tp2}, gen, "tiny", "critic", critic)
     actor, _ = actor_and_draft(tp2, eos=None)
     feature = feature_draft_for(actor, tp2)
     round_trip({"model": feature, "pg": tp2}, gen, "feature draft", "draft",
