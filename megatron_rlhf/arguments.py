@@ -69,6 +69,10 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, default=None, metavar="TPxPPxDP",
                        help=f"layout of {what}, over all ranks (default: the train layout); the "
                             "samples move to its data-parallel ranks and the results back")
+    g.add_argument("--draft-train-layout", choices=("gen", "train"), default="gen",
+                   help="--draft-distill on the generation layout (default; the teacher is the "
+                        "actor's generation copy) or on the train layout (PP=1; the teacher is the "
+                        "actor's training copy, the draft's weights reallocated to generation)")
     g.add_argument("--plan", default=None, metavar="FILE.json|auto",
                    help="layouts from an execution plan (tools/plan.py --out) or searched now "
                         "(auto: the plan search over what this trainer executes, priced with "

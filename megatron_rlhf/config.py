@@ -209,6 +209,11 @@ class ParallelConfig:
     """``TPxPPxDP`` of the critic's inference (values) when it differs from its training
     layout: a second critic copy there, its weights reallocated after every critic update
     (None: the critic's training layout, one copy)."""
+    draft_train_layout: str = "gen"
+    """Where the draft's distillation runs: ``gen`` (with the draft's generation copy,
+    the teacher the actor's generation copy) or ``train`` (a second draft copy on the
+    train layout, PP=1, the teacher the actor's training copy; the draft's weights are
+    then reallocated to its generation copy with the actor's)."""
     recompute_granularity: str | None = None
     """Activation recompute of the models that train: ``full`` (each layer re-run in
     backward from its input), ``selective`` (the attention core only), None (keep all)."""
@@ -247,6 +252,8 @@ class ParallelConfig:
         for text in (self.ref_layout, self.reward_layout, self.critic_layout, self.critic_infer_layout):
             if text is not None:
                 Layout.parse(text)
+        if self.draft_train_layout not in ("gen", "train"):
+            raise ValueError(f"--draft-train-layout {self.draft_train_layout!r}: use gen or train")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"--recompute-granularity {self.recompute_granularity!r}: use full or selective")
 

@@ -15,7 +15,8 @@ smallest model-parallel size).
 every other call on one layout (``--train-layout``); ``space="models"`` to what the trainer
 executes: that, and the reference's and reward model's inference and the critic's training
 and inference each on a layout of its own (``--ref-layout``, ``--reward-layout``,
-``--critic-layout``, ``--critic-infer-layout``).
+``--critic-layout``, ``--critic-infer-layout``). In both, the draft's distillation runs on
+the generation layout or on the train layout (``--draft-train-layout``).
 """
 
 from __future__ import annotations
@@ -227,7 +228,8 @@ def search(graph: Graph, est: Estimator, cluster: mem.Cluster, seed: int = 0,
     fallback = heuristic(graph, est, cluster, cands)
     default = evaluate(graph, fallback, est, cluster) if len(fallback.layouts) == len(graph.calls) else None
     gen = next(c.name for c in graph.calls if c.kind == "generate")
-    others = [c.name for c in graph.calls if c.name != gen]
+    draft = "draft_train" if any(c.name == "draft_train" for c in graph.calls) else None
+    others = [c.name for c in graph.calls if c.name not in (gen, draft)]
     if space in ("trainer", "models"):
         groups = {"_shared": others}
         if space == "models":  # a layout per call besides the actor's
@@ -237,9 +239,16 @@ def search(graph: Graph, est: Estimator, cluster: mem.Cluster, seed: int = 0,
         choices = {gen: cands[gen]}
         for g, calls in groups.items():
             choices[g] = [lay for lay in cands[calls[0]] if all(lay in cands[c] for c in calls)]
+        if draft:  # the draft distils on the generation layout or on the train layout
+            choices["_draft"] = ["gen", "train"]
 
         def plan_of(pick):
-            return Plan({gen: pick[gen], **{c: pick[g] for g, calls in groups.items() for c in calls}})
+            out = {gen: pick[gen], **{c: pick[g] for g, calls in groups.items() for c in calls}}
+            if draft:
+                g = pick[gen]
+                on_train = pick["_draft"] == "train" and pick["_shared"].pp == 1  # (it never pipelines)
+                out[draft] = pick["_shared"] if on_train else Layout(g.tp, 1, g.dp, g.ranks)
+            return Plan(out)
     else:
         choices = cands
 
@@ -326,12 +335,23 @@ OWN_LAYOUT = {"ref_inf": "ref_layout", "reward_inf": "reward_layout", "critic_tr
 def trainer_flags(plan: Plan) -> dict[str, str]:
     """The trainer's layout settings of a plan in the ``models`` space: ``train_layout``,
     ``gen_layout`` and, where they differ from their default, ``ref_layout``,
-    ``reward_layout``, ``critic_layout`` (default: the train layout) and
-    ``critic_infer_layout`` (default: the critic's training layout); ValueError naming what
-    the trainer cannot run."""
+    ``reward_layout``, ``critic_layout`` (default: the train layout),
+    ``critic_infer_layout`` (default: the critic's training layout) and
+    ``draft_train_layout`` (``train``; default ``gen``); ValueError naming what the trainer
+    cannot run."""
     own = {c: mem.layout_text(lay) for c, lay in plan.layouts.items() if c in OWN_LAYOUT}
-    train, gen = trainer_layouts(Plan({c: lay for c, lay in plan.layouts.items() if c not in OWN_LAYOUT}))
+    apart = (*OWN_LAYOUT, "draft_train")
+    train, gen = trainer_layouts(Plan({c: lay for c, lay in plan.layouts.items() if c not in apart}))
     flags = {"train_layout": train, "gen_layout": gen}
+    if "draft_train" in plan.layouts:
+        d = mem.layout_text(plan.layouts["draft_train"])
+        g = Layout.parse(gen, pipeline=False)
+        if d not in (train, mem.layout_text(g)) or (d != mem.layout_text(g) and Layout.parse(train).pp > 1):
+            raise ValueError(f"the plan puts draft_train on {d}: the draft distils on the generation "
+                             f"layout ({mem.layout_text(g)}) or on the train layout ({train}) without "
+                             "pipeline stages")
+        if d != mem.layout_text(g):
+            flags["draft_train_layout"] = "train"
     defaults = {"critic_inf": own.get("critic_train", train)}
     for c, text in own.items():
         if text != defaults.get(c, train):

@@ -146,6 +146,15 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                              f"actor {infos['actor'].config.vocab_size}: models must share a tokenizer")
     if "draft" in infos:
         check_draft(infos["actor"].config, infos["draft"].config)
+    if par.draft_train_layout == "train":
+        if not loop.draft_distill:
+            raise ValueError("--draft-train-layout train places the draft's distillation: it needs "
+                             "--draft-distill (or drop the flag)")
+        if train_layout.pp != 1:
+            raise ValueError(f"--draft-train-layout train needs a train layout without pipeline "
+                             f"stages (it has PP={train_layout.pp}): the draft trains unpipelined; "
+                             "use --draft-train-layout gen")
+        _check_layout(infos["draft"], "draft", "train", train_layout.tp)
     tokenizer = load_tokenizer(infos["actor"].tokenizer_dir)
     prompts = load_prompts(prompts_file, split="train" if prompts_file is None else None)
     if len(prompts) < ppo.global_batch_size:
@@ -367,7 +376,10 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     if "draft" in plan.infos:
         models.draft = _model(plan, "draft", "draft", gen_pg, whole_sequences=False)
         if plan.loop.draft_distill:
-            models.draft_trainee = _trainee(plan, models.draft, gen_pg, plan.optim.draft_lr, False)
+            draft_pg, trained = gen_pg, models.draft
+            if plan.par.draft_train_layout == "train" and gen_pg is not pg:  # a second copy
+                draft_pg, trained = pg, _model(plan, "draft", "draft", pg, whole_sequences=False)
+            models.draft_trainee = _trainee(plan, trained, draft_pg, plan.optim.draft_lr, False)
     start = 0
     if plan.resume_dir is not None:
         trainees = {"actor": models.actor, "critic": models.critic, "draft": models.draft_trainee}
@@ -392,6 +404,8 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
                 "train_layout": f"{train_layout.tp}x{train_layout.pp}x{train_layout.dp}",
                 "gen_layout": f"{gen_layout.tp}x{gen_layout.dp}",
                 "sequence_parallel": bool(actor.config.sequence_parallel),
+                **({"draft_train_layout": "train" if models.draft_on_train_layout else "gen"}
+                   if models.draft_trainee is not None else {}),
                 **{f"{n}_layout": mem.layout_text(lay) for n, lay in own.items()},
                 "actor_init": str(plan.paths.actor), "reference": str(plan.infos["reference"].path)}
     return RLHFTrainer(models, generator, maker, plan.ppo, plan.loop, plan.gen, plan.spec,

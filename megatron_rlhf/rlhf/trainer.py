@@ -10,7 +10,9 @@ lockstep on the same prompts and seeds. Generation may run under its own layout
 data-parallel ranks for the experience, and after the update the actor's weights are
 reallocated to the generation copy (``reallocate`` stage, before draft distillation, whose
 teacher is the updated actor); a critic whose inference has a layout apart from its
-training (``--critic-infer-layout``) gets its weights reallocated there in the same stage.
+training (``--critic-infer-layout``) gets its weights reallocated there in the same stage,
+as does a draft distilled on the train layout (``--draft-train-layout train``, taught by
+the actor's training copy before the reallocation).
 Each iteration's prompts and sampling seed are a
 function of (seed, iteration) alone, and a sample's random numbers are keyed by its index
 in the iteration's global batch, so a resumed run repeats the uninterrupted one and (with
@@ -70,11 +72,17 @@ class Models:
             return self.critic_inf
         return self.critic.model if self.critic is not None else None
 
+    @property
+    def draft_on_train_layout(self) -> bool:
+        """The draft distils on a copy of its own in the train layout (``--draft-train-layout train``)."""
+        return self.draft_trainee is not None and self.draft_trainee.model is not self.draft
+
     def copies(self) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
         """``(trained, copy)`` pairs of the models with a second layout, whose weights move
         from the first to the second after every update."""
-        return [(t.model, c) for t, c in ((self.actor, self.actor_gen), (self.critic, self.critic_inf))
-                if c is not None]
+        pairs = [(self.actor, self.actor_gen), (self.critic, self.critic_inf),
+                 (self.draft_trainee, self.draft if self.draft_on_train_layout else None)]
+        return [(t.model, c) for t, c in pairs if t is not None and c is not None]
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
@@ -191,6 +199,9 @@ class RLHFTrainer:
             for t in (m.actor, m.critic):  # (generation and reallocation read weights directly)
                 if t is not None:
                     t.gather_params()
+        if m.draft_on_train_layout:  # taught by the training copy, before the reallocation
+            with stages.stage("draft"):
+                metrics.update(self._distil(exp, m.actor.model))
         if self.reallocators:
             received = 0
             with stages.stage("reallocate"):
@@ -201,16 +212,21 @@ class RLHFTrainer:
                         offload.move_model(copy, host)
             moved = platform.all_reduce(torch.tensor([float(received)], dtype=torch.float64, device=dev))
             metrics["realloc_mb"] = float(moved) / 2**20
-        if m.draft_trainee is not None:
+        if m.draft_trainee is not None and not m.draft_on_train_layout:
             with stages.stage("draft"):
-                offload.park_trainee(m.draft_trainee, host=False)
                 batch = exp if m.actor_gen is None else token_batch(gen_ids, generated, self.generator.pad_id)
-                metrics.update(train_draft(m.draft_trainee, m.generating_actor, batch,
-                                           self.ppo.micro_batch_size, self.loop.draft_distill_topk))
-                m.draft_trainee.gather_params()
+                metrics.update(self._distil(batch, m.generating_actor))
         metrics.update(stages.metrics)
         metrics["time_iteration_s"] = sum(v for k, v in stages.metrics.items() if k.startswith("time_"))
         return metrics
+
+    def _distil(self, batch, teacher) -> dict:
+        """One distillation step of the draft towards ``teacher`` (the updated actor) on ``batch``."""
+        t = self.m.draft_trainee
+        offload.park_trainee(t, host=False)
+        out = train_draft(t, teacher, batch, self.ppo.micro_batch_size, self.loop.draft_distill_topk)
+        t.gather_params()
+        return out
 
     def _rollout_metrics(self, generated, rollout, exp) -> dict:
         """Reward, KL and length statistics over the train layout's data-parallel ranks,
@@ -263,7 +279,7 @@ class RLHFTrainer:
         if m.critic is not None:
             models["critic"] = (m.critic.model, m.critic.pg)
             trainees["critic"] = m.critic
-        if m.draft is not None:
+        if m.draft is not None:  # (the generation copy: equal to a training copy after the reallocation)
             models["draft"] = (m.draft, self.gen_pg)
         if m.draft_trainee is not None:
             trainees["draft"] = m.draft_trainee

@@ -213,6 +213,36 @@ def test_reference_and_reward_model_on_disjoint_ranks(world1, tmp_path):
     assert (state["reference_layout"], state["reward_layout"]) == ("1x1x2", "1x1x2@2"), state
 
 
+def test_draft_distilled_on_the_train_layout(world1, tmp_path):
+    """``--draft-train-layout train``: the draft distils on a copy of its own at TP=2 (the
+    train layout), taught by the actor's training copy, its weights reallocated to the
+    generation copy (DP=2) with the actor's: after 2 iterations the actor, critic and draft
+    weights of one process (where generation and training share one copy)."""
+    from megatron_rlhf.config import preset
+    from megatron_rlhf.models.checkpoint import save_checkpoint
+
+    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
+    cfg = preset("tiny", vocab_size=F.VOCAB, max_position_embeddings=F.POSITIONS, num_layers=1)
+    save_checkpoint(tmp_path / "draft", 0, build_model(cfg, "draft", world1, dtype=torch.float32, seed=3), world1)
+    flags = dict(FLAGS, draft_load=str(tmp_path / "draft"), num_draft_tokens=2, draft_distill=True, draft_lr=1e-3)
+    run1, run2 = tmp_path / "one", tmp_path / "draft_on_train"
+    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, **flags), 2,
+                        [*F.train_args(actor, prompts, run2, **flags), "--train-layout", "2x1x1",
+                         "--gen-layout", "1x2", "--draft-train-layout", "train"])
+    _compare(run1, run2, 2, _load(actor, "actor", world1), world1)
+    d1, d2, d0 = (_load(p, "draft", world1) for p in (run1 / "save" / "iter_0000002" / "draft",
+                                                       run2 / "save" / "iter_0000002" / "draft", tmp_path / "draft"))
+    for name, a in d1.items():
+        assert (a - d2[name]).abs().max().item() <= 1e-5 * a.abs().max().item(), name
+        assert (a - d0[name]).abs().max().item() > 1e-4, f"draft {name} did not train"
+    for a, b in zip(F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log"), strict=True):
+        F.assert_metrics_equal(a, b)
+        assert b["draft_kl"] > 0 and b["realloc_mb"] > 0
+    state = json.loads((run2 / "save" / "iter_0000002" / "trainer" / "state.json").read_text())
+    assert state["draft_train_layout"] == "train", state
+
+
 def test_overlapped_gradient_reduction():
     r = torchrun(2, ["overlap.py"])
     assert "OK" in r.stdout

@@ -262,6 +262,36 @@ def test_inference_calls_on_disjoint_gpus_overlap():
     assert all(lay.size == 16 for c in ("actor_gen", "actor_train") for lay in cands[c])
 
 
+def test_the_draft_distils_on_the_generation_or_the_train_layout():
+    """Plans of the trainer's spaces put draft_train on the generation layout or on the
+    train layout (PP=1), and the trainer's flags say which; a plan elsewhere is refused."""
+    models = {m: preset("llama2-7b") for m in ("actor", "reference")}
+    models["draft"] = preset("llama2-7b", num_layers=2)
+    from megatron_rlhf.plan.cost import HARDWARE
+
+    est = Estimator(models, HARDWARE["h100"], options=Options(response_fractions=(0.25, 0.5, 1.0)))
+    graph = rlhf_graph(64, 512, 512, critic=False, draft=True, draft_distill=True)
+    cluster = mem.Cluster(nodes=1, gpus_per_node=8, gpu_memory_gb=80)
+    found = S.search(graph, est, cluster, space="models")
+    lay = found.best.plan.layouts
+    gen3 = Layout(lay["actor_gen"].tp, 1, lay["actor_gen"].dp)
+    assert lay["draft_train"] in (gen3, lay["actor_train"])
+    base = {"actor_gen": Layout(tp=1, pp=1, dp=8), "ref_inf": Layout(tp=2, pp=1, dp=4),
+            "actor_train": Layout(tp=2, pp=1, dp=4)}
+    on_gen = S.Plan(dict(base, draft_train=Layout(tp=1, pp=1, dp=8)))
+    on_train = S.Plan(dict(base, draft_train=Layout(tp=2, pp=1, dp=4)))
+    assert "draft_train_layout" not in S.trainer_flags(on_gen)
+    assert S.trainer_flags(on_train)["draft_train_layout"] == "train"
+    e_gen, e_train = (S.evaluate(graph, p, est, cluster) for p in (on_gen, on_train))
+    assert e_gen.reallocs["draft_train->actor_gen"][0] == 0 < e_train.reallocs["draft_train->actor_gen"][0]
+    for bad in (Layout(tp=4, pp=1, dp=2), None):
+        layouts = dict(base, draft_train=bad) if bad else dict(base, actor_train=Layout(tp=2, pp=2, dp=2),
+                                                               ref_inf=Layout(tp=2, pp=2, dp=2),
+                                                               draft_train=Layout(tp=2, pp=2, dp=2))
+        with pytest.raises(ValueError, match="the draft distils on the generation layout"):
+            S.trainer_flags(S.Plan(layouts))
+
+
 def test_annealing_is_deterministic_and_reaches_the_exhaustive_optimum(monkeypatch):
     graph, est, cluster = _llama_case()
     exhaustive = S.search(graph, est, cluster, seed=0)

@@ -84,6 +84,13 @@ CASES = [
     ("critic_infer_layout_tp_beyond_kv_heads",
      dict(critic_infer_layout="4x1x1", advantage_estimator="gae", global_batch_size=4, micro_batch_size=1), 4,
      "in the critic inference layout: tensor parallel size 4 must divide 2 KV heads"),
+    ("draft_train_layout_without_distillation",
+     dict(draft_train_layout="train"), 2,
+     "--draft-train-layout train places the draft's distillation: it needs --draft-distill"),
+    ("draft_train_layout_pipelined",
+     lambda f: dict(draft_train_layout="train", train_layout="1x2x1", draft_load=f["actor"],
+                    draft_distill=True, num_draft_tokens=2), 2,
+     "--draft-train-layout train needs a train layout without pipeline stages (it has PP=2)"),
     ("layout_form",
      dict(gen_layout="1x1x2"), 2,
      "layout '1x1x2' is not of the form TPxDP, e.g. 1x8"),
@@ -118,7 +125,7 @@ def results(world1, tmp_path_factory):
     prompts = F.write_prompts(d / "prompts.jsonl")
     long = list(F.PROMPTS)
     long[4] = "abcdefghijklmnopqrst"  # line 5: 20 tokens
-    files = {"long_prompts": F.write_prompts(d / "long.jsonl", long), "empty": d / "empty"}
+    files = {"long_prompts": F.write_prompts(d / "long.jsonl", long), "empty": d / "empty", "actor": actor}
     files["empty"].mkdir()
     files["plans"] = {}
     for name, ref, critic, extra in (("ok", "2x1x1", "2x1x1", {}), ("ref_apart", "1x1x2", "2x1x1", {}),
