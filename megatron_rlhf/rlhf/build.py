@@ -116,8 +116,15 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
             raise ValueError(f"{resume} is at iteration {state['iteration']}: raise "
                              f"--train-iters above it to train further")
     infos = _infos(paths, ppo, resume)
-    if par.plan is not None:
-        par = execution_plan(par, infos, ppo, loop, gen, spec, dtype, world_size)
+    tokenizer = load_tokenizer(infos["actor"].tokenizer_dir)
+    prompts = load_prompts(prompts_file, split="train" if prompts_file is None else None)
+    if len(prompts) < ppo.global_batch_size:
+        raise ValueError(f"{len(prompts)} prompts are fewer than --global-batch-size "
+                         f"{ppo.global_batch_size}")
+    prompt_ids = [encode_prompt(tokenizer, p.prompt, chat=loop.chat) for p in prompts]
+    if par.plan is not None:  # (priced at the longest prompt there is, not the flag's limit)
+        longest = min(loop.max_prompt_length, max((len(ids) for ids in prompt_ids), default=1))
+        par = execution_plan(par, infos, ppo, loop, gen, spec, dtype, world_size, prompt_len=longest)
     train_layout, gen_layout = par.layouts(world_size)
     ppo.check_data_parallel(train_layout.dp)
     if ppo.global_batch_size % gen_layout.dp:
@@ -155,12 +162,6 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                              f"stages (it has PP={train_layout.pp}): the draft trains unpipelined; "
                              "use --draft-train-layout gen")
         _check_layout(infos["draft"], "draft", "train", train_layout.tp)
-    tokenizer = load_tokenizer(infos["actor"].tokenizer_dir)
-    prompts = load_prompts(prompts_file, split="train" if prompts_file is None else None)
-    if len(prompts) < ppo.global_batch_size:
-        raise ValueError(f"{len(prompts)} prompts are fewer than --global-batch-size "
-                         f"{ppo.global_batch_size}")
-    prompt_ids = [encode_prompt(tokenizer, p.prompt, chat=loop.chat) for p in prompts]
     _check_lengths(prompts, prompt_ids, loop, gen, spec.max_tokens(bool(paths.draft)), infos)
     plan = TrainPlan(ppo=ppo, optim=optim, loop=loop, gen=gen, spec=spec, par=par, dtype=dtype,
                      paths=paths, reward_fn=reward_fn, infos=infos, tokenizer=tokenizer,
@@ -178,7 +179,7 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
 
 def execution_plan(par: ParallelConfig, infos: dict, ppo: PPOConfig, loop: LoopConfig,
                    gen: GenerationConfig, spec: SpecConfig, dtype: torch.dtype,
-                   world_size: int) -> ParallelConfig:
+                   world_size: int, prompt_len: int | None = None) -> ParallelConfig:
     """``par`` with the layouts of ``--plan FILE`` (a plan from ``tools/plan.py --out``) or
     of ``--plan auto``: the plan search (:mod:`megatron_rlhf.plan.search`) over what this
     trainer executes (``space="models"``), on this world and these models, priced with ``--plan-hardware``.
@@ -204,7 +205,7 @@ def execution_plan(par: ParallelConfig, infos: dict, ppo: PPOConfig, loop: LoopC
                                                 micro_batch_size=ppo.micro_batch_size,
                                                 recompute=par.recompute_granularity or "none",
                                                 speculation=spec_model))
-    graph = rlhf_graph(ppo.samples_per_iteration, loop.max_prompt_length, gen.max_new_tokens,
+    graph = rlhf_graph(ppo.samples_per_iteration, prompt_len or loop.max_prompt_length, gen.max_new_tokens,
                        critic=ppo.use_critic, reward_model="reward" in models,
                        draft="draft" in models, draft_distill=loop.draft_distill,
                        ppo_epochs=ppo.ppo_epochs, mini_batches=ppo.num_mini_batches,
@@ -215,7 +216,9 @@ def execution_plan(par: ParallelConfig, infos: dict, ppo: PPOConfig, loop: LoopC
     flags = search.trainer_flags(found.best.plan)
     if os.environ.get("RANK", "0") == "0":
         text = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items())
-        print(f"plan auto: {text} (predicted {found.best.time_s:.1f} s per iteration, "
+        print(f"plan auto: {text} (predicted {found.best.time_s:.1f} s per iteration of "
+              f"{ppo.samples_per_iteration} samples, prompts up to {graph.calls[0].prompt_len} + "
+              f"{gen.max_new_tokens} new tokens, "
               f"{found.speedup:.2f}x the default; {found.method}, {found.evaluated} plans)", file=sys.stderr)
     return dataclasses.replace(par, plan=None, **flags)
 
