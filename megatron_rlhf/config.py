@@ -178,6 +178,11 @@ class ModelConfig:
 SUBSET_MODELS = ("reference", "reward")
 """Models whose layout may cover part of the world (frozen: no weights move to them)."""
 
+MODEL_LAYOUT_FLAGS = {"reference": "--ref-layout", "reward": "--reward-layout",
+                      "critic": "--critic-layout", "critic_inf": "--critic-infer-layout"}
+"""The layouts of :meth:`ParallelConfig.model_layouts` (``critic``: its training,
+``critic_inf``: its inference) and the flag that sets each."""
+
 
 @dataclass
 class ParallelConfig:
@@ -268,10 +273,8 @@ class ParallelConfig:
         from megatron_rlhf.parallel.layout import Layout
 
         out = {}
-        for name, flag, text in (("reference", "--ref-layout", self.ref_layout),
-                                 ("reward", "--reward-layout", self.reward_layout),
-                                 ("critic", "--critic-layout", self.critic_layout),
-                                 ("critic_inf", "--critic-infer-layout", self.critic_infer_layout)):
+        for name, flag in MODEL_LAYOUT_FLAGS.items():
+            text = getattr(self, flag[2:].replace("-", "_"))
             if text is None:
                 continue
             lay = Layout.parse(text)

@@ -345,12 +345,11 @@ def trainer_flags(plan: Plan) -> dict[str, str]:
     flags = {"train_layout": train, "gen_layout": gen}
     if "draft_train" in plan.layouts:
         d = mem.layout_text(plan.layouts["draft_train"])
-        g = Layout.parse(gen, pipeline=False)
-        if d not in (train, mem.layout_text(g)) or (d != mem.layout_text(g) and Layout.parse(train).pp > 1):
-            raise ValueError(f"the plan puts draft_train on {d}: the draft distils on the generation "
-                             f"layout ({mem.layout_text(g)}) or on the train layout ({train}) without "
-                             "pipeline stages")
-        if d != mem.layout_text(g):
+        g = mem.layout_text(Layout.parse(gen, pipeline=False))  # generation's, as TPxPPxDP
+        if d != g:
+            if d != train or Layout.parse(train).pp > 1:
+                raise ValueError(f"the plan puts draft_train on {d}: the draft distils on the generation "
+                                 f"layout ({g}) or on the train layout ({train}) without pipeline stages")
             flags["draft_train_layout"] = "train"
     defaults = {"critic_inf": own.get("critic_train", train)}
     for c, text in own.items():

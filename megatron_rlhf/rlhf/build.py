@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_rlhf.config import (
+    MODEL_LAYOUT_FLAGS,
     GenerationConfig,
     LoopConfig,
     MigrationConfig,
@@ -132,13 +133,12 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                          f"over the generation layout's {gen_layout.dp} data-parallel ranks "
                          f"(--gen-layout {gen_layout.tp}x{gen_layout.dp})")
     own = par.model_layouts(world_size)
-    for name, flag in (("reference", "--ref-layout"), ("reward", "--reward-layout"),
-                       ("critic", "--critic-layout"), ("critic_inf", "--critic-infer-layout")):
+    for name, lay in own.items():
         model = name.removesuffix("_inf")
-        if name in own and model not in infos:
-            raise ValueError(f"{flag} places a model this run does not have (the {model}): drop it")
-        if name in own:
-            ppo.check_data_parallel(own[name].dp)
+        if model not in infos:
+            raise ValueError(f"{MODEL_LAYOUT_FLAGS[name]} places a model this run does not have "
+                             f"(the {model}): drop it")
+        ppo.check_data_parallel(lay.dp)
     for name, info in infos.items():
         if name in own:
             _check_layout(info, name, name, own[name].tp, own[name].pp)
@@ -337,10 +337,9 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     from megatron_rlhf.generation.engine import Generator
     from megatron_rlhf.rlhf.experience import ExperienceMaker, recompute_by_default
     from megatron_rlhf.rlhf.state import load_trainer_states
-    from megatron_rlhf.rlhf.trainer import Models, RLHFTrainer
-    from megatron_rlhf.plan import memory as mem
-
     from megatron_rlhf.parallel.groups import build_process_groups
+    from megatron_rlhf.plan import memory as mem
+    from megatron_rlhf.rlhf.trainer import Models, RLHFTrainer
 
     train_layout, gen_layout = plan.par.layouts(plan.world_size)
     own = plan.par.model_layouts(plan.world_size)
@@ -349,6 +348,7 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
         if lay not in groups:
             groups[lay] = build_process_groups(lay)
     pgs = {name: groups[lay] for name, lay in own.items()}
+
     def held(name):  # None on the ranks outside a layout over part of the world
         g = pgs.get(name, pg)
         if g is None:
@@ -360,7 +360,7 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
 
     actor = _model(plan, "actor", "actor", pg, trains=True)
     models = Models(actor=_trainee(plan, actor, pg, plan.optim.lr, True), reference=held("reference"))
-    places = {n: g for n, g in pgs.items() if n != "critic_inf"}  # call -> its process groups
+    places = {n: pgs[n] for n in ("reference", "reward") if n in pgs}  # call -> its process groups
     if plan.ppo.use_critic:
         skip = ("output_layer.",) if plan.infos["critic"].role not in ("critic", "reward") else ()
         critic_pg = pgs.get("critic", pg)
@@ -369,7 +369,6 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
         infer_pg = pgs.get("critic_inf", critic_pg)
         if infer_pg is not critic_pg:  # a second copy; its weights follow each update
             models.critic_inf = _model(plan, "critic", "critic", infer_pg, skip=skip)
-        places.pop("critic", None)
         places.update(critic=infer_pg, critic_train=critic_pg)
     if "reward" in plan.infos:
         models.reward_model = held("reward")
@@ -404,8 +403,8 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
                             critic=models.inferring_critic, reward_model=reward_model, reward_fn=plan.reward_fn,
                             tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=pg.dp, gen=plan.gen)
     run_info = {"tp": train_layout.tp, "seed": plan.loop.seed,
-                "train_layout": f"{train_layout.tp}x{train_layout.pp}x{train_layout.dp}",
-                "gen_layout": f"{gen_layout.tp}x{gen_layout.dp}",
+                "train_layout": mem.layout_text(train_layout),
+                "gen_layout": mem.layout_text(gen_layout, pipeline=False),
                 "sequence_parallel": bool(actor.config.sequence_parallel),
                 **({"draft_train_layout": "train" if models.draft_on_train_layout else "gen"}
                    if models.draft_trainee is not None else {}),

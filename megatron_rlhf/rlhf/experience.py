@@ -122,11 +122,11 @@ class ExperienceMaker:
         if self.recompute:
             exp.old_logprobs = response_logprobs(self.actor, exp, mbs)
         self._tables = self._placed_tables()
-        exp.ref_logprobs = self._placed_rows("reference", exp, sample_ids, response_logprobs)
+        exp.ref_logprobs = self._placed_rows("reference", exp, sample_ids)
         exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
         exp.scores = self._scores(exp, prompts, prompt_texts, responses, rollout, first_index).to(dev)
         if cfg.use_critic:
-            exp.values = self._placed_rows("critic", exp, sample_ids, response_values)
+            exp.values = self._placed_rows("critic", exp, sample_ids)
             rewards = token_rewards(exp.scores, exp.kl, mask, cfg.kl_coef)
             adv, exp.returns = gae(rewards, exp.values, mask, cfg.gamma, cfg.lam)
             exp.advantages = masked_whiten(adv, mask, group=self.dp_group) if cfg.whiten_advantages else adv
@@ -151,8 +151,7 @@ class ExperienceMaker:
         """The inference calls on layouts of their own, each on its share of the samples,
         all before one world exchange of the results (so calls on disjoint ranks run at
         the same time): call -> {global sample index: row (or scalar)}."""
-        models = {"reference": (self.reference, response_logprobs), "critic": (self.critic, response_values),
-                  "reward": (self.reward_model, reward_model_scores)}
+        models = self._inference_calls()
         mine = {}
         for name, share in self.placed.items():
             if name not in models or not share.sample_ids:
@@ -167,11 +166,16 @@ class ExperienceMaker:
         # (every rank has the same calls in ``placed``: all of them exchange, or none)
         return placement.gather_tables(mine) if any(n in models for n in self.placed) else {}
 
-    def _placed_rows(self, name: str, exp: Experience, sample_ids, compute) -> torch.Tensor:
-        """``compute(model, batch, micro_batch_size)`` for this rank's samples: here, or, for a
-        model on a layout of its own, the rows :meth:`_placed_tables` brought back."""
+    def _inference_calls(self) -> dict:
+        """Inference call -> (its model, the function computing its per-sample results)."""
+        return {"reference": (self.reference, response_logprobs), "critic": (self.critic, response_values),
+                "reward": (self.reward_model, reward_model_scores)}
+
+    def _placed_rows(self, name: str, exp: Experience, sample_ids) -> torch.Tensor:
+        """Inference call ``name``'s results for this rank's samples: computed here, or, for a
+        call on a layout of its own, the rows :meth:`_placed_tables` brought back."""
         if name not in self.placed:
-            model = {"reference": self.reference, "critic": self.critic, "reward": self.reward_model}[name]
+            model, compute = self._inference_calls()[name]
             return compute(model, exp, self.cfg.micro_batch_size)
         mine = [self._tables[name][s] for s in sample_ids]
         if mine[0].dim() == 0:
@@ -198,7 +202,7 @@ class ExperienceMaker:
         try:
             if self.reward_model is not None:
                 sample_ids = list(range(first_index, first_index + len(prompts)))
-                scores = self._placed_rows("reward", exp, sample_ids, reward_model_scores)
+                scores = self._placed_rows("reward", exp, sample_ids)
                 bad = (~torch.isfinite(scores)).nonzero()
                 if len(bad):
                     raise RewardError(f"the reward model returned {scores[bad[0, 0]].item()} for "
