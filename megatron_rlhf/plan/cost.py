@@ -4,7 +4,9 @@ with communication counted).
 Compute comes from per-layer costs: a :class:`Hardware` profile (a device's FLOP/s,
 memory bandwidth and link bandwidths: a roofline, for clusters you do not have) or, where
 ``tools/profile_costs.py`` measured this machine, its per-layer timings (:class:`Profile`),
-interpolated. Communication comes from the link bandwidths and a latency per collective:
+interpolated (at TP > 1 without a measured TP table, a rank's share of a forward or a
+decode step is the fixed per-layer overhead in it, whole, and the rest / TP).
+Communication comes from the link bandwidths and a latency per collective:
 
 - TP: two all-reduces of the activations per layer and forward (two more in backward), each
   ``2 (g-1)`` ring steps that pay a latency apiece where the machine's fit has one
@@ -210,6 +212,15 @@ def _interp(xs: list, ys: list, x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _tp_share(seconds: float, overhead: float, tp: int) -> float:
+    """One TP rank's share of ``seconds`` measured at TP=1: the fixed per-layer
+    ``overhead`` in it (launches, Python: :attr:`Hardware.layer_overhead_s`) is paid by
+    every rank, the rest splits ``tp`` ways (as in the roofline path, where only the
+    FLOPs and bytes divide)."""
+    fixed = min(max(overhead, 0.0), seconds)
+    return fixed + (seconds - fixed) / tp
+
+
 @dataclass
 class Speculation:
     """A draft for generation and the acceptance it reaches."""
@@ -281,7 +292,7 @@ class Estimator:
         if measured is not None:
             return measured
         if p is not None:
-            compute = _interp(p.tokens, p.forward, tokens) / tp
+            compute = _tp_share(_interp(p.tokens, p.forward, tokens), self.hw.layer_overhead_s, tp)
         else:
             params = mem.layer_params(cfg).sharded
             flops = tokens * (2 * params + 2 * seq * cfg.hidden_size) / tp
@@ -327,7 +338,7 @@ class Estimator:
         p = self._profile(cfg)
         if p is not None:
             # measured at ``p.context``: weights dominate at small batches, so scale by tokens
-            compute = _interp(p.batches, p.decode, batch * n) / tp
+            compute = _tp_share(_interp(p.batches, p.decode, batch * n), self.hw.decode_overhead_s, tp)
         else:
             params = mem.layer_params(cfg).sharded
             kv = 2 * cfg.num_query_groups * cfg.kv_channels * self.opt.param_bytes

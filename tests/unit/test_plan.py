@@ -128,6 +128,23 @@ def test_tp_tables_replace_the_divided_tp1_costs_from_their_first_token_count():
     assert est.layer_forward(TINY, 2, 10, 4) == pytest.approx(2e-3 / 4 + 2 * _all_reduce(20 * 64 * 4, 4), rel=1e-9)
 
 
+def test_a_tp_rank_pays_the_fixed_per_layer_overhead_whole():
+    """Without a TP table, a TP rank's share of a TP=1 cost is the fixed overhead per layer
+    (``layer_overhead_s``, ``decode_overhead_s``: launches, Python) plus the rest / TP, as
+    in the roofline path; an overhead above the measured cost caps at it."""
+    hw = dataclasses.replace(HW, layer_overhead_s=4e-4, decode_overhead_s=6e-4)
+    est = _est()
+    est.hw = hw
+    dec = 1e-3 + (1e-1 - 1e-3) * 7 / 99  # 8 tokens fed, interpolated
+    assert est.layer_decode(TINY, 8, 16, 1, 2) == pytest.approx(
+        6e-4 + (dec - 6e-4) / 2 + 2 * _all_reduce(8 * 64 * 4, 2), rel=1e-9)
+    assert est.layer_decode(TINY, 8, 16, 1, 1) == pytest.approx(dec, rel=1e-9)
+    assert est.layer_forward(TINY, 2, 10, 4) == pytest.approx(
+        4e-4 + (2e-3 - 4e-4) / 4 + 2 * _all_reduce(20 * 64 * 4, 4), rel=1e-9)
+    est.hw = dataclasses.replace(hw, decode_overhead_s=1.0)
+    assert est.layer_decode(TINY, 8, 16, 1, 2) == pytest.approx(dec + 2 * _all_reduce(8 * 64 * 4, 2), rel=1e-9)
+
+
 def test_collectives_use_their_fitted_costs():
     """A reduce-scatter and an all-gather at their own fitted bandwidth and latency inside
     a node (the all-reduce's beyond it); an all-reduce pays its latency per ring step."""
