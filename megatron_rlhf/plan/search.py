@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rlhf.config import SUBSET_MODELS
+from megatron_rlhf.config import MODEL_LAYOUT_FLAGS, SUBSET_MODELS
 from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.plan import memory as mem
 from megatron_rlhf.plan.cost import Estimator
@@ -327,9 +327,11 @@ def _plan_text(plan: Plan) -> str:
     return ", ".join(f"{c} {plan.text(c)}" for c in plan.layouts)
 
 
-OWN_LAYOUT = {"ref_inf": "ref_layout", "reward_inf": "reward_layout", "critic_train": "critic_layout",
-              "critic_inf": "critic_infer_layout"}
-"""Calls the trainer can place on a layout of their own, and the setting that does it."""
+_CALL_MODEL = {"ref_inf": "reference", "reward_inf": "reward", "critic_train": "critic", "critic_inf": "critic_inf"}
+OWN_LAYOUT = {call: MODEL_LAYOUT_FLAGS[name].removeprefix("--").replace("-", "_")
+              for call, name in _CALL_MODEL.items()}
+"""Calls the trainer can place on a layout of their own, and the setting that does it
+(``ParallelConfig``'s field: :data:`megatron_rlhf.config.MODEL_LAYOUT_FLAGS`' flag)."""
 
 
 def trainer_flags(plan: Plan) -> dict[str, str]:
