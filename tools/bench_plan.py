@@ -3,7 +3,7 @@
 
     python tools/bench_plan.py [--nproc 4] [--iters 3] [--repeats 1] [--dtype fp32] \\
         [--plans 1x1x4/1x4 2x1x2/2x2 ...] [--search-case demo|many-steps|long-gen|one-sample-steps|none] \\
-        [--profile FILE] [--model-dir out/bench/layout_model] [--replay OLD.jsonl] [-- EXTRA TRAIN FLAGS]
+        [--profile FILE] [--profile-each-round] [--model-dir out/bench/layout_model] [--replay OLD.jsonl] [-- EXTRA TRAIN FLAGS]
 
 Each plan is ``TRAIN/GEN`` (``--train-layout TPxPPxDP`` / ``--gen-layout TPxDP``, what the
 trainer executes: ``plan.search``'s ``space="trainer"``), optionally with a third part
@@ -26,7 +26,9 @@ over all ranks: with 4 ranks on 2 cores the ranks drift apart between collective
 rank 0's stage times (what ``metrics.jsonl`` holds) are its own.
 
 Predictions: ``tools/profile_costs.py`` profiles the same shape on the same ranks and
-dtype first (cached under ``out/bench/plan/``); the estimator (``megatron_rlhf.plan.cost``)
+dtype first (cached under ``out/bench/plan/``; ``--profile-each-round`` measures it again
+before every round, into ``..._roundR.json``, and predicts that round from it, for a
+machine whose speed drifts between the profile and the runs); the estimator (``megatron_rlhf.plan.cost``)
 prices each measured iteration's graph (16 samples, the iteration's longest prompt in
 tokens, ``--max-new-tokens``, the micro-batch size, PPO epochs and mini-batches, fp32 =
 4 bytes per parameter) under the plan, and the prediction per stage is the mean over the
@@ -225,11 +227,15 @@ def prompt_lengths(model_dir: Path, flags, iters: int) -> dict[int, int]:
             for it in range(1, iters + 1)}
 
 
-def profile(args, seq: int, context: int) -> Path:
+def profile(args, seq: int, context: int, round_: int | None = None) -> Path:
+    """The profile (cached); ``round_``: measured again now, for that round alone."""
     path = args.profile or OUT / f"profile_{args.dtype}_{args.nproc}r.json"
+    if round_ is not None:
+        path = path.with_name(f"{path.stem}_round{round_}.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(ROOT / "tools" / "profile_costs.py"), "--model", str(args.model_dir), "--out", str(path),
-           "--dtype", args.dtype, "--seq", str(seq), "--context", str(context)]
+           "--dtype", args.dtype, "--seq", str(seq), "--context", str(context),
+           *(["--force"] if round_ is not None else [])]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode:
@@ -286,6 +292,7 @@ class Predictor:
         from megatron_rlhf.plan.cost import Estimator, Hardware, Options, Profile, shape_key
 
         cfg = read_checkpoint(model_dir).config
+        self.profile_path = profile_path
         prof = Profile.load(profile_path)
         if prof.shape != shape_key(cfg):
             sys.exit(f"bench_plan.py: {profile_path} profiles {prof.shape}, the model is {shape_key(cfg)}")
@@ -373,6 +380,9 @@ def main(argv=None) -> int:
     p.add_argument("--search-case", default="demo", choices=(*SEARCH_CASES, "none"),
                    help="the workload of the searched-vs-default comparison (none: skip it)")
     p.add_argument("--profile", type=Path, default=None, help="Profile JSON (default: measured now, cached)")
+    p.add_argument("--profile-each-round", action="store_true",
+                   help="measure the profile again before each round and predict that round's "
+                        "plans from it (the machine's speed drifts between hours)")
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--tokenizer", type=Path, default=None)
     p.add_argument("--replay", type=Path, default=None,
@@ -410,11 +420,15 @@ def main(argv=None) -> int:
     results: dict[str, list[dict]] = {v: [] for v in args.plans}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
+            if args.profile_each_round:
+                pred = Predictor(args.model_dir, profile(args, seq, context, r), values, lengths, args.nproc,
+                                 args.dtype)
             k = r % max(len(args.plans), 1)
             for plan in args.plans[k:] + args.plans[:k]:
                 rows = run_plan(args, plan, flags, Path(tmp) / f"r{r}-{plan.replace('/', '_')}")
                 meas, calls, its = measured(rows)
                 row = compare_row(plan, r, meas, calls, pred.predict(plan, its), rows)
+                row["profile"] = str(pred.profile_path)
                 results[plan].append(row)
                 print(json.dumps(row), flush=True)
         if args.plans:

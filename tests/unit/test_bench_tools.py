@@ -119,3 +119,22 @@ def test_plan_bench_rows_ratios_and_replayed_predictions():
     lay = p.plan_of("2x1x2/1x4/reward_inf=1x1x2@2,critic_train=1x1x4").layouts
     assert lay["reward_inf"] == Layout(1, 1, 2, ranks=(2, 3)) and lay["ref_inf"] == lay["actor_train"] == Layout(2, 1, 2)
     assert lay["critic_inf"] == lay["critic_train"] == Layout(1, 1, 4) and lay["actor_gen"] == Layout(1, 1, 4)
+
+
+def test_plan_bench_profiles_again_for_each_round_when_asked(monkeypatch, tmp_path):
+    """``--profile-each-round``: round R's profile is measured afresh (``--force``) into a
+    file of its own; without it the cached profile is reused (no ``--force``)."""
+    import types
+
+    plan = tool("bench_plan")
+    cmds = []
+
+    def run(cmd, **kw):
+        cmds.append(cmd)
+        return types.SimpleNamespace(returncode=0, stderr="profiled\n")
+
+    monkeypatch.setattr(plan.subprocess, "run", run)
+    args = types.SimpleNamespace(profile=tmp_path / "prof.json", model_dir=tmp_path, dtype="fp32", nproc=4)
+    assert plan.profile(args, 128, 64) == tmp_path / "prof.json" and "--force" not in cmds[-1]
+    assert plan.profile(args, 128, 64, 2) == tmp_path / "prof_round2.json"
+    assert "--force" in cmds[-1] and str(tmp_path / "prof_round2.json") in cmds[-1]
