@@ -16,6 +16,7 @@ from megatron_rlhf.config import (
     ModelConfig,
     ParallelConfig,
     dataclass_from_namespace,
+    flag_field,
     preset,
 )
 
@@ -167,8 +168,7 @@ def model_config_from_args(args: argparse.Namespace, base: ModelConfig | None = 
             raise ValueError("give --model PRESET or --load CHECKPOINT to define the model")
         base = preset(args.model)
     overrides = {
-        f.lstrip("-").replace("-", "_"): getattr(args, f.lstrip("-").replace("-", "_"))
-        for f, _, _ in _MODEL_OVERRIDES
+        flag_field(f): getattr(args, flag_field(f)) for f, _, _ in _MODEL_OVERRIDES
     }
     overrides["tie_embeddings"] = args.tie_embeddings
     if getattr(args, "seq_length", None) is not None:

@@ -184,6 +184,11 @@ MODEL_LAYOUT_FLAGS = {"reference": "--ref-layout", "reward": "--reward-layout",
 ``critic_inf``: its inference) and the flag that sets each."""
 
 
+def flag_field(flag: str) -> str:
+    """The config field (argparse ``dest``) a ``--flag-name`` sets: ``flag_name``."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
 @dataclass
 class ParallelConfig:
     """How the models are split over ranks: one layout for training and inference, one for
@@ -274,7 +279,7 @@ class ParallelConfig:
 
         out = {}
         for name, flag in MODEL_LAYOUT_FLAGS.items():
-            text = getattr(self, flag[2:].replace("-", "_"))
+            text = getattr(self, flag_field(flag))
             if text is None:
                 continue
             lay = Layout.parse(text)

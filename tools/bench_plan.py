@@ -409,7 +409,8 @@ def main(argv=None) -> int:
         if not Path(prof).is_file():
             sys.exit(f"bench_plan.py: --replay needs the profile {prof} (run without --replay, or pass --profile)")
         return replay(args, extra, flags, values, lengths, Path(prof), start)
-    prof = profile(args, seq, context)
+    # with --profile-each-round, round 0's profile serves the header and the search case too
+    prof = profile(args, seq, context, 0 if args.profile_each_round else None)
     print(json.dumps({"kind": "header", "machine": cpu_model(), "cores": os.cpu_count(), "nproc": args.nproc,
                       "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
                       "loadavg": os.getloadavg(), "model": str(args.model_dir), "dtype": args.dtype,
@@ -420,7 +421,7 @@ def main(argv=None) -> int:
     results: dict[str, list[dict]] = {v: [] for v in args.plans}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
-            if args.profile_each_round:
+            if args.profile_each_round and r > 0:
                 pred = Predictor(args.model_dir, profile(args, seq, context, r), values, lengths, args.nproc,
                                  args.dtype)
             k = r % max(len(args.plans), 1)

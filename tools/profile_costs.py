@@ -3,7 +3,7 @@
 
     torchrun --nproc_per_node N tools/profile_costs.py --model PRESET|CKPT --out FILE.json \\
         [--dtype fp32|bf16] [--layers 2] [--seq 128] [--context 64] [--tokens 1 2 ... 512] \\
-        [--batches 1 2 4 8 16 32] [--repeats 3] [--tp 2 4] [--gpu-memory-gb G] [--force]
+        [--batches 1 2 4 8 16 32] [--repeats 3] [--passes 3] [--tp 2 4] [--gpu-memory-gb G] [--force]
 
 Writes a :class:`megatron_rlhf.plan.cost.Profile` (``tools/plan.py --profile FILE``,
 ``train --plan auto --plan-hardware FILE``): seconds at TP=1 of one transformer layer's
@@ -29,7 +29,11 @@ and ``gpu_memory_gb`` host memory / ranks (or ``--gpu-memory-gb``).
 Run it under the launch the costs are for: every rank times the same things at the same
 time (a barrier before each sample), so with 4 ranks on 2 cores the table holds the
 contention the trainer's ranks meet; each entry is the median over ``--repeats`` samples
-(each about 0.1 s of runs) on each rank, averaged over the ranks. The modules are the
+(each about 0.1 s of runs) on each rank, averaged over the ranks, and that is done
+``--passes`` times over the whole set (one pass after the other, so that a slow spell of
+the machine spoils one pass, not one table): the profile holds each entry's median over the
+passes, and the tables over token counts and batch sizes made non-decreasing (least
+squares; a cost cannot fall as the work grows), before the fits. The modules are the
 real ones: a ``--layers``-layer model of the shape from
 ``megatron_rlhf.models.builder.build_model`` (the layers are timed by hooks on its decoder,
 forward and backward), the head through the model's own output layer, decode through
@@ -42,9 +46,11 @@ settings that make the cache key (profiles older than the ``head_train``/``tp_ta
 fields and the collective fits in ``hardware`` are completed from it by
 :meth:`Profile.load`): an existing ``--out``
 is reused when its meta names the same shape, ranks, threads, dtype and tables, unless
-``--force``. Rank 0 writes both files. SmolLM2-135M's shape on 4 ranks x 1 thread on the
-2-core machine takes about 45 s (85 s with the TP tables); it is noisy there (entries
-move 10-20% between runs) and any other load on the cores inflates it.
+``--force``. Rank 0 writes both files (the meta also keeps every pass's tables and the
+medians before the monotone fit). SmolLM2-135M's shape on 4 ranks x 1 thread on the 2-core
+machine takes about 85 s a pass with the TP tables; single passes are noisy there (entries
+move 10-20% between runs, single ones by up to 5x) and any other load on the cores
+inflates them.
 """
 
 from __future__ import annotations
@@ -83,6 +89,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, nargs="+", default=DEFAULT_BATCHES)
     p.add_argument("--repeats", type=int, default=3,
                    help="timed repetitions (median) per entry, at least (short entries get more)")
+    p.add_argument("--passes", type=int, default=3,
+                   help="times the whole set of timings is taken, one after the other; each "
+                        "entry is their median (a slow spell of the machine spoils one pass)")
     p.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="memory per rank (default: host memory / ranks)")
     p.add_argument("--tp", type=int, nargs="*", default=[2, 4],
@@ -97,7 +106,8 @@ def cache_key(args, cfg, world: int) -> dict:
 
     return {"shape": shape_key(cfg), "ranks": world, "threads": torch.get_num_threads(),
             "dtype": args.dtype, "layers": args.layers, "seq": args.seq, "context": args.context,
-            "tokens": sorted(args.tokens), "batches": sorted(args.batches), "tp": sorted(args.tp)}
+            "tokens": sorted(args.tokens), "batches": sorted(args.batches), "tp": sorted(args.tp),
+            "passes": args.passes}
 
 
 def meta_path(out: Path) -> Path:
@@ -325,29 +335,38 @@ class LayerStepClock:
         return timed
 
 
-def measure_tp(cfg, small, args, world: int, dtype, timer, gen) -> dict:
-    """Per TP size of ``--tp`` that fits the ranks and the heads: the same forward, train
-    and head tables (token counts from ``TP_MIN_TOKENS`` on) of a TP-sharded model, every
-    TP group of the world at once (the layout the trainer runs): what TP really costs here,
-    its all-reduces, its thinner GEMMs and the full-vocabulary work every TP rank repeats
-    included, where the estimator divides the TP=1 costs by TP and adds all-reduces."""
+def tp_models(cfg, small, args, world: int, dtype) -> dict:
+    """``{tp: (model, clock)}`` per TP size of ``--tp`` that fits the ranks and the heads
+    (and ``TP_MIN_TOKENS``): the TP-sharded models :func:`measure_tp` times, each TP
+    group of the world at once (the layout the trainer runs)."""
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.parallel.groups import build_process_groups
     from megatron_rlhf.parallel.layout import Layout
 
-    tokens = [t for t in args.tokens if t >= TP_MIN_TOKENS]
     out = {}
+    if not any(t >= TP_MIN_TOKENS for t in args.tokens):
+        return out
     for tp in args.tp:
-        if tp < 2 or world % tp or cfg.num_attention_heads % tp or cfg.num_query_groups % tp or not tokens:
+        if tp < 2 or world % tp or cfg.num_attention_heads % tp or cfg.num_query_groups % tp:
             continue
         pg = build_process_groups(Layout(tp=tp, pp=1, dp=world // tp))
         model = build_model(small, "actor", pg, dtype=dtype, seed=0)
-        clock = DecoderClock(model)
+        out[tp] = (model, DecoderClock(model))
+    return out
+
+
+def measure_tp(models: dict, cfg, args, dtype, timer, gen) -> dict:
+    """Per model of :func:`tp_models`: the same forward, train and head tables (token
+    counts from ``TP_MIN_TOKENS`` on): what TP really costs here, its all-reduces, its
+    thinner GEMMs and the full-vocabulary work every TP rank repeats included, where the
+    estimator divides the TP=1 costs by TP and adds all-reduces."""
+    tokens = [t for t in args.tokens if t >= TP_MIN_TOKENS]
+    out = {}
+    for tp, (model, clock) in models.items():
         fwd, _ = measure_forward(model, clock, timer, cfg, args, gen, tokens)
         train, _ = measure_train(model, clock, timer, cfg, args, gen, tokens)
         head, head_train = measure_head(model, timer, cfg, args, gen, dtype, tokens)
         out[tp] = {"tokens": tokens, "forward": fwd, "train": train, "head": head, "head_train": head_train}
-        del model, clock
     return out
 
 
@@ -384,23 +403,24 @@ def measure_decode(model, timer, cfg, args, gen) -> tuple[list, list]:
     return per_layer, rest
 
 
-def measure_allreduce(timer, world: int) -> list[dict]:
-    """gloo all-reduce seconds per size over the world group and over pairs of ranks (both
-    pairs at once)."""
-    return measure_collective(timer, world, "all_reduce")
-
-
-def measure_collective(timer, world: int, op: str, sizes=ALLREDUCE_BYTES) -> list[dict]:
-    """Seconds of ``op`` (all_reduce, reduce_scatter: ``reduce_scatter_tensor`` of
-    ``bytes`` in, all_gather: ``all_gather_into_tensor`` of ``bytes`` out) per size over
-    the world group and over pairs of ranks (every pair at once)."""
+def collective_groups(world: int) -> dict:
+    """``{size: group}``: the world (``None``) and, with 4 or more ranks, this rank's pair
+    (every pair at once)."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
     groups = {world: None}
     if world >= 4 and world % 2 == 0:
         pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
-        groups[2] = pairs[rank // 2]
+        groups[2] = pairs[dist.get_rank() // 2]
+    return groups
+
+
+def measure_collective(timer, groups: dict, op: str, sizes=ALLREDUCE_BYTES) -> list[dict]:
+    """Seconds of ``op`` (all_reduce, reduce_scatter: ``reduce_scatter_tensor`` of
+    ``bytes`` in, all_gather: ``all_gather_into_tensor`` of ``bytes`` out) per size over
+    each of :func:`collective_groups`."""
+    import torch.distributed as dist
+
     out = []
     for size, group in groups.items():
         for nbytes in sizes:
@@ -413,11 +433,11 @@ def measure_collective(timer, world: int, op: str, sizes=ALLREDUCE_BYTES) -> lis
     return out
 
 
-def measure_optimizer(model, pg, timer) -> dict:
-    """Seconds of one step of megatron's distributed optimizer (as the trainer builds it) on
-    ``model`` at DP = the world, random gradients: clipping's norm, Adam over this rank's
-    shard, the copy back and the parameters' all-gather; with the parameter count and the
-    shard's (``optimizer_s``, ``params``, ``shard``)."""
+def optimizer_step(model, pg):
+    """``(step, params, shard)``: one step of megatron's distributed optimizer (as the
+    trainer builds it) on ``model`` at DP = the world, with random gradients (clipping's
+    norm, Adam over this rank's shard, the copy back and the parameters' all-gather), and
+    the parameter count and the shard's."""
     import torch.distributed as dist
 
     from megatron_rlhf import platform
@@ -435,7 +455,7 @@ def measure_optimizer(model, pg, timer) -> dict:
             t.optimizer.step()
 
     total = sum(p.numel() for p in params)
-    return {"optimizer_s": timer(step), "params": total, "shard": total / dist.get_world_size()}
+    return step, total, total / dist.get_world_size()
 
 
 def fit_bus(rows: list[dict], steps) -> tuple[float, float]:
@@ -513,6 +533,77 @@ def fit_hardware(cfg, args, world: int, per_layer_fwd, per_layer_decode, head_fw
     return asdict(hw)
 
 
+TABLES = ("forward", "forward_rest", "train", "train_rest", "head", "head_train", "decode", "decode_rest")
+MONOTONE = ("forward", "train", "head", "head_train", "decode")
+"""The tables over token counts (or batch sizes) whose cost cannot fall as they grow."""
+TP_KEYS = ("forward", "train", "head", "head_train")
+
+
+def sweep(model, clock, tp: dict, groups: dict, opt_step, timer, cfg, args, gen, dtype) -> dict:
+    """One pass over everything the profile holds, each number the mean over the ranks:
+    ``{table: [s, ...]}`` for :data:`TABLES`, ``tp`` (:func:`measure_tp`), ``links`` (the
+    all-reduce rows), ``shards`` (reduce-scatter and all-gather rows), ``optimizer_s``."""
+    out = {}
+    out["forward"], out["forward_rest"] = measure_forward(model, clock, timer, cfg, args, gen)
+    out["train"], out["train_rest"] = measure_train(model, clock, timer, cfg, args, gen)
+    out["head"], out["head_train"] = measure_head(model, timer, cfg, args, gen, dtype)
+    out["decode"], out["decode_rest"] = measure_decode(model, timer, cfg, args, gen)
+    tp_tables = measure_tp(tp, cfg, args, dtype, timer, gen)
+    links = measure_collective(timer, groups, "all_reduce")
+    big = [*ALLREDUCE_BYTES[-3:], SHARD_BYTES]
+    shards = measure_collective(timer, groups, "reduce_scatter", big) + \
+        measure_collective(timer, groups, "all_gather", big)
+    optimizer_s = timer(opt_step)
+    flat = [*(x for k in TABLES for x in out[k]),
+            *(x for t in tp_tables.values() for k in TP_KEYS for x in t[k]),
+            *(r["s"] for r in links + shards), optimizer_s]
+    avg = iter(average_over_ranks(flat))  # one all-reduce, unpacked in the same order
+    for k in TABLES:
+        out[k] = [next(avg) for _ in out[k]]
+    for t in tp_tables.values():
+        for k in TP_KEYS:
+            t[k] = [next(avg) for _ in t[k]]
+    for r in links + shards:
+        r["s"] = next(avg)
+    return {**out, "tp": tp_tables, "links": links, "shards": shards, "optimizer_s": next(avg)}
+
+
+def combine(passes: list[dict]) -> dict:
+    """The median over :func:`sweep`'s passes of every entry (same structure)."""
+    def med(seqs):
+        return [statistics.median(v) for v in zip(*seqs)]
+
+    first = passes[0]
+    out = {k: med([p[k] for p in passes]) for k in TABLES}
+    out["tp"] = {tp: {"tokens": t["tokens"], **{k: med([p["tp"][tp][k] for p in passes]) for k in TP_KEYS}}
+                 for tp, t in first["tp"].items()}
+    for name in ("links", "shards"):
+        out[name] = [dict(r, s=statistics.median(p[name][i]["s"] for p in passes))
+                     for i, r in enumerate(first[name])]
+    out["optimizer_s"] = statistics.median(p["optimizer_s"] for p in passes)
+    return out
+
+
+def monotone(xs: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``xs`` in least squares (pool adjacent
+    violators): a table over growing token counts whose noise made it fall somewhere."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled runs
+    for x in xs:
+        blocks.append([x, 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    return [total / n for total, n in blocks for _ in range(int(n))]
+
+
+def monotone_tables(c: dict) -> dict:
+    """:func:`combine`'s result with :data:`MONOTONE` and the TP tables made non-decreasing."""
+    out = dict(c, **{k: monotone(c[k]) for k in MONOTONE})
+    out["tp"] = {tp: dict(t, **{k: monotone(t[k]) for k in TP_KEYS}) for tp, t in c["tp"].items()}
+    return out
+
+
 def average_over_ranks(values: list[float]) -> list[float]:
     import torch.distributed as dist
 
@@ -525,8 +616,8 @@ def average_over_ranks(values: list[float]) -> list[float]:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     args.tokens, args.batches = sorted(set(args.tokens)), sorted(set(args.batches))
-    if args.layers < 1 or args.repeats < 1 or min(args.tokens) < 1 or min(args.batches) < 1:
-        sys.exit("profile_costs.py: --layers, --repeats, --tokens and --batches must be >= 1")
+    if min(args.layers, args.repeats, args.passes, *args.tokens, *args.batches) < 1:
+        sys.exit("profile_costs.py: --layers, --repeats, --passes, --tokens and --batches must be >= 1")
     from memory_plan import model_config
 
     from megatron_rlhf import platform
@@ -560,31 +651,23 @@ def main(argv=None) -> int:
     timer = Timer(args.repeats)
     gen = torch.Generator().manual_seed(1234 + rank)
 
-    fwd, fwd_rest = measure_forward(model, clock, timer, cfg, args, gen)
-    train, train_rest = measure_train(model, clock, timer, cfg, args, gen)
-    head, head_train = measure_head(model, timer, cfg, args, gen, dtype)
-    decode, decode_rest = measure_decode(model, timer, cfg, args, gen)
-    tp_tables = measure_tp(cfg, small, args, world, dtype, timer, gen)
-    links = measure_allreduce(timer, world)
-    big = [*ALLREDUCE_BYTES[-3:], SHARD_BYTES]
-    shards = measure_collective(timer, world, "reduce_scatter", big) + \
-        measure_collective(timer, world, "all_gather", big)
-    optimizer = measure_optimizer(model, pg, timer)
-    n, m = len(args.tokens), len(args.batches)
-    flat = average_over_ranks(fwd + fwd_rest + train + train_rest + head + head_train
-                              + decode + decode_rest + [r["s"] for r in links + shards])
-    tables = [flat[i * n:(i + 1) * n] for i in range(6)]
-    fwd, fwd_rest, train, train_rest, head, head_train = tables
-    decode, decode_rest = flat[6 * n:6 * n + m], flat[6 * n + m:6 * n + 2 * m]
-    for r, s in zip(links + shards, flat[6 * n + 2 * m:]):
-        r["s"] = s
-    for tables in tp_tables.values():
-        for k in ("forward", "train", "head", "head_train"):
-            tables[k] = average_over_ranks(tables[k])
+    tp = tp_models(cfg, small, args, world, dtype)
+    groups = collective_groups(world)
+    step, n_params, shard = optimizer_step(model, pg)
+    passes = []
+    for i in range(args.passes):
+        t0 = time.perf_counter()
+        passes.append(sweep(model, clock, tp, groups, step, timer, cfg, args, gen, dtype))
+        if rank == 0:
+            print(f"profile_costs.py: pass {i + 1}/{args.passes} in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr)
+    medians = combine(passes)
+    c = monotone_tables(medians)
+    fwd, train, head, head_train, decode = (c[k] for k in ("forward", "train", "head", "head_train", "decode"))
+    links, shards, tp_tables = c["links"], c["shards"], c["tp"]
+    optimizer = {"optimizer_s": c["optimizer_s"], "params": n_params, "shard": shard}
     param_bytes = 2 if args.dtype == "bf16" else 4
     cores = len(os.sched_getaffinity(0))
-    if optimizer is not None:
-        optimizer["optimizer_s"] = average_over_ranks([optimizer["optimizer_s"]])[0]
     hw = fit_hardware(cfg, args, world, fwd, decode, head, links, param_bytes, shards, cores,
                       key["threads"], optimizer)
     prof = Profile(shape=key["shape"], tokens=args.tokens, forward=fwd, train=train, head=head,
@@ -597,15 +680,19 @@ def main(argv=None) -> int:
         meta = {"key": key, "model": args.model, "seconds": elapsed,
                 "machine": _machine(), "cores": cores,
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                "forward_rest_s": fwd_rest, "train_rest_s": train_rest, "head_train_s": head_train,
-                "decode_rest_s": decode_rest, "allreduce": links,
+                "passes": args.passes, "forward_rest_s": c["forward_rest"], "train_rest_s": c["train_rest"],
+                "head_train_s": head_train, "decode_rest_s": c["decode_rest"], "allreduce": links,
                 "ring_fit": dict(zip(("bus_bw", "latency_per_step_s"), fit_ring(links))),
                 "shard_collectives": shards, "tp_tables": tp_tables, "optimizer_step": optimizer,
                 "reduce_scatter_fit": dict(zip(("bw", "latency_s"), fit_bus(
                     [r for r in shards if r["op"] == "reduce_scatter"], lambda g: (g - 1) / g))),
                 "all_gather_fit": dict(zip(("bw", "latency_s"), fit_bus(
                     [r for r in shards if r["op"] == "all_gather"], lambda g: (g - 1) / g))),
-                "notes": "per-layer seconds at TP=1 (mean over ranks of each rank's median); "
+                "medians": {k: medians[k] for k in MONOTONE}, "medians_tp": medians["tp"],
+                "pass_tables": [{k: p[k] for k in (*TABLES, "optimizer_s")} for p in passes],
+                "notes": "per-layer seconds at TP=1 (mean over ranks of each rank's median, the "
+                         "median over the passes, made non-decreasing in tokens/batch; "
+                         "'medians': before that); "
                          "*_rest_s: per call, outside the layers and the head (forward: "
                          "embedding, masks, rotary table; decode: the whole step without "
                          "layers, head and sampling included); head_train_s: the head's "

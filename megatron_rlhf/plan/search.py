@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rlhf.config import MODEL_LAYOUT_FLAGS, SUBSET_MODELS
+from megatron_rlhf.config import MODEL_LAYOUT_FLAGS, SUBSET_MODELS, flag_field
 from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.plan import memory as mem
 from megatron_rlhf.plan.cost import Estimator
@@ -328,7 +328,7 @@ def _plan_text(plan: Plan) -> str:
 
 
 _CALL_MODEL = {"ref_inf": "reference", "reward_inf": "reward", "critic_train": "critic", "critic_inf": "critic_inf"}
-OWN_LAYOUT = {call: MODEL_LAYOUT_FLAGS[name].removeprefix("--").replace("-", "_")
+OWN_LAYOUT = {call: flag_field(MODEL_LAYOUT_FLAGS[name])
               for call, name in _CALL_MODEL.items()}
 """Calls the trainer can place on a layout of their own, and the setting that does it
 (``ParallelConfig``'s field: :data:`megatron_rlhf.config.MODEL_LAYOUT_FLAGS`' flag)."""

@@ -48,7 +48,7 @@ def test_profile_of_a_tiny_model_loads_into_the_estimator(tmp_path):
     out = tmp_path / "tiny.json"
     args = [str(TOOLS / "profile_costs.py"), "--model", "tiny", "--out", str(out),
             "--tokens", "1", "8", "32", "--batches", "1", "4", "--context", "16", "--seq", "16",
-            "--repeats", "1", "--tp"]  # no TP tables: a quick check of the format
+            "--repeats", "1", "--passes", "2", "--tp"]  # no TP tables: a quick check of the format
     torchrun(2, args, timeout=300)
     prof = Profile.load(out)
     cfg = preset("tiny")
@@ -62,6 +62,9 @@ def test_profile_of_a_tiny_model_loads_into_the_estimator(tmp_path):
     meta = json.loads((tmp_path / "tiny.meta.json").read_text())
     assert meta["key"]["ranks"] == 2 and meta["key"]["dtype"] == "fp32"
     assert len(meta["head_train_s"]) == 3 and len(meta["decode_rest_s"]) == 2
+    assert meta["key"]["passes"] == 2 and len(meta["pass_tables"]) == 2
+    for table in (prof.forward, prof.train, prof.head, prof.head_train, prof.decode):
+        assert table == sorted(table)  # made non-decreasing
     assert len(prof.head_train) == 3 and all(x > 0 for x in prof.head_train) and prof.tp_tables == {}
     assert hw.reduce_scatter_bw > 0 and hw.all_gather_bw > 0 and hw.ring_latency_s >= 0
     assert hw.cores >= 1 and hw.threads_per_rank >= 1
@@ -76,7 +79,36 @@ def test_profile_of_a_tiny_model_loads_into_the_estimator(tmp_path):
     key = meta["key"]
     assert pc.cached(out, key)
     assert not pc.cached(out, dict(key, dtype="bf16")) and not pc.cached(out, dict(key, ranks=4))
+    assert not pc.cached(out, dict(key, passes=3))
     assert not pc.cached(tmp_path / "other.json", key)
+
+
+def test_passes_combine_by_their_median_and_tables_are_made_non_decreasing():
+    pc = tool()
+    # least squares non-decreasing: violators pooled to their mean, the rest untouched
+    assert pc.monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert pc.monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert pc.monotone([5.0, 1.0, 1.0, 2.0]) == pytest.approx([2.25] * 4)
+    assert pc.monotone([0.077, 0.054, 0.125, 0.044]) == pytest.approx([0.0655, 0.0655, 0.0845, 0.0845])
+    assert pc.monotone([]) == []
+
+    def one_pass(x: float, slow: float = 1.0) -> dict:
+        tables = {k: [x * slow, 2 * x * slow] for k in pc.TABLES}
+        tp = {2: {"tokens": [32, 64], **{k: [3 * x * slow, 4 * x * slow] for k in pc.TP_KEYS}}}
+        rows = [{"op": "all_reduce", "group": 4, "bytes": 4096, "s": x * slow}]
+        return {**tables, "tp": tp, "links": rows, "shards": [dict(r, op="all_gather") for r in rows],
+                "optimizer_s": x * slow}
+
+    c = pc.combine([one_pass(1.0), one_pass(1.0, slow=5.0), one_pass(1.1)])  # one slow pass
+    assert c["forward"] == pytest.approx([1.1, 2.2]) and c["decode_rest"] == pytest.approx([1.1, 2.2])
+    assert c["tp"][2]["train"] == pytest.approx([3.3, 4.4]) and c["tp"][2]["tokens"] == [32, 64]
+    assert c["links"][0]["s"] == pytest.approx(1.1) and c["links"][0]["bytes"] == 4096
+    assert c["shards"][0]["op"] == "all_gather" and c["optimizer_s"] == pytest.approx(1.1)
+    c["head"], c["tp"][2]["head"], c["forward_rest"] = [3.0, 1.0], [2.0, 1.0], [3.0, 1.0]
+    m = pc.monotone_tables(c)
+    assert m["head"] == [2.0, 2.0] and m["tp"][2]["head"] == [1.5, 1.5]
+    assert m["forward_rest"] == [3.0, 1.0]  # not a table over growing work: left as measured
+    assert c["head"] == [3.0, 1.0]  # the medians themselves are kept (the meta writes them)
 
 
 def test_fitted_hardware_holds_the_collective_fits_and_the_cores():
