@@ -67,9 +67,10 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                        ("--critic-layout", "the critic's training (and inference)"),
                        ("--critic-infer-layout", "the critic's inference apart from its training "
                         "(a second copy, reallocated after each update)")):
+        part = "" if flag == "--critic-layout" else ", or over part of them (TPxPPxDP@FIRST_RANK)"
         g.add_argument(flag, default=None, metavar="TPxPPxDP",
-                       help=f"layout of {what}, over all ranks (default: the train layout); the "
-                            "samples move to its data-parallel ranks and the results back")
+                       help=f"layout of {what}, over all ranks{part} (default: the train layout); "
+                            "the samples move to its data-parallel ranks and the results back")
     g.add_argument("--draft-train-layout", choices=("gen", "train"), default="gen",
                    help="--draft-distill on the generation layout (default; the teacher is the "
                         "actor's generation copy) or on the train layout (PP=1; the teacher is the "

@@ -175,8 +175,10 @@ class ModelConfig:
         return dataclasses.replace(self, **overrides)
 
 
-SUBSET_MODELS = ("reference", "reward")
-"""Models whose layout may cover part of the world (frozen: no weights move to them)."""
+SUBSET_MODELS = ("reference", "reward", "critic_inf")
+"""Models whose layout may cover part of the world: the frozen reference and reward model,
+and the critic's inference copy (its weights reallocated there from the training copy,
+which covers the world, after each update)."""
 
 MODEL_LAYOUT_FLAGS = {"reference": "--ref-layout", "reward": "--reward-layout",
                       "critic": "--critic-layout", "critic_inf": "--critic-infer-layout"}
@@ -216,9 +218,10 @@ class ParallelConfig:
     """``TPxPPxDP`` of the critic's training, and of its inference unless
     ``critic_infer_layout`` says otherwise (None: the train layout)."""
     critic_infer_layout: str | None = None
-    """``TPxPPxDP`` of the critic's inference (values) when it differs from its training
-    layout: a second critic copy there, its weights reallocated after every critic update
-    (None: the critic's training layout, one copy)."""
+    """``TPxPPxDP[@R]`` of the critic's inference (values) when it differs from its training
+    layout: a second critic copy there (over all ranks, or over fewer as ``ref_layout``),
+    its weights reallocated after every critic update (None: the critic's training layout,
+    one copy)."""
     draft_train_layout: str = "gen"
     """Where the draft's distillation runs: ``gen`` (with the draft's generation copy,
     the teacher the actor's generation copy) or ``train`` (a second draft copy on the
@@ -290,7 +293,8 @@ class ParallelConfig:
             elif lay.size != world_size or lay.first_rank != 0:
                 raise ValueError(f"{flag} {text} covers {lay.size} ranks from rank {lay.ranks[0]}, the "
                                  f"world {world_size} from rank 0: TP x PP x DP must equal it (a layout "
-                                 "over fewer ranks, @FIRST_RANK, is for --ref-layout and --reward-layout)")
+                                 "over fewer ranks, @FIRST_RANK, is for --ref-layout, --reward-layout "
+                                 "and --critic-infer-layout)")
             out[name] = lay
         return out
 

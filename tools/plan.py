@@ -14,8 +14,9 @@ role out (GRPO: ``--critic none``). Every call of the iteration's dataflow graph
 actor and critic training) gets a layout; the cost estimator (``plan/cost.py``) prices
 plans from the hardware profile (a roofline: sustained FLOP/s, memory and link
 bandwidths) or from profiles measured by ``tools/profile_costs.py``, and the search
-(``plan/search.py``) finds the fastest plan that fits in memory; the reference's and
-reward model's inference may take either half of the GPUs and run side by side.
+(``plan/search.py``) finds the fastest plan that fits in memory; the reference's, the
+reward model's and the critic's inference may take either half of the GPUs and run side by
+side.
 ``--space models``: only plans the trainer executes (generation on ``--gen-layout``, the
 actor's other calls on ``--train-layout``, the reference's and reward model's inference and
 the critic's training and inference each on a layout of its own); ``--space trainer``:

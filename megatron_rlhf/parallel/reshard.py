@@ -6,7 +6,8 @@ other with megatron-core's resharding (``megatron.core.resharding``): its planne
 every destination shard to source shards (TP slicing, GLU strides, pipeline stages, DP
 replicas balanced as senders), once per pair of models; each call then runs the planned
 point-to-point copies. Collective over the world: every rank must call it, whether it
-holds either copy or not.
+holds either copy or not (a rank outside a destination layout over part of the world
+passes an :class:`Absent` copy).
 
 On CPU the transfers go over gloo (megatron's gloo service, without the CUDA stream it
 creates); on GPU over NCCL.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +45,19 @@ def _copy_service():
                 torch.cuda.Stream = stream
 
     return CpuGlooCopyService()
+
+
+class Absent(torch.nn.Module):
+    """A model's copy on a rank outside its layout (one over part of the world, e.g. the
+    critic's inference at ``--critic-infer-layout 1x1x2@2``): no parameters, only what
+    megatron's planner reads of a model on every rank (a ``pg_collection``, the
+    ``config``), so that this rank takes part in the reallocation, which is collective over
+    the world, and receives nothing."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.pg_collection = types.SimpleNamespace()  # (no groups: no shard lives here)
 
 
 @dataclass

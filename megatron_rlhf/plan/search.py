@@ -1,8 +1,8 @@
 """Execution plans for the RLHF dataflow graph and their search (ReaLHF).
 
 A :class:`Plan` gives every call of the graph a layout (TP x PP x DP; generation PP=1)
-over all GPUs, or, for the reference's and reward model's inference, over either half of
-them. Calls run one after another, but the inference calls run together: each GPU runs
+over all GPUs, or, for the reference's, the reward model's and the critic's inference,
+over either half of them. Calls run one after another, but the inference calls run together: each GPU runs
 its share of them in turn, so calls on disjoint GPUs overlap (ReaLHF's concurrent calls).
 A weight edge between two calls of one model under different layouts costs a reallocation. :func:`evaluate` prices a plan with the
 cost estimator (:mod:`.cost`): time per call, reallocations, peak memory per call against
@@ -138,14 +138,14 @@ def evaluate(graph: Graph, plan: Plan, est: Estimator, cluster: mem.Cluster,
 def candidates(graph: Graph, est: Estimator, cluster: mem.Cluster) -> dict[str, list[Layout]]:
     """Every layout each call may take: all GPUs, TP inside a node dividing the model's
     heads and KV heads, PP dividing its layers (1 for generation), DP splitting its samples;
-    for the reference's and reward model's inference also either half of the GPUs (see
-    :func:`halves`)."""
+    for the reference's, the reward model's and the critic's inference also either half of
+    the GPUs (see :func:`halves`)."""
     out = {}
     for call in graph.calls:
         cfg = est.models[call.model]
         found = []
         layouts = mem.candidate_layouts(cluster)
-        if call.kind == "infer" and call.model in SUBSET_MODELS:
+        if call.kind == "infer" and _CALL_MODEL.get(call.name) in SUBSET_MODELS:
             layouts += halves(cluster)
         for lay in layouts:
             if call.kind == "generate" and lay.pp != 1:

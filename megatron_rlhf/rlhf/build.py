@@ -367,8 +367,15 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
         critic = _model(plan, "critic", "critic", critic_pg, skip=skip, trains=True)
         models.critic = _trainee(plan, critic, critic_pg, plan.optim.critic_lr, True)
         infer_pg = pgs.get("critic_inf", critic_pg)
-        if infer_pg is not critic_pg:  # a second copy; its weights follow each update
-            models.critic_inf = _model(plan, "critic", "critic", infer_pg, skip=skip)
+        if "critic_inf" in pgs:  # a second copy; its weights follow each update
+            if infer_pg is None:  # outside its layout over part of the world
+                from megatron_rlhf.models.checkpoint import load_elsewhere
+                from megatron_rlhf.parallel.reshard import Absent
+
+                load_elsewhere(plan.infos["critic"].path)  # (the loader is collective over the world)
+                models.critic_inf = Absent(critic.config)
+            else:
+                models.critic_inf = _model(plan, "critic", "critic", infer_pg, skip=skip)
         places.update(critic=infer_pg, critic_train=critic_pg)
     if "reward" in plan.infos:
         models.reward_model = held("reward")
@@ -396,11 +403,14 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     from megatron_rlhf.rlhf.placement import Elsewhere
 
     def here(model, name):  # what the experience maker calls: the model, or where it is not
-        return Elsewhere(name) if model is None else model
+        from megatron_rlhf.parallel.reshard import Absent
+
+        return Elsewhere(name) if model is None or isinstance(model, Absent) else model
 
     reward_model = here(models.reward_model, "reward") if plan.paths.reward else None
+    critic = here(models.inferring_critic, "critic") if models.critic is not None else None
     maker = ExperienceMaker(plan.ppo, here(models.reference, "reference"), actor=actor,
-                            critic=models.inferring_critic, reward_model=reward_model, reward_fn=plan.reward_fn,
+                            critic=critic, reward_model=reward_model, reward_fn=plan.reward_fn,
                             tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=pg.dp, gen=plan.gen)
     run_info = {"tp": train_layout.tp, "seed": plan.loop.seed,
                 "train_layout": mem.layout_text(train_layout),

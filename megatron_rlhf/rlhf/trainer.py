@@ -60,7 +60,9 @@ class Models:
 
     critic_inf: torch.nn.Module | None = None
     """The critic in its inference layout, when it differs from its training layout; its
-    weights are reallocated from ``critic`` after each update."""
+    weights are reallocated from ``critic`` after each update (an
+    :class:`~megatron_rlhf.parallel.reshard.Absent` copy on the ranks outside a layout over
+    part of the world)."""
 
     @property
     def generating_actor(self) -> torch.nn.Module:

@@ -188,9 +188,12 @@ def test_generation_layout_trains_as_one_layout(world1, tmp_path, train_layout, 
 
 
 def test_reference_and_reward_model_on_disjoint_ranks(world1, tmp_path):
-    """ReaLHF's concurrent calls: on 4 ranks the reference infers on ranks 0-1 and a reward
-    model on ranks 2-3 at the same time (each built on its two ranks only), training at
-    TP=2 x DP=2: after 2 iterations the weights and metrics of one process."""
+    """ReaLHF's concurrent calls: on 4 ranks the reference infers on ranks 0-1 while a reward
+    model and the critic's inference copy infer on ranks 2-3 (each built on its two ranks
+    only; the critic's weights reallocated there from its training at TP=2 x DP=2 over all
+    four after each update, ranks 0-1 taking part with no copy), training at TP=2 x DP=2:
+    after 2 iterations the weights and metrics of one process (the critic's second update
+    learns from the values of the reallocated copy)."""
     from megatron_rlhf.config import preset
     from megatron_rlhf.models.checkpoint import save_checkpoint
 
@@ -204,13 +207,16 @@ def test_reference_and_reward_model_on_disjoint_ranks(world1, tmp_path):
     run1, run2 = tmp_path / "one", tmp_path / "apart"
     _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, **flags), 4,
                         [*F.train_args(actor, prompts, run2, **flags), "--train-layout", "2x1x2",
-                         "--ref-layout", "1x1x2", "--reward-layout", "1x1x2@2"])
+                         "--ref-layout", "1x1x2", "--reward-layout", "1x1x2@2",
+                         "--critic-infer-layout", "1x1x2@2"])
     _compare(run1, run2, 2, _load(actor, "actor", world1), world1)
     for a, b in zip(F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log"), strict=True):
         F.assert_metrics_equal(a, b)
         assert b["reward_std"] > 0, b  # the reward model's scores vary with the samples
+        assert b["realloc_mb"] > 0 and "realloc_mb" not in a  # the critic's copy received its weights
     state = json.loads((run2 / "save" / "iter_0000002" / "trainer" / "state.json").read_text())
-    assert (state["reference_layout"], state["reward_layout"]) == ("1x1x2", "1x1x2@2"), state
+    assert (state["reference_layout"], state["reward_layout"], state["critic_inf_layout"]) == \
+        ("1x1x2", "1x1x2@2", "1x1x2@2"), state
 
 
 def test_draft_distilled_on_the_train_layout(world1, tmp_path):

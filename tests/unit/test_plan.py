@@ -279,6 +279,34 @@ def test_inference_calls_on_disjoint_gpus_overlap():
     assert all(lay.size == 16 for c in ("actor_gen", "actor_train") for lay in cands[c])
 
 
+def test_the_critic_infers_on_half_the_gpus_beside_the_reference():
+    """The critic's inference may take either half of the GPUs (its training may not: it
+    covers the world), priced as running beside the reference on the other half, with its
+    weights reallocated there after each update; the trainer's flags place it."""
+    models = {m: preset("llama2-7b") for m in ("actor", "reference", "critic")}
+    from megatron_rlhf.plan.cost import HARDWARE
+
+    est = Estimator(models, HARDWARE["h100"], options=Options(response_fractions=(0.25, 0.5, 1.0)))
+    graph = rlhf_graph(64, 512, 512)
+    cluster = mem.Cluster(nodes=2, gpus_per_node=8, gpu_memory_gb=80)
+    cands = S.candidates(graph, est, cluster)
+    first, second = Layout(tp=1, pp=1, dp=8), Layout(tp=2, pp=1, dp=4, ranks=tuple(range(8, 16)))
+    assert first in cands["critic_inf"] and second in cands["critic_inf"]
+    assert all(lay.size == 16 for c in ("critic_train", "actor_train") for lay in cands[c])
+    whole = Layout(tp=2, pp=1, dp=8)
+    base = {c.name: whole for c in graph.calls}
+    apart = S.evaluate(graph, S.Plan(dict(base, ref_inf=first, critic_inf=second)), est, cluster)
+    ref, crit = apart.calls["ref_inf"]["total"], apart.calls["critic_inf"]["total"]
+    assert apart.overlap_s == pytest.approx(min(ref, crit), rel=1e-12) and apart.overlap_s > 0
+    # the critic's weights move from TP=2 on all 16 GPUs to TP=2 on the second half: each
+    # of those GPUs already holds its TP shard (no bytes); to TP=1 on the first half they move
+    assert apart.reallocs["critic_train->critic_inf"] == (0.0, 0)
+    moved = S.evaluate(graph, S.Plan(dict(base, ref_inf=second, critic_inf=first)), est, cluster)
+    assert moved.reallocs["critic_train->critic_inf"][1] > 0
+    assert S.trainer_flags(apart.plan) == {"train_layout": "2x1x8", "gen_layout": "2x8",
+                                           "ref_layout": "1x1x8", "critic_infer_layout": "2x1x4@8"}
+
+
 def test_the_draft_distils_on_the_generation_or_the_train_layout():
     """Plans of the trainer's spaces put draft_train on the generation layout or on the
     train layout (PP=1), and the trainer's flags say which; a plan elsewhere is refused."""

@@ -71,7 +71,8 @@ CASES = [
     ("critic_layout_on_part_of_the_world",
      dict(critic_layout="1x1x1@1"), 2,
      "--critic-layout 1x1x1@1 covers 1 ranks from rank 1, the world 2 from rank 0: TP x PP x DP must "
-     "equal it (a layout over fewer ranks, @FIRST_RANK, is for --ref-layout and --reward-layout)"),
+     "equal it (a layout over fewer ranks, @FIRST_RANK, is for --ref-layout, --reward-layout and "
+     "--critic-infer-layout)"),
     ("reward_layout_without_a_reward_model",
      dict(reward_layout="1x1x2"), 2,
      "--reward-layout places a model this run does not have (the reward): drop it"),
