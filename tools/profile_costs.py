@@ -48,8 +48,9 @@ fields and the collective fits in ``hardware`` are completed from it by
 is reused when its meta names the same shape, ranks, threads, dtype and tables, unless
 ``--force``. Rank 0 writes both files (the meta also keeps every pass's tables and the
 medians before the monotone fit). SmolLM2-135M's shape on 4 ranks x 1 thread on the 2-core
-machine takes about 85 s a pass with the TP tables; single passes are noisy there (entries
-move 10-20% between runs, single ones by up to 5x) and any other load on the cores
+machine takes about 110 s a pass with the TP tables (310-345 s for the default 3); single
+passes are noisy there (entries move 10-20% between runs, single ones by up to 5x; with 3
+passes the fits of two profiles agreed within 10%) and any other load on the cores
 inflates them.
 """
 
