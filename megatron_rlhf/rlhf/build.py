@@ -367,7 +367,7 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
         critic = _model(plan, "critic", "critic", critic_pg, skip=skip, trains=True)
         models.critic = _trainee(plan, critic, critic_pg, plan.optim.critic_lr, True)
         infer_pg = pgs.get("critic_inf", critic_pg)
-        if "critic_inf" in pgs:  # a second copy; its weights follow each update
+        if infer_pg is not critic_pg:  # a second copy (None: not here); its weights follow each update
             if infer_pg is None:  # outside its layout over part of the world
                 from megatron_rlhf.models.checkpoint import load_elsewhere
                 from megatron_rlhf.parallel.reshard import Absent
