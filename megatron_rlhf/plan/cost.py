@@ -212,6 +212,27 @@ def _interp(xs: list, ys: list, x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _stages(lay: Layout):
+    """(rank -> its pipeline stage in ``lay``, None outside it; the ranks where a stage's run
+    of GPUs starts or one ends)."""
+    block, first = lay.tp * lay.dp, lay.first_rank
+    if first is None:
+        where = {r: i // block for i, r in enumerate(lay.ranks)}
+        return where.get, sorted({x for r in lay.ranks for x in (r, r + 1)})
+    end = first + lay.size
+
+    def stage_of(rank):
+        return (rank - first) // block if first <= rank < end else None
+    return stage_of, [first + k * block for k in range(lay.pp + 1)]
+
+
+def _holds_its_shard(src: Layout, dst: Layout) -> bool:
+    """Every GPU of ``dst`` is in ``src`` at the same TP rank and pipeline stage (TP and PP
+    agreeing)."""
+    where = {r: (i % src.tp, i // (src.tp * src.dp)) for i, r in enumerate(src.ranks)}
+    return all(where.get(r) == (i % dst.tp, i // (dst.tp * dst.dp)) for i, r in enumerate(dst.ranks))
+
+
 def _tp_share(seconds: float, overhead: float, tp: int) -> float:
     """One TP rank's share of ``seconds`` measured at TP=1: the fixed per-layer
     ``overhead`` in it (launches, Python: :attr:`Hardware.layer_overhead_s`) is paid by
@@ -449,9 +470,17 @@ class Estimator:
     # ------------------------------------------------------------------ reallocation
     def realloc(self, model: str, src: Layout, dst: Layout) -> tuple[float, int]:
         """(seconds, bytes received per GPU) to move ``model``'s weights from layout ``src``
-        to ``dst`` (the same GPUs): each GPU receives its new shard, less what it already
-        holds (the same TP shard of the same layers, when TP and PP agree)."""
-        if (src.tp, src.pp) == (dst.tp, dst.pp):
+        to ``dst``: each GPU of ``dst`` receives its new shard, less what it already holds
+        (the same TP shard of the same layers: TP and PP agree and ``src`` puts that GPU at
+        the same TP rank and stage). A GPU of ``dst`` outside ``src`` (training on half the
+        GPUs, generating on all) receives its whole shard."""
+        key = ("realloc", model, src, dst)
+        if key not in self._memo:
+            self._memo[key] = self._realloc(model, src, dst)
+        return self._memo[key]
+
+    def _realloc(self, model: str, src: Layout, dst: Layout) -> tuple[float, int]:
+        if (src.tp, src.pp) == (dst.tp, dst.pp) and _holds_its_shard(src, dst):
             return 0.0, 0
         cfg = self.models[model]
         nbytes = mem.stage_params(cfg, model, dst.pp, 0).per_gpu(dst.tp) * self.opt.param_bytes
@@ -464,18 +493,30 @@ class Estimator:
         """Peak bytes on the worst GPU while ``call`` runs: its own working set plus the
         weights that stay on the GPUs between calls (``resident``: model -> layout of the
         actor's and critic's training copies, counted beside a second copy of the same model
-        in another layout; the reference and reward wait on the host)."""
-        o = mem.MemoryOptions(param_bytes=self.opt.param_bytes, recompute=self.opt.recompute,
-                              distributed_optimizer=self.opt.distributed_optimizer)
+        in another layout; the reference and reward wait on the host). A resident model
+        counts on the GPUs its layout covers, with the stage it holds there: one over other
+        GPUs only (the critic training on the other half) adds nothing."""
+        held = {other: lay for other, lay in resident.items()
+                if other != call.model or call.kind == "generate" or lay != layout}
+        return max(own + more for own, more in zip(self._working_bytes(call, layout),
+                                                   self._resident_bytes(layout, held)))
+
+    def _options(self) -> mem.MemoryOptions:
+        return mem.MemoryOptions(param_bytes=self.opt.param_bytes, recompute=self.opt.recompute,
+                                 distributed_optimizer=self.opt.distributed_optimizer)
+
+    def _working_bytes(self, call: Call, layout: Layout) -> list[int]:
+        """Per pipeline stage: the bytes ``call`` itself keeps on one GPU (memoised)."""
+        key = ("working", call, layout.tp, layout.pp, layout.dp)
+        if key in self._memo:
+            return self._memo[key]
+        o = self._options()
         cfg = self.models[call.model]
         w = mem.Workload(rollout_batch=call.samples, max_prompt_length=call.prompt_len,
                          max_new_tokens=call.gen_len, micro_batch_size=self.opt.micro_batch_size)
-        worst = 0
+        out = []
         for stage in range(layout.pp):
             total = mem.weight_bytes(cfg, call.model, layout, stage, o)
-            for other, lay in resident.items():
-                if other != call.model or call.kind == "generate" or lay != layout:
-                    total += mem.weight_bytes(self.models[other], other, lay, min(stage, lay.pp - 1), o)
             per_rank = math.ceil(call.samples / layout.dp)
             if call.kind == "generate":
                 total += mem.kv_cache_bytes(cfg, per_rank, call.seq_len, layout.tp, o.param_bytes)
@@ -496,5 +537,36 @@ class Estimator:
                 except ValueError:
                     total += mem.layer_activation_bytes(cfg, call.seq_len, self.opt.micro_batch_size, layout.tp) \
                         * cfg.num_layers // layout.pp
-            worst = max(worst, total)
-        return worst
+            out.append(total)
+        self._memo[key] = out
+        return out
+
+    def _resident_bytes(self, layout: Layout, held: dict[str, Layout]) -> list[int]:
+        """Per pipeline stage of ``layout``: the most bytes of ``held`` weights one GPU of
+        that stage keeps (each model on the GPUs of its layout, at the stage it has there)."""
+        out = [0] * layout.pp
+        if not held:
+            return out
+        key = ("resident", layout, tuple(sorted(held.items())))
+        if key in self._memo:
+            return self._memo[key]
+        o = self._options()
+        mine, cuts = _stages(layout)
+        theirs = []
+        for other, lay in held.items():
+            stage_of, starts = _stages(lay)
+            theirs.append((other, lay, stage_of))
+            cuts = cuts + starts
+        # the GPUs fall into runs on which every layout keeps one stage: the first GPU of each
+        for rank in sorted(set(cuts)):
+            stage = mine(rank)
+            if stage is None:
+                continue
+            total = 0
+            for other, lay, stage_of in theirs:
+                s = stage_of(rank)
+                if s is not None:
+                    total += mem.weight_bytes(self.models[other], other, lay, s, o)
+            out[stage] = max(out[stage], total)
+        self._memo[key] = out
+        return out

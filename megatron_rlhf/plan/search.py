@@ -1,9 +1,12 @@
 """Execution plans for the RLHF dataflow graph and their search (ReaLHF).
 
 A :class:`Plan` gives every call of the graph a layout (TP x PP x DP; generation PP=1)
-over all GPUs, or, for the reference's, the reward model's and the critic's inference,
-over either half of them. Calls run one after another, but the inference calls run together: each GPU runs
-its share of them in turn, so calls on disjoint GPUs overlap (ReaLHF's concurrent calls).
+over all GPUs, or, for the reference's, the reward model's and the critic's inference and
+for the actor's and the critic's training, over either half of them. Calls run one after
+another, but the inference calls run together, and so do the two training calls: each GPU
+runs its share of them in turn, so calls on disjoint GPUs overlap (ReaLHF's concurrent
+calls). The draft's distillation follows the actor's training, and reallocations involve
+every GPU: both stay sequential.
 A weight edge between two calls of one model under different layouts costs a reallocation. :func:`evaluate` prices a plan with the
 cost estimator (:mod:`.cost`): time per call, reallocations, peak memory per call against
 the GPUs' memory. :func:`search` finds the fastest plan that fits: exhaustively where the
@@ -12,11 +15,13 @@ it with the heuristic default (every call on the training layout that fits with 
 smallest model-parallel size).
 
 ``space="trainer"`` restricts plans to generation on its own layout (``--gen-layout``) and
-every other call on one layout (``--train-layout``); ``space="models"`` to what the trainer
-executes: that, and the reference's and reward model's inference and the critic's training
-and inference each on a layout of its own (``--ref-layout``, ``--reward-layout``,
-``--critic-layout``, ``--critic-infer-layout``). In both, the draft's distillation runs on
-the generation layout or on the train layout (``--draft-train-layout``).
+every other call on one layout over all GPUs (``--train-layout``); ``space="models"`` to
+what the trainer executes: the actor's training on all GPUs or either half
+(``--train-layout``), and the reference's and reward model's inference and the critic's
+training and inference each on a layout of its own (``--ref-layout``, ``--reward-layout``,
+``--critic-layout``, ``--critic-infer-layout``), over all GPUs or either half. In both,
+the draft's distillation runs on the generation layout or on a train layout over all GPUs
+(``--draft-train-layout``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from megatron_rlhf.plan.graph import Graph
 
 EXHAUSTIVE_LIMIT = 20_000
 """Plans evaluated one by one up to this many; simulated annealing beyond."""
+
+HALF_TRAIN = ("actor_train", "critic_train")
+"""Training calls that may take either half of the GPUs (:func:`halves`), beside each other."""
 
 
 @dataclass
@@ -85,6 +93,9 @@ class Evaluation:
     overlap_s: float = 0.0
     """Seconds the inference calls save by running on disjoint GPUs at once (their sum
     less the busiest GPU's share)."""
+    train_overlap_s: float = 0.0
+    """Seconds the actor's and the critic's training save the same way (0 where one of
+    them covers all GPUs)."""
 
     @property
     def shortfall(self) -> int:
@@ -100,23 +111,25 @@ class Evaluation:
                 "calls": {c: {k: round(v, 6) for k, v in p.items()} for c, p in self.calls.items()},
                 "reallocations": {e: {"s": t, "bytes_per_gpu": b} for e, (t, b) in self.reallocs.items()},
                 "memory_gb": {c: m / mem.GB for c, m in self.memory.items()},
-                "usable_gb": self.capacity / mem.GB, "fits": self.fits, "overlap_s": self.overlap_s}
+                "usable_gb": self.capacity / mem.GB, "fits": self.fits, "overlap_s": self.overlap_s,
+                "train_overlap_s": self.train_overlap_s}
 
 
 def evaluate(graph: Graph, plan: Plan, est: Estimator, cluster: mem.Cluster,
              reserve_gb: float | None = None) -> Evaluation:
-    """Price ``plan``: calls in graph order, reallocations on weight edges, memory per call."""
+    """Price ``plan``: calls in graph order, reallocations on weight edges, memory per call;
+    the inference calls, and the training calls but the draft's, each as one step that
+    lasts as long as its busiest GPU's share."""
     missing = [c.name for c in graph.calls if c.name not in plan.layouts]
     if missing:
         raise ValueError(f"the plan gives no layout to {missing}")
     calls = {c.name: est.call_time(c, plan.layouts[c.name]) for c in graph.calls}
     # the inference calls run together: each rank runs its own one after another, and
-    # calls on disjoint ranks at the same time (the trainer exchanges their results once)
+    # calls on disjoint ranks at the same time (the trainer exchanges their results once);
+    # so do the training calls (the draft's reads the updated actor: after them)
     infer = [c.name for c in graph.calls if c.kind == "infer"]
-    busy: dict[int, float] = {}
-    for name in infer:
-        for r in plan.layouts[name].ranks:
-            busy[r] = busy.get(r, 0.0) + calls[name]["total"]
+    train = [c.name for c in graph.calls if c.kind == "train" and c.model != "draft"]
+    (together, overlap), (_, train_overlap) = (_together(names, calls, plan) for names in (infer, train))
     reallocs = {}
     for e in graph.weight_edges():
         reallocs[f"{e.src}->{e.dst}"] = est.realloc(e.what, plan.layouts[e.src], plan.layouts[e.dst]) \
@@ -128,24 +141,36 @@ def evaluate(graph: Graph, plan: Plan, est: Estimator, cluster: mem.Cluster,
     memory = {c.name: est.call_memory(c, plan.layouts[c.name], resident) for c in graph.calls}
     options = mem.MemoryOptions(reserve_gb=reserve_gb)
     capacity = int(cluster.gpu_memory_gb * mem.GB) - options.reserve_bytes(cluster)
-    together = max(busy.values(), default=0.0)
+    # (the training calls' overlap taken off their sum: exactly the sum where it is 0)
     time_s = (sum(p["total"] for c, p in calls.items() if c not in infer) + together
-              + sum(t for t, _ in reallocs.values()))
-    overlap = sum(calls[c]["total"] for c in infer) - together
-    return Evaluation(plan, time_s, calls, reallocs, memory, capacity, overlap_s=max(overlap, 0.0))
+              + sum(t for t, _ in reallocs.values())) - train_overlap
+    return Evaluation(plan, time_s, calls, reallocs, memory, capacity, overlap_s=overlap,
+                      train_overlap_s=train_overlap)
+
+
+def _together(names: list[str], calls: dict, plan: Plan) -> tuple[float, float]:
+    """(seconds of ``names`` run together: the busiest rank's sum of the calls it takes part
+    in, what that saves against their sum)."""
+    busy: dict[int, float] = {}
+    for name in names:
+        for r in plan.layouts[name].ranks:
+            busy[r] = busy.get(r, 0.0) + calls[name]["total"]
+    longest = max(busy.values(), default=0.0)
+    return longest, max(sum(calls[c]["total"] for c in names) - longest, 0.0)
 
 
 def candidates(graph: Graph, est: Estimator, cluster: mem.Cluster) -> dict[str, list[Layout]]:
     """Every layout each call may take: all GPUs, TP inside a node dividing the model's
     heads and KV heads, PP dividing its layers (1 for generation), DP splitting its samples;
-    for the reference's, the reward model's and the critic's inference also either half of
-    the GPUs (see :func:`halves`)."""
+    for the reference's, the reward model's and the critic's inference and for the actor's
+    and the critic's training (:data:`HALF_TRAIN`) also either half of the GPUs (see
+    :func:`halves`)."""
     out = {}
     for call in graph.calls:
         cfg = est.models[call.model]
         found = []
         layouts = mem.candidate_layouts(cluster)
-        if call.kind == "infer" and _CALL_MODEL.get(call.name) in SUBSET_MODELS:
+        if (call.kind == "infer" and _CALL_MODEL.get(call.name) in SUBSET_MODELS) or call.name in HALF_TRAIN:
             layouts += halves(cluster)
         for lay in layouts:
             if call.kind == "generate" and lay.pp != 1:
@@ -183,11 +208,11 @@ def halves(cluster: mem.Cluster) -> list[Layout]:
 
 
 def heuristic(graph: Graph, est: Estimator, cluster: mem.Cluster, cands: dict) -> Plan:
-    """Every call on one training layout: the smallest TP x PP (TP first, inside a node)
-    whose training fits, DP the rest; generation on its TP with DP the rest."""
+    """Every call on one training layout over all GPUs: the smallest TP x PP (TP first,
+    inside a node) whose training fits, DP the rest; generation on its TP with DP the rest."""
     train_calls = [c.name for c in graph.calls if c.kind != "generate"]
-    shared = [lay for lay in cands[train_calls[0]] if all(lay in cands[c] for c in train_calls)] \
-        if train_calls else []
+    shared = [lay for lay in cands[train_calls[0]] if lay.size == cluster.gpus
+              and all(lay in cands[c] for c in train_calls)] if train_calls else []
     shared.sort(key=lambda lay: (lay.tp * lay.pp, lay.pp))
     gen = next(c.name for c in graph.calls if c.kind == "generate")
     best = None
@@ -239,15 +264,18 @@ def search(graph: Graph, est: Estimator, cluster: mem.Cluster, seed: int = 0,
         choices = {gen: cands[gen]}
         for g, calls in groups.items():
             choices[g] = [lay for lay in cands[calls[0]] if all(lay in cands[c] for c in calls)]
+        if space == "trainer":  # one layout over all GPUs
+            choices["_shared"] = [lay for lay in choices["_shared"] if lay.size == cluster.gpus]
         if draft:  # the draft distils on the generation layout or on the train layout
             choices["_draft"] = ["gen", "train"]
 
         def plan_of(pick):
             out = {gen: pick[gen], **{c: pick[g] for g, calls in groups.items() for c in calls}}
             if draft:
-                g = pick[gen]
-                on_train = pick["_draft"] == "train" and pick["_shared"].pp == 1  # (it never pipelines)
-                out[draft] = pick["_shared"] if on_train else Layout(g.tp, 1, g.dp, g.ranks)
+                g, t = pick[gen], pick["_shared"]
+                # on a train layout without pipeline stages over all GPUs only
+                on_train = pick["_draft"] == "train" and t.pp == 1 and t.size == cluster.gpus
+                out[draft] = t if on_train else Layout(g.tp, 1, g.dp, g.ranks)
             return Plan(out)
     else:
         choices = cands
@@ -339,8 +367,10 @@ def trainer_flags(plan: Plan) -> dict[str, str]:
     ``gen_layout`` and, where they differ from their default, ``ref_layout``,
     ``reward_layout``, ``critic_layout`` (default: the train layout),
     ``critic_infer_layout`` (default: the critic's training layout) and
-    ``draft_train_layout`` (``train``; default ``gen``); ValueError naming what the trainer
-    cannot run."""
+    ``draft_train_layout`` (``train``; default ``gen``). The train layout, and so the
+    layouts that default to it, and the critic's may cover part of the GPUs (``"1x1x2@2"``);
+    the draft distils on the train layout only where that covers all of them. ValueError
+    naming what the trainer cannot run."""
     own = {c: mem.layout_text(lay) for c, lay in plan.layouts.items() if c in OWN_LAYOUT}
     apart = (*OWN_LAYOUT, "draft_train")
     train, gen = trainer_layouts(Plan({c: lay for c, lay in plan.layouts.items() if c not in apart}))
@@ -352,6 +382,12 @@ def trainer_flags(plan: Plan) -> dict[str, str]:
             if d != train or Layout.parse(train).pp > 1:
                 raise ValueError(f"the plan puts draft_train on {d}: the draft distils on the generation "
                                  f"layout ({g}) or on the train layout ({train}) without pipeline stages")
+            world = {r for lay in plan.layouts.values() for r in lay.ranks}
+            if set(Layout.parse(train).ranks) != world:
+                raise ValueError(f"the plan puts draft_train on the train layout {train}, which covers "
+                                 f"{Layout.parse(train).size} of {len(world)} GPUs: the draft distils on the "
+                                 f"train layout only where it covers all GPUs; on a part of them, on the "
+                                 f"generation layout ({g})")
             flags["draft_train_layout"] = "train"
     defaults = {"critic_inf": own.get("critic_train", train)}
     for c, text in own.items():
@@ -362,7 +398,8 @@ def trainer_flags(plan: Plan) -> dict[str, str]:
 
 def trainer_layouts(plan: Plan) -> tuple[str, str]:
     """``(--train-layout, --gen-layout)`` of a plan the trainer executes: generation on its
-    own TPxDP, every other call on one TPxPPxDP; ValueError naming the call that differs."""
+    own TPxDP, every other call on one TPxPPxDP (``@R`` where it covers part of the GPUs
+    from rank R on); ValueError naming the call that differs."""
     gens = [c for c in plan.layouts if c.endswith("_gen")]
     if len(gens) != 1:
         raise ValueError(f"a plan needs exactly one generation call, this one has {gens or 'none'}")

@@ -232,6 +232,11 @@ def test_reallocation_only_between_different_layouts():
     assert est.realloc("actor", Layout(tp=2, dp=2), Layout(tp=2, dp=2)) == (0.0, 0)
     seconds, nbytes = est.realloc("actor", Layout(tp=2, dp=2), Layout(tp=1, dp=4))
     assert nbytes == mem.stage_params(TINY, "actor").total * 4 and seconds > nbytes / 1e9
+    # TP and PP agreeing, a GPU holds its shard where the source has it at the same stage
+    staged = Layout(tp=1, pp=2, dp=2)  # stage 0 on GPUs 0-1, stage 1 on 2-3
+    assert est.realloc("actor", staged, Layout(tp=1, pp=2, dp=1, ranks=(0, 2))) == (0.0, 0)
+    assert est.realloc("actor", staged, Layout(tp=1, pp=2, dp=1, ranks=(2, 3)))[1] == \
+        mem.stage_params(TINY, "actor", 2, 0).per_gpu(1) * 4  # GPU 2 held stage 1, takes stage 0
 
 
 # ---------------------------------------------------------------------------- search
@@ -273,16 +278,16 @@ def test_inference_calls_on_disjoint_gpus_overlap():
     assert S.trainer_flags(apart.plan) == {"train_layout": "2x1x8", "gen_layout": "2x8",
                                            "ref_layout": "1x1x8", "reward_layout": "1x1x8@8"}
     assert S.Plan.from_json(apart.plan.to_json()).key() == apart.plan.key() != same.plan.key()
-    # the search considers halves for those two calls only
+    # the search considers halves for those two calls (and the training), never for generation
     cands = S.candidates(graph, est, cluster)
-    assert second in cands["reward_inf"] and second in cands["ref_inf"]
-    assert all(lay.size == 16 for c in ("actor_gen", "actor_train") for lay in cands[c])
+    assert second in cands["reward_inf"] and second in cands["ref_inf"] and second in cands["actor_train"]
+    assert all(lay.size == 16 for lay in cands["actor_gen"])
 
 
 def test_the_critic_infers_on_half_the_gpus_beside_the_reference():
-    """The critic's inference may take either half of the GPUs (its training may not: it
-    covers the world), priced as running beside the reference on the other half, with its
-    weights reallocated there after each update; the trainer's flags place it."""
+    """The critic's inference may take either half of the GPUs, priced as running beside the
+    reference on the other half, with its weights reallocated there after each update; the
+    trainer's flags place it."""
     models = {m: preset("llama2-7b") for m in ("actor", "reference", "critic")}
     from megatron_rlhf.plan.cost import HARDWARE
 
@@ -292,7 +297,6 @@ def test_the_critic_infers_on_half_the_gpus_beside_the_reference():
     cands = S.candidates(graph, est, cluster)
     first, second = Layout(tp=1, pp=1, dp=8), Layout(tp=2, pp=1, dp=4, ranks=tuple(range(8, 16)))
     assert first in cands["critic_inf"] and second in cands["critic_inf"]
-    assert all(lay.size == 16 for c in ("critic_train", "actor_train") for lay in cands[c])
     whole = Layout(tp=2, pp=1, dp=8)
     base = {c.name: whole for c in graph.calls}
     apart = S.evaluate(graph, S.Plan(dict(base, ref_inf=first, critic_inf=second)), est, cluster)
@@ -335,6 +339,147 @@ def test_the_draft_distils_on_the_generation_or_the_train_layout():
                                                                draft_train=Layout(tp=2, pp=2, dp=2))
         with pytest.raises(ValueError, match="the draft distils on the generation layout"):
             S.trainer_flags(S.Plan(layouts))
+
+
+def _train_halves_case(**opt):
+    """The tiny models on 1x4 GPUs, with the first and the second half of them."""
+    cluster = mem.Cluster(nodes=1, gpus_per_node=4, gpu_memory_gb=80)
+    return _est(**opt), cluster, Layout(tp=1, pp=1, dp=2), Layout(tp=1, pp=1, dp=2, ranks=(2, 3))
+
+
+def _record_plans(monkeypatch) -> list:
+    """The plans the search evaluates from now on."""
+    seen, evaluate = [], S.evaluate
+
+    def record(graph, plan, *args, **kw):
+        seen.append(plan)
+        return evaluate(graph, plan, *args, **kw)
+
+    monkeypatch.setattr(S, "evaluate", record)
+    return seen
+
+
+def test_training_calls_on_disjoint_gpus_overlap():
+    """The actor training on GPUs 0-1 and the critic on 2-3 run at once: the iteration pays
+    the longer of the two, plus every other call and the reallocations, where each GPU
+    the training left out receives its whole shard; on all GPUs they add up, as before."""
+    est, cluster, first, second = _train_halves_case()
+    graph = rlhf_graph(8, 6, 4)
+    world = Layout(tp=1, pp=1, dp=4)
+    base = {"actor_gen": world, "ref_inf": world, "critic_inf": world}
+    apart = S.evaluate(graph, S.Plan(dict(base, actor_train=first, critic_train=second)), est, cluster)
+    g = {c.name: c for c in graph.calls}
+    others = sum(est.call_time(g[c], world)["total"] for c in base)
+    actor = est.call_time(g["actor_train"], first)["total"]
+    critic = est.call_time(g["critic_train"], second)["total"]
+    assert actor != critic
+
+    def moved(model):  # 1x1x2 -> 1x1x4: GPUs 2-3 (0-1) hold nothing of the actor (critic)
+        nbytes = mem.stage_params(TINY, model).per_gpu(1) * 4
+        return (9 * 2 + 3) * 1e-3 + nbytes / 1e9, nbytes
+
+    assert apart.reallocs["actor_train->actor_gen"] == pytest.approx(moved("actor"), rel=1e-12)
+    assert apart.reallocs["critic_train->critic_inf"] == pytest.approx(moved("critic"), rel=1e-12)
+    reallocs = moved("actor")[0] + moved("critic")[0]
+    assert apart.time_s == pytest.approx(others + max(actor, critic) + reallocs, rel=1e-12)
+    assert apart.train_overlap_s == pytest.approx(min(actor, critic), rel=1e-12) and apart.overlap_s == 0
+    assert apart.to_json()["train_overlap_s"] == apart.train_overlap_s
+    # on all GPUs: the plain sum, nothing saved, no reallocation
+    whole = S.evaluate(graph, S.Plan(dict(base, actor_train=world, critic_train=world)), est, cluster)
+    plain = others + sum(est.call_time(g[c], world)["total"] for c in ("actor_train", "critic_train"))
+    assert whole.train_overlap_s == 0.0 and all(t == 0 for t, _ in whole.reallocs.values())
+    assert whole.time_s == pytest.approx(plain, rel=1e-12)
+    # on overlapping GPUs (the critic on all, the actor on half): the GPUs of both pay both
+    part = S.evaluate(graph, S.Plan(dict(base, actor_train=first, critic_train=world)), est, cluster)
+    assert part.train_overlap_s == 0.0
+    assert part.time_s == pytest.approx(others + actor + est.call_time(g["critic_train"], world)["total"]
+                                        + moved("actor")[0], rel=1e-12)
+
+
+def test_the_search_trains_the_actor_and_critic_side_by_side_where_that_wins(monkeypatch):
+    """Training on either half is a candidate of the actor's and the critic's training
+    (never of generation, nor of the trainer space's one layout). With an optimizer step
+    that dominates (a cost per GPU's parameters that more data parallelism does not
+    shrink), two halves training at once beat one after the other on all GPUs, and the
+    trainer's flags place both."""
+    est, cluster, first, second = _train_halves_case(distributed_optimizer=False)
+    est.hw = dataclasses.replace(HW, optimizer_bytes_per_param=1e7)
+    graph = rlhf_graph(8, 6, 4, reference=False)
+    cands = S.candidates(graph, est, cluster)
+    for call in ("actor_train", "critic_train", "critic_inf"):
+        assert first in cands[call] and second in cands[call]
+    assert all(lay.size == 4 for lay in cands["actor_gen"])
+    seen = _record_plans(monkeypatch)
+    one = S.search(graph, est, cluster, space="trainer")
+    assert seen and all(lay.size == 4 for p in seen for lay in p.layouts.values())
+    assert all(lay.size == 4 for lay in one.default.plan.layouts.values())
+    found = S.search(graph, est, cluster, space="models")
+    lay = found.best.plan.layouts
+    assert found.method == "exhaustive" and found.best.fits
+    assert lay["actor_train"].ranks == (0, 1) and lay["critic_train"].ranks == (2, 3)
+    g = {c.name: c for c in graph.calls}
+    actor = est.call_time(g["actor_train"], lay["actor_train"])["total"]
+    critic = est.call_time(g["critic_train"], lay["critic_train"])["total"]
+    assert found.best.train_overlap_s == pytest.approx(min(actor, critic), rel=1e-12)
+    assert found.best.time_s < one.best.time_s
+    flags = S.trainer_flags(found.best.plan)
+    assert flags["train_layout"] == mem.layout_text(lay["actor_train"]) and "@" not in flags["train_layout"]
+    assert flags["critic_layout"] == mem.layout_text(lay["critic_train"]) and flags["critic_layout"].endswith("@2")
+    assert Layout.parse(flags["train_layout"]).size == Layout.parse(flags["critic_layout"]).size == 2
+
+
+def test_the_draft_distils_on_a_partial_train_layout_never(monkeypatch):
+    """The draft distils on the train layout only where that covers all GPUs: the trainer's
+    flags refuse a plan that puts it on half of them, and the models space's plans with the
+    actor training on half put the draft on the generation layout."""
+    est, cluster, first, second = _train_halves_case()
+    est.models["draft"] = TINY
+    graph = rlhf_graph(8, 6, 4, critic=False, reference=False, draft=True, draft_distill=True)
+    gen = Layout(tp=1, pp=1, dp=4)
+    with pytest.raises(ValueError, match="the draft distils on the train layout only where it covers all GPUs"):
+        S.trainer_flags(S.Plan({"actor_gen": gen, "actor_train": first, "draft_train": first}))
+    assert "draft_train_layout" not in S.trainer_flags(S.Plan({"actor_gen": gen, "actor_train": first,
+                                                               "draft_train": gen}))
+    world = Layout(tp=2, pp=1, dp=2)
+    assert S.trainer_flags(S.Plan({"actor_gen": gen, "actor_train": world, "draft_train": world})) == {
+        "train_layout": "2x1x2", "gen_layout": "1x4", "draft_train_layout": "train"}
+    seen = _record_plans(monkeypatch)
+    S.search(graph, est, cluster, space="models")
+    half = [p.layouts for p in seen if p.layouts["actor_train"].size == 2]
+    assert half and all(p["draft_train"] == p["actor_gen"] for p in half)
+    assert any(p.layouts["draft_train"] == p.layouts["actor_train"] != p.layouts["actor_gen"]
+               for p in seen)  # on all GPUs it may
+    # the draft's distillation reads the updated actor: after its training, even on other GPUs
+    ev = S.evaluate(graph, S.Plan({"actor_gen": gen, "actor_train": first, "draft_train": second}), est, cluster)
+    g = {c.name: c for c in graph.calls}
+    assert ev.train_overlap_s == 0.0
+    assert ev.time_s == pytest.approx(sum(est.call_time(g[c], lay)["total"] for c, lay in (
+        ("actor_gen", gen), ("actor_train", first), ("draft_train", second)))
+        + sum(t for t, _ in ev.reallocs.values()), rel=1e-12)
+
+
+def test_resident_weights_count_only_on_their_own_gpus():
+    """A training copy that stays on the GPUs counts on the GPUs of its layout, with the
+    stage it holds there: nothing on a call over other GPUs, the larger of two on GPUs
+    each model holds half of, the stage of the GPUs that share the call's."""
+    est, _, first, second = _train_halves_case()
+    o = mem.MemoryOptions(param_bytes=4)
+    ref = Call("ref_inf", "reference", "infer", 8, 6, 4)
+    gen = Call("actor_gen", "actor", "generate", 8, 6, 4)
+    world = Layout(tp=1, pp=1, dp=4)
+    actor = mem.stage_params(TINY, "actor").per_gpu(1) * 4
+    critic = mem.stage_params(TINY, "critic").per_gpu(1) * 4
+    assert est.call_memory(ref, second, {"actor": first}) == est.call_memory(ref, second, {})
+    assert est.call_memory(ref, second, {"actor": second}) == est.call_memory(ref, second, {}) + actor
+    bare = est.call_memory(gen, world, {})
+    assert est.call_memory(gen, world, {"actor": first, "critic": second}) == bare + max(actor, critic)
+    assert est.call_memory(gen, world, {"actor": world, "critic": world}) == bare + actor + critic
+    # the actor over 1x2x2: GPUs 2-3 hold its second stage (the final norm, a copy of the
+    # tied embedding), which is what a call on them carries beside itself
+    staged = Layout(tp=1, pp=2, dp=2)
+    last = mem.weight_bytes(TINY, "actor", staged, 1, o)
+    assert last != mem.weight_bytes(TINY, "actor", staged, 0, o)
+    assert est.call_memory(ref, second, {"actor": staged}) == est.call_memory(ref, second, {}) + last
 
 
 def test_annealing_is_deterministic_and_reaches_the_exhaustive_optimum(monkeypatch):
