@@ -175,10 +175,11 @@ class ModelConfig:
         return dataclasses.replace(self, **overrides)
 
 
-SUBSET_MODELS = ("reference", "reward", "critic_inf")
+SUBSET_MODELS = ("reference", "reward", "critic", "critic_inf")
 """Models whose layout may cover part of the world: the frozen reference and reward model,
-and the critic's inference copy (its weights reallocated there from the training copy,
-which covers the world, after each update)."""
+the critic's training (beside the actor's on other ranks, ``--train-layout`` over part of
+the world too) and its inference copy (its weights reallocated there from the training
+copy after each update)."""
 
 MODEL_LAYOUT_FLAGS = {"reference": "--ref-layout", "reward": "--reward-layout",
                       "critic": "--critic-layout", "critic_inf": "--critic-infer-layout"}
@@ -202,8 +203,11 @@ class ParallelConfig:
     """PP size of the train layout when ``train_layout`` is not given (generation never
     pipelines: with PP > 1 the actor gets a generation copy)."""
     train_layout: str | None = None
-    """``TPxPPxDP`` of training and inference (None: ``tensor_model_parallel_size`` x
-    ``pipeline_model_parallel_size`` x the rest of the world)."""
+    """``TPxPPxDP`` of the actor's training and of the other models without a layout of
+    their own (None: ``tensor_model_parallel_size`` x ``pipeline_model_parallel_size`` x
+    the rest of the world). With a ``gen_layout`` it may cover part of the world
+    (``TPxPPxDP@R``, ranks R..R+size-1): the actor then trains there only, beside the critic
+    on other ranks (``critic_layout``), and the generation layout's ranks hold the samples."""
     gen_layout: str | None = None
     """``TPxDP`` of generation (None: the train layout's TP x the rest of the world, i.e.
     no reallocation)."""
@@ -215,8 +219,9 @@ class ParallelConfig:
     """``TPxPPxDP[@R]`` of the reward model's inference (None: the train layout), as
     ``ref_layout``."""
     critic_layout: str | None = None
-    """``TPxPPxDP`` of the critic's training, and of its inference unless
-    ``critic_infer_layout`` says otherwise (None: the train layout)."""
+    """``TPxPPxDP[@R]`` of the critic's training, and of its inference unless
+    ``critic_infer_layout`` says otherwise (None: the train layout); over all ranks, or over
+    fewer (beside the actor's training on the others)."""
     critic_infer_layout: str | None = None
     """``TPxPPxDP[@R]`` of the critic's inference (values) when it differs from its training
     layout: a second critic copy there (over all ranks, or over fewer as ``ref_layout``),
@@ -277,7 +282,7 @@ class ParallelConfig:
     def model_layouts(self, world_size: int) -> dict:
         """``{name: Layout}`` of the models given a layout of their own (``reference``,
         ``reward``, ``critic``: its training) and of the critic's inference when given apart
-        (``critic_inf``); ValueError naming the flag when one does not cover the world."""
+        (``critic_inf``); ValueError naming the flag when one does not fit the world."""
         from megatron_rlhf.parallel.layout import Layout
 
         out = {}
@@ -285,16 +290,10 @@ class ParallelConfig:
             text = getattr(self, flag_field(flag))
             if text is None:
                 continue
-            lay = Layout.parse(text)
-            if name in SUBSET_MODELS:
-                if max(lay.ranks) >= world_size:
-                    raise ValueError(f"{flag} {text} needs ranks {lay.ranks[0]}..{lay.ranks[-1]}, the "
-                                     f"world has 0..{world_size - 1}: fewer ranks or a lower @FIRST_RANK")
-            elif lay.size != world_size or lay.first_rank != 0:
-                raise ValueError(f"{flag} {text} covers {lay.size} ranks from rank {lay.ranks[0]}, the "
-                                 f"world {world_size} from rank 0: TP x PP x DP must equal it (a layout "
-                                 "over fewer ranks, @FIRST_RANK, is for --ref-layout, --reward-layout "
-                                 "and --critic-infer-layout)")
+            lay = Layout.parse(text)  # (over all ranks or over fewer: SUBSET_MODELS)
+            if max(lay.ranks) >= world_size:
+                raise ValueError(f"{flag} {text} needs ranks {lay.ranks[0]}..{lay.ranks[-1]}, the "
+                                 f"world has 0..{world_size - 1}: fewer ranks or a lower @FIRST_RANK")
             out[name] = lay
         return out
 
@@ -306,9 +305,14 @@ class ParallelConfig:
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         if self.train_layout is not None:
             train = Layout.parse(self.train_layout)
-            if train.size != world_size or train.first_rank != 0:
-                raise ValueError(f"--train-layout {self.train_layout} covers {train.size} ranks, "
-                                 f"the world has {world_size}: TP x PP x DP must equal it")
+            if max(train.ranks) >= world_size:
+                raise ValueError(f"--train-layout {self.train_layout} needs ranks {train.ranks[0]}.."
+                                 f"{train.ranks[-1]}, the world has 0..{world_size - 1}: TP x PP x DP "
+                                 "must fit it")
+            if train.size != world_size and self.gen_layout is None:
+                raise ValueError(f"--train-layout {self.train_layout} covers {train.size} of the "
+                                 f"world's {world_size} ranks: give --gen-layout TPxDP over all of "
+                                 f"them (the actor then generates there), or TP x PP x DP = {world_size}")
         else:
             if world_size % (tp * pp):
                 raise ValueError(

@@ -337,6 +337,7 @@ class Predictor:
             for stage, names in STAGE_CALLS.items():
                 stages[stage] += sum(ev.calls[c]["total"] for c in names if c in ev.calls) / len(iterations)
             stages["time_experience_s"] -= ev.overlap_s / len(iterations)  # calls side by side
+            stages["time_train_s"] -= ev.train_overlap_s / len(iterations)
             stages["time_reallocate_s"] += sum(t for t, _ in ev.reallocs.values()) / len(iterations)
             for c, parts in ev.calls.items():
                 for k, v in parts.items():

@@ -152,6 +152,8 @@ def table(ev, title: str) -> str:
             lines.append(f"| reallocate {edge} | | {sec:.2f} | {nbytes / 2**20:.0f} MB per GPU | |")
     if ev.overlap_s > 0:
         lines.append(f"| inference calls on disjoint GPUs at once | | -{ev.overlap_s:.2f} | | |")
+    if ev.train_overlap_s > 0:
+        lines.append(f"| training calls on disjoint GPUs at once | | -{ev.train_overlap_s:.2f} | | |")
     lines.append(f"usable memory per GPU: {ev.capacity / memory.GB:.1f} GB")
     return "\n".join(lines)
 

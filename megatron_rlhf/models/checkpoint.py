@@ -190,14 +190,14 @@ def write_model(directory: Path, step: int, model, pg_collection, tokenizer=None
     """Write ``model`` into an existing ``directory`` (weights + metadata); collective.
 
     ``tokenizer`` (a HF tokenizer) is stored beside the weights so the checkpoint is
-    self-contained.
+    self-contained. A rank outside the model's layout (one over part of the world) passes
+    an :class:`~megatron_rlhf.parallel.reshard.Absent` copy and ``pg_collection`` None.
     """
-    from megatron.core import dist_checkpointing
-
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(sharded_state_dict(model, pg_collection), str(directory))
+    save_sharded(sharded_state_dict(model, pg_collection) if pg_collection is not None else None,
+                 directory)
     dist.barrier()
     if dist.get_rank() == 0:
         if tokenizer is not None:
@@ -211,6 +211,25 @@ def write_model(directory: Path, step: int, model, pg_collection, tokenizer=None
             "files": file_manifest(directory),
         }
         _atomic_write_text(directory / METADATA_FILE, json.dumps(meta, indent=1))
+
+
+def save_sharded(sd: dict | None, directory: Path) -> None:
+    """``dist_checkpointing.save(sd, directory)``, collective over the world, where some
+    ranks may hold no part of what is saved (``sd`` None: a model or optimizer on a layout
+    over part of the world). megatron writes the state dict's common (unsharded) part from
+    rank 0 alone, so every rank without a part takes the common part of the first rank with
+    one, and the checkpoint is whole wherever rank 0 is."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    common = None
+    if sd is not None:
+        common = extract_matching_values(sd, lambda v: isinstance(v, ShardedBase))[1]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (sd is not None, common))
+    first = next((c for held, c in everyone if held), None)
+    dist_checkpointing.save(sd if sd is not None else (first or {}), str(directory))
 
 
 def save_checkpoint(

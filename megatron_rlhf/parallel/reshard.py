@@ -49,15 +49,22 @@ def _copy_service():
 
 class Absent(torch.nn.Module):
     """A model's copy on a rank outside its layout (one over part of the world, e.g. the
-    critic's inference at ``--critic-infer-layout 1x1x2@2``): no parameters, only what
-    megatron's planner reads of a model on every rank (a ``pg_collection``, the
-    ``config``), so that this rank takes part in the reallocation, which is collective over
-    the world, and receives nothing."""
+    critic's inference at ``--critic-infer-layout 1x1x2@2`` or the actor's training at
+    ``--train-layout 1x1x2``): no parameters, only what megatron's planner reads of a model
+    on every rank (a ``pg_collection`` with a ``dp`` entry, the ``config``), so that this
+    rank takes part in the reallocation, which is collective over the world, sending and
+    receiving nothing; and the role and model config a checkpoint's metadata records
+    (``role``, ``model_config``), for a save of the model from ranks that do not hold it."""
 
-    def __init__(self, config):
+    def __init__(self, config, role: str | None = None, model_config=None):
         super().__init__()
+        import torch.distributed as dist
+
         self.config = config
-        self.pg_collection = types.SimpleNamespace()  # (no groups: no shard lives here)
+        # (no groups: no shard lives here; megatron fills a source's missing ``dp`` from its
+        # global parallel state, which this program does not set up)
+        self.pg_collection = types.SimpleNamespace(dp=dist.group.WORLD)
+        self.mrlhf_role, self.mrlhf_config = role, model_config
 
 
 @dataclass

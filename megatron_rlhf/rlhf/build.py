@@ -157,6 +157,9 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
         if not loop.draft_distill:
             raise ValueError("--draft-train-layout train places the draft's distillation: it needs "
                              "--draft-distill (or drop the flag)")
+        if train_layout.size != world_size:
+            raise ValueError(f"--draft-train-layout train needs a train layout over all {world_size} "
+                             f"ranks (it covers {train_layout.size}): use --draft-train-layout gen")
         if train_layout.pp != 1:
             raise ValueError(f"--draft-train-layout train needs a train layout without pipeline "
                              f"stages (it has PP={train_layout.pp}): the draft trains unpipelined; "
@@ -339,47 +342,64 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     from megatron_rlhf.rlhf.state import load_trainer_states
     from megatron_rlhf.parallel.groups import build_process_groups
     from megatron_rlhf.plan import memory as mem
+    from megatron_rlhf.parallel.reshard import Absent
     from megatron_rlhf.rlhf.trainer import Models, RLHFTrainer
 
     train_layout, gen_layout = plan.par.layouts(plan.world_size)
     own = plan.par.model_layouts(plan.world_size)
-    groups = {train_layout: pg}  # one set of process groups per distinct layout
+    groups = {train_layout: pg}  # one set of process groups per distinct layout (None: not here)
     for lay in own.values():
         if lay not in groups:
             groups[lay] = build_process_groups(lay)
-    pgs = {name: groups[lay] for name, lay in own.items()}
+    layouts = {name: own.get(name, train_layout) for name in ("reference", "reward", "critic")}
+    layouts["critic_inf"] = own.get("critic_inf", layouts["critic"])
+    pgs = {name: groups[lay] for name, lay in layouts.items()}
+    gen_pg = pg if gen_pg is None else gen_pg
+    # the ranks that hold the samples for the experience: the train layout's, or, where it
+    # covers part of the world, the generation layout's (the actor's calls are then placed)
+    anchor = pg if train_layout.size == plan.world_size else gen_pg
 
-    def held(name):  # None on the ranks outside a layout over part of the world
-        g = pgs.get(name, pg)
-        if g is None:
-            from megatron_rlhf.models.checkpoint import load_elsewhere
+    def held(name, lay, g, role=None, **kw):
+        """Checkpoint ``name`` as a ``role`` model in the process groups ``g`` of layout
+        ``lay``; on the ranks outside a layout over part of the world (``g`` None) an
+        :class:`~megatron_rlhf.parallel.reshard.Absent` copy, after this rank's part in the
+        load (the loader is collective over the world)."""
+        if g is not None:
+            return _model(plan, name, role or name, g, **kw)
+        from megatron_rlhf.models.builder import transformer_config
+        from megatron_rlhf.models.checkpoint import load_elsewhere
+        from megatron_rlhf.parallel.reshard import Absent
 
-            load_elsewhere(plan.infos[name].path)  # (the loader is collective over the world)
-            return None
-        return _model(plan, name, name, g)
+        info = plan.infos[name]
+        load_elsewhere(info.path)
+        return Absent(transformer_config(info.config, lay.tp, plan.dtype, lay.pp,
+                                         sequence_parallel=plan.par.sequence_parallel),
+                      role or name, info.config)
 
-    actor = _model(plan, "actor", "actor", pg, trains=True)
-    models = Models(actor=_trainee(plan, actor, pg, plan.optim.lr, True), reference=held("reference"))
-    places = {n: pgs[n] for n in ("reference", "reward") if n in pgs}  # call -> its process groups
+    def trainee(model, g, lr):  # None outside its layout
+        return _trainee(plan, model, g, lr, True) if g is not None else None
+
+    actor = held("actor", train_layout, pg, trains=True)
+    models = Models(actor=trainee(actor, pg, plan.optim.lr),
+                    reference=held("reference", layouts["reference"], pgs["reference"]))
+    places = {"reference": pgs["reference"]}  # call -> its process groups
+    critic = None
     if plan.ppo.use_critic:
         skip = ("output_layer.",) if plan.infos["critic"].role not in ("critic", "reward") else ()
-        critic_pg = pgs.get("critic", pg)
-        critic = _model(plan, "critic", "critic", critic_pg, skip=skip, trains=True)
-        models.critic = _trainee(plan, critic, critic_pg, plan.optim.critic_lr, True)
-        infer_pg = pgs.get("critic_inf", critic_pg)
-        if infer_pg is not critic_pg:  # a second copy (None: not here); its weights follow each update
-            if infer_pg is None:  # outside its layout over part of the world
-                from megatron_rlhf.models.checkpoint import load_elsewhere
-                from megatron_rlhf.parallel.reshard import Absent
-
-                load_elsewhere(plan.infos["critic"].path)  # (the loader is collective over the world)
-                models.critic_inf = Absent(critic.config)
-            else:
-                models.critic_inf = _model(plan, "critic", "critic", infer_pg, skip=skip)
-        places.update(critic=infer_pg, critic_train=critic_pg)
+        critic = held("critic", layouts["critic"], pgs["critic"], skip=skip, trains=True)
+        models.critic = trainee(critic, pgs["critic"], plan.optim.critic_lr)
+        if layouts["critic_inf"] != layouts["critic"]:  # a second copy; its weights follow each update
+            models.critic_inf = held("critic", layouts["critic_inf"], pgs["critic_inf"], skip=skip)
+        places.update(critic=pgs["critic_inf"], critic_train=pgs["critic"])
     if "reward" in plan.infos:
-        models.reward_model = held("reward")
-    gen_pg = pg if gen_pg is None else gen_pg
+        models.reward_model = held("reward", layouts["reward"], pgs["reward"])
+        places["reward"] = pgs["reward"]
+    places["actor_train"] = pg
+    if plan.ppo.recompute_logprobs is None:
+        plan.ppo.recompute_logprobs = recompute_by_default(plan.dtype, plan.gen)
+    if plan.ppo.recompute_logprobs:  # the old log-probs: a forward of the actor's training copy
+        places["actor"] = pg
+    models.elsewhere = {name: m for name, m in (("actor", actor), ("critic", critic)) if isinstance(m, Absent)}
     if gen_pg is not pg:
         models.actor_gen = _model(plan, "actor", "actor", gen_pg, whole_sequences=False)
     if "draft" in plan.infos:
@@ -391,27 +411,22 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
             models.draft_trainee = _trainee(plan, trained, draft_pg, plan.optim.draft_lr, False)
     start = 0
     if plan.resume_dir is not None:
-        trainees = {"actor": models.actor, "critic": models.critic, "draft": models.draft_trainee}
-        load_trainer_states(plan.resume_dir, {k: v for k, v in trainees.items() if v is not None})
+        load_trainer_states(plan.resume_dir, models.trainees(plan.ppo.use_critic))
         start = plan.resume_state["iteration"]
     tok = plan.tokenizer
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
     eos = plan.infos["actor"].config.eos_token_id
     generator = Generator(models.generating_actor, models.draft, pad_id=pad)
-    if plan.ppo.recompute_logprobs is None:
-        plan.ppo.recompute_logprobs = recompute_by_default(plan.dtype, plan.gen)
     from megatron_rlhf.rlhf.placement import Elsewhere
 
     def here(model, name):  # what the experience maker calls: the model, or where it is not
-        from megatron_rlhf.parallel.reshard import Absent
-
         return Elsewhere(name) if model is None or isinstance(model, Absent) else model
 
     reward_model = here(models.reward_model, "reward") if plan.paths.reward else None
-    critic = here(models.inferring_critic, "critic") if models.critic is not None else None
-    maker = ExperienceMaker(plan.ppo, here(models.reference, "reference"), actor=actor,
+    critic = here(models.inferring_critic, "critic") if plan.ppo.use_critic else None
+    maker = ExperienceMaker(plan.ppo, here(models.reference, "reference"), actor=here(actor, "actor"),
                             critic=critic, reward_model=reward_model, reward_fn=plan.reward_fn,
-                            tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=pg.dp, gen=plan.gen)
+                            tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=anchor.dp, gen=plan.gen)
     run_info = {"tp": train_layout.tp, "seed": plan.loop.seed,
                 "train_layout": mem.layout_text(train_layout),
                 "gen_layout": mem.layout_text(gen_layout, pipeline=False),
@@ -421,8 +436,8 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
                 **{f"{n}_layout": mem.layout_text(lay) for n, lay in own.items()},
                 "actor_init": str(plan.paths.actor), "reference": str(plan.infos["reference"].path)}
     return RLHFTrainer(models, generator, maker, plan.ppo, plan.loop, plan.gen, plan.spec,
-                       plan.prompts, plan.prompt_ids, pg, tokenizer=tok, save_dir=plan.save_dir,
+                       plan.prompts, plan.prompt_ids, anchor, tokenizer=tok, save_dir=plan.save_dir,
                        log_dir=plan.log_dir, start_iteration=start, run_info=run_info,
                        migration=plan.migration, gen_pg=gen_pg,
                        release_train_copy=plan.par.release_train_copy,
-                       model_pgs={n: g for n, g in places.items() if g is not pg})
+                       model_pgs={n: g for n, g in places.items() if g is not anchor})

@@ -74,6 +74,11 @@ def reward_model_scores(model, exp: Experience, micro_batch_size: int) -> torch.
     return torch.cat(map_micro_batches(model, exp.split(micro_batch_size), fn))
 
 
+TRAINING_INPUTS = {"actor_train": ("old_logprobs", "ref_logprobs", "advantages"),
+                   "critic_train": ("values", "returns")}
+"""The per-token fields each training call reads besides the tokens."""
+
+
 class ExperienceMaker:
     """Scores and annotates rollouts with the reference, critic and reward.
 
@@ -101,7 +106,8 @@ class ExperienceMaker:
         if self.recompute and actor is None:
             raise ValueError("recompute_logprobs needs the actor")
         self.placed: dict = {}
-        """Call (``reference``, ``critic``, ``reward``: inference; ``critic_train``) -> this
+        """Call (``reference``, ``critic``, ``reward``, ``actor``: inference, the last the old
+        log-probs' recompute; ``actor_train``, ``critic_train``) -> this
         rank's :class:`~megatron_rlhf.rlhf.placement.Share` of the iteration's samples, for
         the calls on a layout of their own (set per iteration; an empty share on the ranks
         outside a layout over part of the world)."""
@@ -119,9 +125,9 @@ class ExperienceMaker:
         exp.old_logprobs = _pad_to(generation_logprobs(rollout, self.gen).float(), mask.shape[1]) * mask
         sample_ids = list(range(first_index, first_index + len(prompts)))
         self._tokens = placement.gather_rows(sample_ids, list(zip(prompts, responses))) if self.placed else {}
-        if self.recompute:
-            exp.old_logprobs = response_logprobs(self.actor, exp, mbs)
         self._tables = self._placed_tables()
+        if self.recompute:
+            exp.old_logprobs = self._placed_rows("actor", exp, sample_ids)
         exp.ref_logprobs = self._placed_rows("reference", exp, sample_ids)
         exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
         exp.scores = self._scores(exp, prompts, prompt_texts, responses, rollout, first_index).to(dev)
@@ -169,7 +175,7 @@ class ExperienceMaker:
     def _inference_calls(self) -> dict:
         """Inference call -> (its model, the function computing its per-sample results)."""
         return {"reference": (self.reference, response_logprobs), "critic": (self.critic, response_values),
-                "reward": (self.reward_model, reward_model_scores)}
+                "reward": (self.reward_model, reward_model_scores), "actor": (self.actor, response_logprobs)}
 
     def _placed_rows(self, name: str, exp: Experience, sample_ids) -> torch.Tensor:
         """Inference call ``name``'s results for this rank's samples: computed here, or, for a
@@ -183,18 +189,22 @@ class ExperienceMaker:
         return platform.padded(mine, 0, mine[0].dtype, width=exp.response_mask.shape[1])
 
     def on_layout(self, exp: Experience, name: str, sample_ids: list[int]) -> Experience:
-        """The batch that model ``name`` (on a layout of its own) trains on: the samples of its
-        data-parallel ranks with their values and returns (the critic's PPO inputs)."""
-        share = self.placed[name]
-        values, returns = exp.values.detach().cpu(), exp.returns.detach().cpu()
-        rows = [(self._tokens[s], values[i, :len(self._tokens[s][1])].clone(),
-                 returns[i, :len(self._tokens[s][1])].clone()) for i, s in enumerate(sample_ids)]
+        """The batch that training call ``name`` (``actor_train``, ``critic_train``: on a
+        layout of its own) trains on: the samples of its data-parallel ranks with their PPO
+        inputs (:data:`TRAINING_INPUTS`); collective over the world. None on the ranks
+        outside a layout over part of the world."""
+        share, fields = self.placed[name], TRAINING_INPUTS[name]
+        host = {f: getattr(exp, f).detach().cpu() for f in fields}
+        rows = [(self._tokens[s], [host[f][i, :len(self._tokens[s][1])].clone() for f in fields])
+                for i, s in enumerate(sample_ids)]
         table = placement.gather_rows(sample_ids, rows)
+        if not share.sample_ids:
+            return None
         theirs = [table[s] for s in share.sample_ids]
-        batch = self._batch([tok[0] for tok, _, _ in theirs], [tok[1] for tok, _, _ in theirs])
+        batch = self._batch([tok[0] for tok, _ in theirs], [tok[1] for tok, _ in theirs])
         width = batch.response_mask.shape[1]
-        batch.values = platform.padded([v for _, v, _ in theirs], 0, exp.values.dtype, width=width)
-        batch.returns = platform.padded([r for _, _, r in theirs], 0, exp.returns.dtype, width=width)
+        for j, f in enumerate(fields):
+            setattr(batch, f, platform.padded([cols[j] for _, cols in theirs], 0, host[f].dtype, width=width))
         return batch
 
     def _scores(self, exp, prompts, prompt_texts, responses, rollout, first_index):

@@ -19,10 +19,12 @@ On CPU megatron's optimizer runs inside :func:`megatron_rlhf.platform.cuda_as_cp
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megatron_rlhf import platform
 from megatron_rlhf.config import OptimConfig
@@ -99,6 +101,34 @@ def inner_optimizers(optimizer) -> list:
     return [opt.optimizer for opt in chained(optimizer)]
 
 
+@contextlib.contextmanager
+def _param_groups_aligned_within(pg):
+    """megatron's optimizer aligns its parameter groups over the whole world (an
+    ``all_gather_object`` of their keys into a list of world size), which the ranks outside a
+    layout over part of the world (the critic's training at ``--critic-layout 1x1x2@2``) do
+    not join: within this, such gathers run over the layout's own ranks, the other entries
+    empty."""
+    everyone = pg.intra_dist_opt  # (the whole layout: see parallel.groups)
+    world = dist.get_world_size()
+    if everyone.size() == world:
+        yield
+        return
+    gather = dist.all_gather_object
+
+    def within(out, obj, group=None):
+        if group is not None or len(out) != world:
+            return gather(out, obj, group=group)
+        mine = [None] * everyone.size()
+        gather(mine, obj, group=everyone)
+        out[:] = mine + [[] for _ in range(world - len(mine))]
+
+    dist.all_gather_object = within
+    try:
+        yield
+    finally:
+        dist.all_gather_object = gather
+
+
 def build_trainee(model: torch.nn.Module, pg, cfg: OptimConfig, lr: float,
                   schedule: tuple[float, int, int] | None = None) -> Trainee:
     """Wrap ``model`` in megatron's DDP and build its AdamW (no weight decay on norms and
@@ -122,8 +152,9 @@ def build_trainee(model: torch.nn.Module, pg, cfg: OptimConfig, lr: float,
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
             clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
             use_distributed_optimizer=cfg.use_distributed_optimizer)
-        optimizer = get_megatron_optimizer(opt_cfg, [ddp], pg_collection=pg,
-                                           use_gloo_process_groups=False)
+        with _param_groups_aligned_within(pg):
+            optimizer = get_megatron_optimizer(opt_cfg, [ddp], pg_collection=pg,
+                                               use_gloo_process_groups=False)
     min_lr, warmup, total = schedule or (lr, 0, 1)
     scheduler = WarmupCosine(optimizer, lr, min_lr, warmup, total)
     return Trainee(model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler, pg=pg)

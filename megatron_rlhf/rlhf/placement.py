@@ -35,7 +35,8 @@ class Share:
     sample_ids: list[int]
 
 
-def _all_gather(obj) -> list:
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj``, in rank order (a world all-gather)."""
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -46,7 +47,7 @@ def gather_tables(mine: dict[str, tuple[list[int], list]]) -> dict[str, dict]:
     sample index: row}}``, on every rank, in one world all-gather (TP and PP ranks of one
     data-parallel rank give the same rows; a rank may have none)."""
     tables: dict[str, dict] = {}
-    for theirs in _all_gather({k: (list(ids), rows) for k, (ids, rows) in mine.items()}):
+    for theirs in all_gather_object({k: (list(ids), rows) for k, (ids, rows) in mine.items()}):
         for name, (ids, rows) in theirs.items():
             tables.setdefault(name, {}).update(zip(ids, rows))
     return tables

@@ -39,6 +39,7 @@ from megatron_rlhf.models.checkpoint import (
     commit_iteration,
     file_manifest,
     prune_iterations,
+    save_sharded,
     tracked_iteration,
     verify_manifest,
     write_model,
@@ -126,10 +127,13 @@ def _load_optimizer(optimizer, state: dict) -> None:
 def save_training(root: str | os.PathLike, iteration: int, models: dict, trainees: dict,
                   state: dict, tokenizer=None, keep_last: int = 0) -> Path:
     """Save a resumable checkpoint; collective over the world. ``models``: name -> (model,
-    pg); ``trainees``: name -> :class:`~megatron_rlhf.rlhf.optim.Trainee` (all under one
-    layout); ``state``: JSON-able loop state (data position, layout, ...). ``keep_last`` > 0
-    deletes older checkpoints once this one is committed."""
-    for t in trainees.values():  # (weights read directly: no pending overlapped gather)
+    pg; an :class:`~megatron_rlhf.parallel.reshard.Absent` copy and None on the ranks
+    outside a layout over part of the world); ``trainees``: name ->
+    :class:`~megatron_rlhf.rlhf.optim.Trainee` (None on the ranks outside its layout);
+    ``state``: JSON-able loop state (data position, layout, ...). ``keep_last`` > 0 deletes
+    older checkpoints once this one is committed."""
+    held = {n: t for n, t in trainees.items() if t is not None}
+    for t in held.values():  # (weights read directly: no pending overlapped gather)
         t.gather_params()
     tmp = begin_iteration(root, iteration)
     for name, (model, pg) in models.items():
@@ -138,14 +142,15 @@ def save_training(root: str | os.PathLike, iteration: int, models: dict, trainee
     if rank == 0:
         (tmp / "trainer").mkdir()
     dist.barrier()
-    from megatron.core import dist_checkpointing
-
     for name, t in trainees.items():
         if rank == 0:
             (tmp / "trainer" / f"optim_{name}").mkdir()
         dist.barrier()
-        dist_checkpointing.save(_optimizer_state(t, is_loading=False), str(tmp / "trainer" / f"optim_{name}"))
-    state = dict(state, schedulers={n: t.scheduler.state_dict() for n, t in trainees.items()})
+        save_sharded(_optimizer_state(t, is_loading=False) if t is not None else None,
+                     tmp / "trainer" / f"optim_{name}")
+    schedulers = [None] * dist.get_world_size()  # (rank 0 writes them: it may hold not every trainee)
+    dist.all_gather_object(schedulers, {n: t.scheduler.state_dict() for n, t in held.items()})
+    state = dict(state, schedulers={n: s[n] for s in reversed(schedulers) for n in s})
     torch.save(rng_state(), tmp / "trainer" / f"rng_{rank:05d}.pt")
     dist.barrier()
     if os.environ.get(KILL_IN_SAVE_ENV) == str(iteration):
@@ -192,13 +197,17 @@ def read_training_state(d: Path) -> dict:
 
 def load_trainer_states(d: Path, trainees: dict) -> None:
     """Restore this rank's optimizers (resharded to this layout), LR schedules and, where
-    the world size is unchanged, RNG states."""
+    the world size is unchanged, RNG states; collective over the world (``trainees``: name
+    -> Trainee, None on the ranks outside its layout)."""
     from megatron.core import dist_checkpointing
 
     from megatron_rlhf import platform
 
     meta = read_training_state(d)
     for name, t in trainees.items():
+        if t is None:  # outside its layout: this rank's part in the (collective) load
+            dist_checkpointing.load({}, str(d / "trainer" / f"optim_{name}"))
+            continue
         state = dist_checkpointing.load(_optimizer_state(t, is_loading=True),
                                         str(d / "trainer" / f"optim_{name}"))
         with platform.cuda_as_cpu():

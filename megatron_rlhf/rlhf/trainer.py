@@ -24,7 +24,7 @@ generation (:mod:`megatron_rlhf.generation.migration`) and come back for the exp
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from megatron_rlhf.config import GenerationConfig, LoopConfig, MigrationConfig, 
 from megatron_rlhf.data.sampler import batch_indices
 from megatron_rlhf.rlhf import offload
 from megatron_rlhf.rlhf.experience import ExperienceMaker
+from megatron_rlhf.rlhf import placement
 from megatron_rlhf.rlhf.placement import Share
 from megatron_rlhf.rlhf.metrics import MetricsLog, progress
 from megatron_rlhf.rlhf.state import save_training
@@ -46,11 +47,13 @@ from megatron_rlhf.rlhf.update import train_actor, train_critic, train_draft
 class Models:
     """The models of a run, built and loaded on this rank."""
 
-    actor: Trainee
-    reference: torch.nn.Module | None
-    """None on the ranks outside a reference layout over part of the world (so for
-    ``reward_model``)."""
+    actor: Trainee | None
+    """None on the ranks outside a train layout over part of the world (see ``elsewhere``)."""
+    reference: torch.nn.Module
+    """An :class:`~megatron_rlhf.parallel.reshard.Absent` copy on the ranks outside a
+    reference layout over part of the world (so for ``reward_model`` and ``critic_inf``)."""
     critic: Trainee | None = None
+    """None without a critic, and on the ranks outside its layout over part of the world."""
     draft: torch.nn.Module | None = None
     draft_trainee: Trainee | None = None
     reward_model: torch.nn.Module | None = None
@@ -60,9 +63,12 @@ class Models:
 
     critic_inf: torch.nn.Module | None = None
     """The critic in its inference layout, when it differs from its training layout; its
-    weights are reallocated from ``critic`` after each update (an
-    :class:`~megatron_rlhf.parallel.reshard.Absent` copy on the ranks outside a layout over
-    part of the world)."""
+    weights are reallocated from ``critic`` after each update."""
+
+    elsewhere: dict = field(default_factory=dict)
+    """``actor``/``critic`` -> an :class:`~megatron_rlhf.parallel.reshard.Absent` copy, on the
+    ranks outside a training layout over part of the world: what they pass to the
+    reallocations and checkpoint saves (collective over the world) in its place."""
 
     @property
     def generating_actor(self) -> torch.nn.Module:
@@ -79,12 +85,26 @@ class Models:
         """The draft distils on a copy of its own in the train layout (``--draft-train-layout train``)."""
         return self.draft_trainee is not None and self.draft_trainee.model is not self.draft
 
+    def trained(self, name: str) -> tuple[torch.nn.Module | None, object]:
+        """``(model, process groups)`` of trained model ``name`` (``actor``, ``critic``):
+        its training copy, or its ``Absent`` stand-in and None outside its layout (None,
+        None: no such model)."""
+        t = {"actor": self.actor, "critic": self.critic}[name]
+        return (t.model, t.pg) if t is not None else (self.elsewhere.get(name), None)
+
+    def trainees(self, critic: bool) -> dict:
+        """The optimizers a checkpoint holds: name -> Trainee, None on the ranks outside its
+        layout (the same names on every rank)."""
+        out = {"actor": self.actor, **({"critic": self.critic} if critic else {})}
+        return {**out, **({"draft": self.draft_trainee} if self.draft_trainee is not None else {})}
+
     def copies(self) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
         """``(trained, copy)`` pairs of the models with a second layout, whose weights move
-        from the first to the second after every update."""
-        pairs = [(self.actor, self.actor_gen), (self.critic, self.critic_inf),
-                 (self.draft_trainee, self.draft if self.draft_on_train_layout else None)]
-        return [(t.model, c) for t, c in pairs if t is not None and c is not None]
+        from the first to the second after every update (either may be ``Absent``)."""
+        draft = self.draft_trainee.model if self.draft_on_train_layout else None
+        pairs = [(self.trained("actor")[0], self.actor_gen), (self.trained("critic")[0], self.critic_inf),
+                 (draft, self.draft if draft is not None else None)]
+        return [(t, c) for t, c in pairs if t is not None and c is not None]
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
@@ -125,8 +145,7 @@ class RLHFTrainer:
         if migration.enabled(self.gen_pg.dp.size()):
             from megatron_rlhf.generation.migration import Migrator
 
-            dev = next(models.actor.model.parameters()).device
-            self.migrator = Migrator(self.gen_pg.dp, migration, dev, tp_group=self.gen_pg.tp)
+            self.migrator = Migrator(self.gen_pg.dp, migration, platform.device(), tp_group=self.gen_pg.tp)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[dict]:
@@ -163,22 +182,24 @@ class RLHFTrainer:
     def iteration(self, it: int) -> dict:
         m, stages = self.m, offload.StageMemory()
         gen_ids, _, gen_sids = self._my_samples(it, self.gen_pg.dp)
-        host, dev = torch.device("cpu"), next(m.actor.model.parameters()).device
+        host, dev = torch.device("cpu"), platform.device()
         with stages.stage("rollout"):
             for t in (m.actor, m.critic, m.draft_trainee):
                 if t is not None:
                     offload.park_trainee(t, host=True)
-            if self.release_train_copy:  # generation has its own copy: the training one waits
+            if self.release_train_copy and m.actor is not None:  # generation has its own copy: the training one waits
                 offload.release_weights(m.actor, host=True, force=True)
             generated = self.generator.generate(gen_ids, self.gen, self.spec,
                                                 seed=iteration_seed(self.loop.seed, it),
                                                 sample_ids=gen_sids, migrator=self.migrator)
             self.generator.release()  # the KV cache store (and its graphs) until the next rollout
-            offload.release_weights(m.actor, host=False, force=True)
+            if m.actor is not None:
+                offload.release_weights(m.actor, host=False, force=True)
         ids, texts, sids = self._my_samples(it, self.pg.dp)
         rollout = generated
-        if m.actor_gen is not None:  # to the train layout's data-parallel ranks
+        if self.pg is not self.gen_pg:  # to the train layout's data-parallel ranks
             rollout = regroup(generated, gen_sids, self.gen_pg, sids, ids, self.generator.pad_id)
+        if m.actor_gen is not None:
             offload.move_model(m.actor_gen, host)
         inferring = [x for x in (m.reference, m.reward_model, m.critic_inf) if x is not None]
         with stages.stage("experience"):
@@ -194,10 +215,7 @@ class RLHFTrainer:
             for t in (m.actor, m.critic):
                 if t is not None:
                     offload.park_trainee(t, host=False)
-            metrics.update(train_actor(m.actor, exp, self.ppo))
-            if m.critic is not None:
-                on = self.maker.on_layout(exp, "critic_train", sids) if "critic_train" in self.model_pgs else exp
-                metrics.update(train_critic(m.critic, on, self.ppo))
+            metrics.update(self._train(exp, sids))
             for t in (m.actor, m.critic):  # (generation and reallocation read weights directly)
                 if t is not None:
                     t.gather_params()
@@ -221,6 +239,26 @@ class RLHFTrainer:
         metrics.update(stages.metrics)
         metrics["time_iteration_s"] = sum(v for k, v in stages.metrics.items() if k.startswith("time_"))
         return metrics
+
+    def _train(self, exp, sample_ids: list[int]) -> dict:
+        """PPO for the actor and the critic, each on its layout's data-parallel ranks (the
+        batch moved there when its layout is not the one holding the samples); on disjoint
+        ranks the two train at the same time. Their metrics, on every rank."""
+        m, out = self.m, {}
+        calls = [("actor_train", m.actor, train_actor)]
+        if self.ppo.use_critic:
+            calls.append(("critic_train", m.critic, train_critic))
+        batches = {name: self.maker.on_layout(exp, name, sample_ids) if name in self.model_pgs else exp
+                   for name, _, _ in calls}  # (collective over the world: every rank, in order)
+        for name, trainee, train in calls:
+            if trainee is not None:
+                out.update(train(trainee, batches[name], self.ppo))
+        if not any(name in self.model_pgs for name, _, _ in calls):
+            return out
+        merged = {}  # (a model's metrics are the same on every rank of its layout)
+        for theirs in placement.all_gather_object(out):
+            merged.update(theirs)
+        return merged
 
     def _distil(self, batch, teacher) -> dict:
         """One distillation step of the draft towards ``teacher`` (the updated actor) on ``batch``."""
@@ -276,15 +314,10 @@ class RLHFTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self, it: int) -> None:
         m = self.m
-        models = {"actor": (m.actor.model, m.actor.pg)}
-        trainees = {"actor": m.actor}
-        if m.critic is not None:
-            models["critic"] = (m.critic.model, m.critic.pg)
-            trainees["critic"] = m.critic
+        models = {name: m.trained(name) for name in ("actor", "critic")[:1 + self.ppo.use_critic]}
         if m.draft is not None:  # (the generation copy: equal to a training copy after the reallocation)
             models["draft"] = (m.draft, self.gen_pg)
-        if m.draft_trainee is not None:
-            trainees["draft"] = m.draft_trainee
+        trainees = m.trainees(self.ppo.use_critic)
         state = dict(self.run_info, consumed_prompts=it * self.ppo.global_batch_size,
                      ppo=asdict(self.ppo), loop=asdict(self.loop))
         save_training(self.save_dir, it, models, trainees, state, self.tokenizer,

@@ -219,6 +219,34 @@ def test_reference_and_reward_model_on_disjoint_ranks(world1, tmp_path):
         ("1x1x2", "1x1x2@2", "1x1x2@2"), state
 
 
+def test_actor_and_critic_train_on_disjoint_ranks(world1, tmp_path):
+    """ReaLHF's concurrent training: on 4 ranks the actor trains at DP=2 on ranks 0-1 while
+    the critic trains at DP=2 on ranks 2-3 (each built there only), generation over all
+    four (the generation layout's ranks hold the samples); the old log-probs are recomputed
+    on the actor's ranks, the reference infers there, the critic's values on its own; the
+    actor's weights are reallocated from its two ranks to all four. Trained one iteration,
+    saved (each model and optimizer by the ranks that hold it; rank 0 holds no critic),
+    resumed for the second: the weights and metrics of one process after 2 iterations."""
+    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
+    flags = dict(FLAGS, recompute_logprobs=True)
+    run1, run2 = tmp_path / "one", tmp_path / "apart"
+    apart = [*F.train_args(actor, prompts, run2, **flags), "--train-layout", "1x1x2",
+             "--critic-layout", "1x1x2@2", "--gen-layout", "1x4"]
+    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, **flags), 4,
+                        [*apart, "--train-iters", "1"])
+    torchrun(4, ["-m", "megatron_rlhf.train", *apart, "--load", str(run2 / "save")])
+    _compare(run1, run2, 2, _load(actor, "actor", world1), world1)
+    m1, m2 = F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log")
+    assert [m["iteration"] for m in m2] == [1, 2]
+    for a, b in zip(m1, m2, strict=True):
+        F.assert_metrics_equal(a, b)
+        assert b["realloc_mb"] > 0 and b["critic_grad_norm"] > 0 and b["actor_grad_norm"] > 0, b
+    state = json.loads((run2 / "save" / "iter_0000002" / "trainer" / "state.json").read_text())
+    assert (state["train_layout"], state["critic_layout"]) == ("1x1x2", "1x1x2@2"), state
+    assert set(state["schedulers"]) == {"actor", "critic"}, state
+
+
 def test_draft_distilled_on_the_train_layout(world1, tmp_path):
     """``--draft-train-layout train``: the draft distils on a copy of its own at TP=2 (the
     train layout), taught by the actor's training copy, its weights reallocated to the

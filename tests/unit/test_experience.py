@@ -75,14 +75,21 @@ def test_a_model_on_a_layout_of_its_own_gives_the_same_experience(world1):
     ppo = PPOConfig(global_batch_size=3, rollout_n=1, micro_batch_size=2, advantage_estimator="gae")
     maker = ExperienceMaker(ppo, ref, critic=critic, reward_model=reward)
     here = maker.make(PROMPTS, ["a", "b", "c"], Rollout(), first_index=10)
-    maker.placed = {n: Share([12, 10, 11]) for n in ("reference", "critic", "reward")}
+    maker.placed = {n: Share([12, 10, 11]) for n in ("reference", "critic", "reward", "critic_train")}
+    maker.placed["actor_train"] = Share([11])
     apart = maker.make(PROMPTS, ["a", "b", "c"], Rollout(), first_index=10)
     for f in ("ref_logprobs", "scores", "values", "returns", "advantages"):
         torch.testing.assert_close(getattr(apart, f), getattr(here, f), rtol=1e-5, atol=1e-6, msg=f)
-    batch = maker.on_layout(apart, "critic", [10, 11, 12])  # the critic's samples: 12, 10, 11
-    assert batch.input_ids.shape[0] == 3
-    for row, i in enumerate([2, 0, 1]):
-        n = len(RESPONSES[i])
-        torch.testing.assert_close(batch.values[row, :n], here.values[i, :n])
-        torch.testing.assert_close(batch.returns[row, :n], here.returns[i, :n])
-        assert batch.response_mask[row].sum() == n
+    # the training calls' batches: the critic's samples 12, 10, 11, the actor's 11
+    for name, order, fields in (("critic_train", [2, 0, 1], ("values", "returns")),
+                                ("actor_train", [1], ("old_logprobs", "ref_logprobs", "advantages"))):
+        batch = maker.on_layout(apart, name, [10, 11, 12])
+        assert batch.input_ids.shape[0] == len(order)
+        for row, i in enumerate(order):
+            n = len(RESPONSES[i])
+            for f in fields:
+                torch.testing.assert_close(getattr(batch, f)[row, :n], getattr(here, f)[i, :n], msg=f)
+            assert batch.response_mask[row].sum() == n
+            assert batch.input_ids[row, -batch.response_mask.shape[1]:][:n].tolist() == RESPONSES[i]
+    maker.placed["actor_train"] = Share([])  # a rank outside the actor's layout
+    assert maker.on_layout(apart, "actor_train", [10, 11, 12]) is None

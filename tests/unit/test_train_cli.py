@@ -52,7 +52,10 @@ CASES = [
      "does not exist"),
     ("train_layout_not_the_world",
      dict(train_layout="2x1x2"), 2,
-     "--train-layout 2x1x2 covers 4 ranks, the world has 2: TP x PP x DP must equal it"),
+     "--train-layout 2x1x2 needs ranks 0..3, the world has 0..1: TP x PP x DP must fit it"),
+    ("train_layout_on_part_of_the_world_without_a_gen_layout",
+     dict(train_layout="1x1x1@1"), 2,
+     "--train-layout 1x1x1@1 covers 1 of the world's 2 ranks: give --gen-layout TPxDP over all of them"),
     ("gen_layout_not_the_world",
      dict(gen_layout="1x4"), 2,
      "--gen-layout 1x4 covers 4 ranks, the world has 2: TP x DP must equal it (e.g. --gen-layout 1x2)"),
@@ -68,11 +71,11 @@ CASES = [
     ("ref_layout_beyond_the_world",
      dict(ref_layout="1x1x2@1"), 2,
      "--ref-layout 1x1x2@1 needs ranks 1..2, the world has 0..1: fewer ranks or a lower @FIRST_RANK"),
-    ("critic_layout_on_part_of_the_world",
-     dict(critic_layout="1x1x1@1"), 2,
-     "--critic-layout 1x1x1@1 covers 1 ranks from rank 1, the world 2 from rank 0: TP x PP x DP must "
-     "equal it (a layout over fewer ranks, @FIRST_RANK, is for --ref-layout, --reward-layout and "
-     "--critic-infer-layout)"),
+    ("draft_train_layout_on_part_of_the_world",
+     lambda f: dict(draft_train_layout="train", train_layout="1x1x1", gen_layout="1x2",
+                    draft_load=f["actor"], draft_distill=True, num_draft_tokens=2), 2,
+     "--draft-train-layout train needs a train layout over all 2 ranks (it covers 1): use "
+     "--draft-train-layout gen"),
     ("reward_layout_without_a_reward_model",
      dict(reward_layout="1x1x2"), 2,
      "--reward-layout places a model this run does not have (the reward): drop it"),
