@@ -187,63 +187,36 @@ def test_generation_layout_trains_as_one_layout(world1, tmp_path, train_layout, 
             assert state[f"{model}_layout"] == extra[extra.index(flag) + 1], state
 
 
-def test_reference_and_reward_model_on_disjoint_ranks(world1, tmp_path):
-    """ReaLHF's concurrent calls: on 4 ranks the reference infers on ranks 0-1 while a reward
-    model and the critic's inference copy infer on ranks 2-3 (each built on its two ranks
-    only; the critic's weights reallocated there from its training at TP=2 x DP=2 over all
-    four after each update, ranks 0-1 taking part with no copy), training at TP=2 x DP=2:
-    after 2 iterations the weights and metrics of one process (the critic's second update
-    learns from the values of the reallocated copy)."""
-    from megatron_rlhf.config import preset
-    from megatron_rlhf.models.checkpoint import save_checkpoint
-
-    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
-    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
-    rm = build_model(preset("tiny", vocab_size=F.VOCAB, max_position_embeddings=F.POSITIONS), "reward",
-                     world1, dtype=torch.float32, seed=5)
-    torch.nn.init.normal_(rm.output_layer.weight)  # zero-initialised otherwise
-    save_checkpoint(tmp_path / "rm", 0, rm, world1)
-    flags = dict(FLAGS, reward_fn=None, reward_load=str(tmp_path / "rm"))
-    run1, run2 = tmp_path / "one", tmp_path / "apart"
-    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, **flags), 4,
-                        [*F.train_args(actor, prompts, run2, **flags), "--train-layout", "2x1x2",
-                         "--ref-layout", "1x1x2", "--reward-layout", "1x1x2@2",
-                         "--critic-infer-layout", "1x1x2@2"])
-    _compare(run1, run2, 2, _load(actor, "actor", world1), world1)
-    for a, b in zip(F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log"), strict=True):
-        F.assert_metrics_equal(a, b)
-        assert b["reward_std"] > 0, b  # the reward model's scores vary with the samples
-        assert b["realloc_mb"] > 0 and "realloc_mb" not in a  # the critic's copy received its weights
-    state = json.loads((run2 / "save" / "iter_0000002" / "trainer" / "state.json").read_text())
-    assert (state["reference_layout"], state["reward_layout"], state["critic_inf_layout"]) == \
-        ("1x1x2", "1x1x2@2", "1x1x2@2"), state
-
-
-def test_actor_and_critic_train_on_disjoint_ranks(world1, tmp_path):
-    """ReaLHF's concurrent training: on 4 ranks the actor trains at DP=2 on ranks 0-1 while
-    the critic trains at DP=2 on ranks 2-3 (each built there only), generation over all
-    four (the generation layout's ranks hold the samples); the old log-probs are recomputed
-    on the actor's ranks, the reference infers there, the critic's values on its own; the
-    actor's weights are reallocated from its two ranks to all four. Trained one iteration,
+def test_calls_on_disjoint_ranks(world1, tmp_path):
+    """ReaLHF's concurrent calls, on 4 ranks: the actor trains at DP=2 on ranks 0-1 while the
+    critic trains at DP=2 on ranks 2-3; in the experience the actor's old log-prob
+    recompute and the critic's inference copy run on ranks 0-1 while the reference runs on
+    ranks 2-3; generation covers all four (its data-parallel ranks hold the samples). Each
+    model is built on its ranks only; after each update the actor's weights move from ranks
+    0-1 to all four, the critic's from ranks 2-3 to ranks 0-1 (the actor's second update
+    learns from the advantages of the critic's reallocated copy). Trained two iterations,
     saved (each model and optimizer by the ranks that hold it; rank 0 holds no critic),
-    resumed for the second: the weights and metrics of one process after 2 iterations."""
+    resumed for the third: the weights and metrics of one process after 2 and 3 iterations."""
     actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
     prompts = F.write_prompts(tmp_path / "prompts.jsonl")
-    flags = dict(FLAGS, recompute_logprobs=True)
     run1, run2 = tmp_path / "one", tmp_path / "apart"
-    apart = [*F.train_args(actor, prompts, run2, **flags), "--train-layout", "1x1x2",
-             "--critic-layout", "1x1x2@2", "--gen-layout", "1x4"]
-    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, **flags), 4,
-                        [*apart, "--train-iters", "1"])
-    torchrun(4, ["-m", "megatron_rlhf.train", *apart, "--load", str(run2 / "save")])
-    _compare(run1, run2, 2, _load(actor, "actor", world1), world1)
+    apart = [*F.train_args(actor, prompts, run2, **FLAGS), "--train-layout", "1x1x2",
+             "--critic-layout", "1x1x2@2", "--critic-infer-layout", "1x1x2",
+             "--ref-layout", "1x1x2@2", "--gen-layout", "1x4"]
+    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, **FLAGS, train_iters=3,
+                                               save_interval=2), 4, apart)
+    init = _load(actor, "actor", world1)
+    _compare(run1, run2, 2, init, world1)
+    torchrun(4, ["-m", "megatron_rlhf.train", *apart, "--train-iters", "3", "--load", str(run2 / "save")])
+    _compare(run1, run2, 3, init, world1)
     m1, m2 = F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log")
-    assert [m["iteration"] for m in m2] == [1, 2]
+    assert [m["iteration"] for m in m2] == [1, 2, 3]
     for a, b in zip(m1, m2, strict=True):
         F.assert_metrics_equal(a, b)
         assert b["realloc_mb"] > 0 and b["critic_grad_norm"] > 0 and b["actor_grad_norm"] > 0, b
-    state = json.loads((run2 / "save" / "iter_0000002" / "trainer" / "state.json").read_text())
-    assert (state["train_layout"], state["critic_layout"]) == ("1x1x2", "1x1x2@2"), state
+    state = json.loads((run2 / "save" / "iter_0000003" / "trainer" / "state.json").read_text())
+    assert (state["train_layout"], state["critic_layout"], state["critic_inf_layout"],
+            state["reference_layout"]) == ("1x1x2", "1x1x2@2", "1x1x2", "1x1x2@2"), state
     assert set(state["schedulers"]) == {"actor", "critic"}, state
 
 

@@ -72,14 +72,17 @@ def test_a_model_on_a_layout_of_its_own_gives_the_same_experience(world1):
     reward = build_model(cfg, "reward", world1, dtype=torch.float32, seed=7)
     for m in (critic, reward):
         torch.nn.init.normal_(m.output_layer.weight)
-    ppo = PPOConfig(global_batch_size=3, rollout_n=1, micro_batch_size=2, advantage_estimator="gae")
-    maker = ExperienceMaker(ppo, ref, critic=critic, reward_model=reward)
+    ppo = PPOConfig(global_batch_size=3, rollout_n=1, micro_batch_size=2, advantage_estimator="gae",
+                    recompute_logprobs=True)
+    actor = build_model(cfg, "actor", world1, dtype=torch.float32, seed=8)  # (old log-probs recomputed)
+    maker = ExperienceMaker(ppo, ref, critic=critic, reward_model=reward, actor=actor)
     here = maker.make(PROMPTS, ["a", "b", "c"], Rollout(), first_index=10)
-    maker.placed = {n: Share([12, 10, 11]) for n in ("reference", "critic", "reward", "critic_train")}
+    maker.placed = {n: Share([12, 10, 11]) for n in ("reference", "critic", "reward", "critic_train", "actor")}
     maker.placed["actor_train"] = Share([11])
     apart = maker.make(PROMPTS, ["a", "b", "c"], Rollout(), first_index=10)
-    for f in ("ref_logprobs", "scores", "values", "returns", "advantages"):
+    for f in ("old_logprobs", "ref_logprobs", "scores", "values", "returns", "advantages"):
         torch.testing.assert_close(getattr(apart, f), getattr(here, f), rtol=1e-5, atol=1e-6, msg=f)
+    assert not torch.equal(here.old_logprobs, here.ref_logprobs)  # (two models: the rows are told apart)
     # the training calls' batches: the critic's samples 12, 10, 11, the actor's 11
     for name, order, fields in (("critic_train", [2, 0, 1], ("values", "returns")),
                                 ("actor_train", [1], ("old_logprobs", "ref_logprobs", "advantages"))):
