@@ -246,10 +246,10 @@ def profile(args, seq: int, context: int, round_: int | None = None) -> Path:
 
 # ---------------------------------------------------------------------------- measuring
 def run_plan(args, plan: str, flags: list[str], log: Path) -> list[dict]:
-    from megatron_rlhf.plan.search import OWN_LAYOUT
+    from megatron_rlhf.plan.search import OWN_LAYOUT_FLAG
 
     train, gen = plan.split("/")[:2]
-    own = [x for call, lay in own_layouts(plan).items() for x in (f"--{OWN_LAYOUT[call].replace('_', '-')}", lay)]
+    own = [x for call, lay in own_layouts(plan).items() for x in (OWN_LAYOUT_FLAG[call], lay)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(Path(__file__).resolve()), "--worker", "--actor-load", str(args.model_dir),
            "--train-iters", str(args.iters), "--log-dir", str(log), "--seed", str(args.seed),

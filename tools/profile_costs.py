@@ -685,10 +685,8 @@ def main(argv=None) -> int:
                 "head_train_s": head_train, "decode_rest_s": c["decode_rest"], "allreduce": links,
                 "ring_fit": dict(zip(("bus_bw", "latency_per_step_s"), fit_ring(links))),
                 "shard_collectives": shards, "tp_tables": tp_tables, "optimizer_step": optimizer,
-                "reduce_scatter_fit": dict(zip(("bw", "latency_s"), fit_bus(
-                    [r for r in shards if r["op"] == "reduce_scatter"], lambda g: (g - 1) / g))),
-                "all_gather_fit": dict(zip(("bw", "latency_s"), fit_bus(
-                    [r for r in shards if r["op"] == "all_gather"], lambda g: (g - 1) / g))),
+                **{f"{op}_fit": {"bw": hw.get(f"{op}_bw"), "latency_s": hw.get(f"{op}_latency_s")}
+                   for op in ("reduce_scatter", "all_gather")},  # (fitted in fit_hardware)
                 "medians": {k: medians[k] for k in MONOTONE}, "medians_tp": medians["tp"],
                 "pass_tables": [{k: p[k] for k in (*TABLES, "optimizer_s")} for p in passes],
                 "notes": "per-layer seconds at TP=1 (mean over ranks of each rank's median, the "

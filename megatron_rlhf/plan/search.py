@@ -356,10 +356,10 @@ def _plan_text(plan: Plan) -> str:
 
 
 _CALL_MODEL = {"ref_inf": "reference", "reward_inf": "reward", "critic_train": "critic", "critic_inf": "critic_inf"}
-OWN_LAYOUT = {call: flag_field(MODEL_LAYOUT_FLAGS[name])
-              for call, name in _CALL_MODEL.items()}
-"""Calls the trainer can place on a layout of their own, and the setting that does it
-(``ParallelConfig``'s field: :data:`megatron_rlhf.config.MODEL_LAYOUT_FLAGS`' flag)."""
+OWN_LAYOUT_FLAG = {call: MODEL_LAYOUT_FLAGS[name] for call, name in _CALL_MODEL.items()}
+"""Calls the trainer can place on a layout of their own, and the flag that does it."""
+OWN_LAYOUT = {call: flag_field(flag) for call, flag in OWN_LAYOUT_FLAG.items()}
+"""The same calls and the ``ParallelConfig`` field each flag sets."""
 
 
 def trainer_flags(plan: Plan) -> dict[str, str]:

@@ -368,7 +368,6 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
             return _model(plan, name, role or name, g, **kw)
         from megatron_rlhf.models.builder import transformer_config
         from megatron_rlhf.models.checkpoint import load_elsewhere
-        from megatron_rlhf.parallel.reshard import Absent
 
         info = plan.infos[name]
         load_elsewhere(info.path)

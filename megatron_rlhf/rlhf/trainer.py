@@ -12,7 +12,11 @@ reallocated to the generation copy (``reallocate`` stage, before draft distillat
 teacher is the updated actor); a critic whose inference has a layout apart from its
 training (``--critic-infer-layout``) gets its weights reallocated there in the same stage,
 as does a draft distilled on the train layout (``--draft-train-layout train``, taught by
-the actor's training copy before the reallocation).
+the actor's training copy before the reallocation). The actor's and the critic's training
+may each cover part of the world (``--train-layout 1x1x2 --critic-layout 1x1x2@2`` with a
+``--gen-layout`` over it all): the generation layout's ranks then hold the samples, every
+model call is placed (:mod:`~megatron_rlhf.rlhf.placement`), and the two models train at
+the same time, each on its own ranks.
 Each iteration's prompts and sampling seed are a
 function of (seed, iteration) alone, and a sample's random numbers are keyed by its index
 in the iteration's global batch, so a resumed run repeats the uninterrupted one and (with
@@ -32,9 +36,8 @@ import torch.distributed as dist
 from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, LoopConfig, MigrationConfig, PPOConfig, SpecConfig
 from megatron_rlhf.data.sampler import batch_indices
-from megatron_rlhf.rlhf import offload
+from megatron_rlhf.rlhf import offload, placement
 from megatron_rlhf.rlhf.experience import ExperienceMaker
-from megatron_rlhf.rlhf import placement
 from megatron_rlhf.rlhf.placement import Share
 from megatron_rlhf.rlhf.metrics import MetricsLog, progress
 from megatron_rlhf.rlhf.state import save_training
@@ -95,8 +98,12 @@ class Models:
     def trainees(self, critic: bool) -> dict:
         """The optimizers a checkpoint holds: name -> Trainee, None on the ranks outside its
         layout (the same names on every rank)."""
-        out = {"actor": self.actor, **({"critic": self.critic} if critic else {})}
-        return {**out, **({"draft": self.draft_trainee} if self.draft_trainee is not None else {})}
+        out = {"actor": self.actor}
+        if critic:
+            out["critic"] = self.critic
+        if self.draft_trainee is not None:
+            out["draft"] = self.draft_trainee
+        return out
 
     def copies(self) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
         """``(trained, copy)`` pairs of the models with a second layout, whose weights move
