@@ -250,15 +250,23 @@ def _plan_hardware(name: str | None):
 def memory_warning(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int) -> str | None:
     """The memory estimator's verdict on this run (:mod:`megatron_rlhf.plan.memory`): None
     when every stage fits GPUs of ``gpu_memory_gb``, else its message. A warning, not an
-    error: the estimate errs on the safe side (see docs/memory_plan.md)."""
+    error: the estimate errs on the safe side (see docs/memory_plan.md). A train layout over
+    part of the world is priced on its own GPUs, generation's samples per GPU as if
+    generated there too (more than they are: on the safe side)."""
+    from megatron_rlhf.parallel.layout import Layout
     from megatron_rlhf.plan import memory as mem
 
     train, gen = plan.par.layouts(plan.world_size)
+    gpus = plan.world_size
+    if train.size != gpus:
+        gpus, train = train.size, Layout(train.tp, train.pp, train.dp)
+        tp = gen.tp if gpus % gen.tp == 0 else train.tp
+        gen = Layout(tp=tp, dp=gpus // tp)
     models = {role: info.config for role, info in plan.infos.items()}
-    nodes = max(plan.world_size // gpus_per_node, 1)
+    nodes = max(gpus // gpus_per_node, 1)
     try:
         est = mem.estimate(
-            models, mem.Cluster(nodes=nodes, gpus_per_node=plan.world_size // nodes,
+            models, mem.Cluster(nodes=nodes, gpus_per_node=gpus // nodes,
                                 gpu_memory_gb=gpu_memory_gb),
             mem.StageLayouts(train=train, gen=gen),
             mem.Workload(rollout_batch=plan.ppo.samples_per_iteration,

@@ -202,3 +202,12 @@ def test_the_trainer_validation_asks_the_estimator(world1, tmp_path):
     warning = memory_warning(plan, gpu_memory_gb=1e-4, gpus_per_node=8)
     assert warning.startswith("memory estimate: the iteration does not fit in GPU memory")
     assert "training on layout 1x1x1 needs" in warning and "--search" in warning
+    # the actor training on 2 of 4 ranks (beside the critic): priced on its own 2 GPUs
+    import dataclasses
+
+    from megatron_rlhf.config import ParallelConfig
+
+    apart = dataclasses.replace(plan, world_size=4, par=ParallelConfig(train_layout="1x1x2", gen_layout="1x4"))
+    assert memory_warning(apart, gpu_memory_gb=80.0, gpus_per_node=8) is None
+    warning = memory_warning(apart, gpu_memory_gb=1e-4, gpus_per_node=8)
+    assert "training on layout 1x1x2 needs" in warning, warning
