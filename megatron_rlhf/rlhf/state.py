@@ -45,6 +45,7 @@ from megatron_rlhf.models.checkpoint import (
     write_model,
 )
 from megatron_rlhf.rlhf.optim import chained, inner_optimizers
+from megatron_rlhf.rlhf.placement import all_gather_object
 
 STATE_FILE = "state.json"
 KILL_IN_SAVE_ENV = "MEGATRON_RLHF_TEST_KILL_IN_SAVE"
@@ -148,8 +149,8 @@ def save_training(root: str | os.PathLike, iteration: int, models: dict, trainee
         dist.barrier()
         save_sharded(_optimizer_state(t, is_loading=False) if t is not None else None,
                      tmp / "trainer" / f"optim_{name}")
-    schedulers = [None] * dist.get_world_size()  # (rank 0 writes them: it may hold not every trainee)
-    dist.all_gather_object(schedulers, {n: t.scheduler.state_dict() for n, t in held.items()})
+    # (rank 0 writes them, and may hold not every trainee: each from the lowest rank with it)
+    schedulers = all_gather_object({n: t.scheduler.state_dict() for n, t in held.items()})
     state = dict(state, schedulers={n: s[n] for s in reversed(schedulers) for n in s})
     torch.save(rng_state(), tmp / "trainer" / f"rng_{rank:05d}.pt")
     dist.barrier()
