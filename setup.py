@@ -21,6 +21,8 @@ setup(
         "psutil",  # megatron-core's checkpoint writer imports it (undeclared there)
         "tensorboard",
         "matplotlib",
+        "math-verify==0.9.0",  # --reward-fn math: the verifier open-r1, TRL and verl use
+        "pyarrow",  # --prompts FILE.parquet
     ],
     extras_require={"test": ["pytest>=8", "pytest-timeout"]},
 )
