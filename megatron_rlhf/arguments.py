@@ -246,7 +246,7 @@ def _on_off(g, flag: str, on_help: str, off_help: str) -> None:
 
 def add_rlhf_args(p: argparse.ArgumentParser) -> None:
     """Flags of ``python -m megatron_rlhf.train``: models, PPO, optimizer, run."""
-    from megatron_rlhf.config import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+    from megatron_rlhf.config import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
 
     g = p.add_argument_group("models")
     g.add_argument("--actor-load", required=True, help="initial policy checkpoint (LM)")
@@ -256,10 +256,26 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
     r = g.add_mutually_exclusive_group(required=True)
     r.add_argument("--reward-load", default=None, help="reward model checkpoint (scalar head)")
     r.add_argument("--reward-fn", default=None,
-                   help="rule reward by name (see megatron_rlhf/rlhf/rewards.py), e.g. concise")
+                   help="reward function by name: math (the response's final answer checked "
+                        "against the record's --answer-key with math-verify), a rule (concise, "
+                        "...: megatron_rlhf/rlhf/rewards.py), or module:function of your own")
+    g = p.add_argument_group("rewards (--reward-fn)")
+    g.add_argument("--answer-key", default="answer",
+                   help="record field a verifier checks the answer against (default: answer)")
+    g.add_argument("--reward-timeout", type=float, default=10.0,
+                   help="seconds one verifier call may take; past it the sample scores 0")
+    g.add_argument("--reward-workers", type=int, default=None,
+                   help="processes verifying a batch (default: a small pool; 0: in-process)")
+    g.add_argument("--strict-rewards", action="store_true",
+                   help="a reward that crashes, returns a non-number or times out stops the run "
+                        "(default: it scores 0, counted in the metrics reward_errors/_timeouts)")
     g = p.add_argument_group("data and rollout")
     g.add_argument("--prompts", default=None,
-                   help="jsonl of {\"prompt\": ...} (default: the shipped set's train split)")
+                   help="dataset of prompt records: .jsonl, .json or .parquet; every field "
+                        "besides the prompt reaches the reward function (default: the shipped "
+                        "instruction prompts' train split)")
+    g.add_argument("--prompt-key", default="prompt",
+                   help="record field holding the prompt: a string or a chat messages list")
     g.add_argument("--max-prompt-length", type=int, default=256, help="longest prompt, tokens")
     g.add_argument("--no-chat", dest="chat", action="store_false", default=True,
                    help="do not apply the tokenizer's chat template")
@@ -280,8 +296,26 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--value-clip-eps", type=float, default=0.2, help="value clip (0: none)")
     g.add_argument("--kl-coef", type=float, default=0.05,
                    help="KL-to-reference weight (reward penalty with gae, loss with grpo)")
-    g.add_argument("--kl-estimator", choices=KL_ESTIMATORS, default="k1", help="per-token KL estimate")
+    g.add_argument("--kl-estimator", choices=KL_ESTIMATORS, default=None,
+                   help="per-token KL estimate (default: k3 as grpo's loss term, k1 in the reward)")
     g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus weight")
+    g.add_argument("--clip-eps-low", type=float, default=None, help="lower ratio clip (default: --clip-eps)")
+    g.add_argument("--clip-eps-high", type=float, default=None,
+                   help="upper ratio clip (default: --clip-eps; DAPO's clip-higher: 0.28)")
+    g.add_argument("--dual-clip", type=float, default=None, metavar="C",
+                   help="cap the ratio term of negative advantages at -A*C (C > 1, e.g. 3)")
+    g.add_argument("--loss-agg", choices=LOSS_AGGREGATIONS, default="token-mean",
+                   help="token-mean over the batch's tokens; seq-mean-token-mean; or "
+                        "seq-mean-token-sum-norm (Dr. GRPO: token sums over the length limit)")
+    g.add_argument("--filter-groups", action="store_true",
+                   help="DAPO dynamic sampling: drop groups whose rewards are all equal and "
+                        "generate for more prompts until the batch is full")
+    g.add_argument("--filter-max-tries", type=int, default=4,
+                   help="--filter-groups: generation rounds per iteration at most (default 4)")
+    g.add_argument("--overlong-buffer", type=int, default=0, metavar="L",
+                   help="soft overlong punishment over the last L tokens before the limit")
+    g.add_argument("--overlong-penalty", type=float, default=1.0, metavar="P",
+                   help="the largest overlong penalty, at the length limit (default 1.0)")
     rc = g.add_mutually_exclusive_group()
     rc.add_argument("--recompute-logprobs", dest="recompute_logprobs", action="store_true",
                     default=None, help="log pi_old from a training forward, not from generation "
@@ -289,6 +323,17 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
                     "--temperature not 0 or 1, --top-k or --top-p set; off otherwise)")
     rc.add_argument("--no-recompute-logprobs", dest="recompute_logprobs", action="store_false",
                     help="always use generation's log-probs")
+    g = p.add_argument_group("held-out evaluation")
+    g.add_argument("--eval-prompts", default=None,
+                   help="held-out records (a dataset file like --prompts), scored with the "
+                        "run's reward before iteration 1, every --eval-interval and at the end")
+    g.add_argument("--eval-interval", type=int, default=0,
+                   help="iterations between evaluations (0: before the first and after the last)")
+    g.add_argument("--eval-samples", type=int, default=1, help="responses per prompt (pass@K)")
+    g.add_argument("--eval-temperature", type=float, default=0.0, help="0: greedy (default)")
+    g.add_argument("--eval-threshold", type=float, default=1.0,
+                   help="a response scoring at least this counts as correct (eval/accuracy)")
+    g.add_argument("--eval-limit", type=int, default=0, help="the first N held-out records (0: all)")
     add_optimizer_args(p)
     g = p.add_argument_group("run")
     g.add_argument("--train-iters", type=int, default=20, help="RLHF iterations")
@@ -298,6 +343,9 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
                    help="keep only the newest N checkpoints under --save, deleting older ones "
                         "after each save (0: keep all)")
     g.add_argument("--log-dir", default=None, help="metrics.jsonl and TensorBoard go here")
+    g.add_argument("--wandb-project", default=None,
+                   help="also log every metric to this Weights & Biases project (offline "
+                        "without a network; needs `pip install wandb`)")
     g.add_argument("--draft-distill", action="store_true",
                    help="distil the draft towards the actor on every iteration's rollouts")
     g.add_argument("--draft-lr", type=float, default=1e-4, help="draft learning rate")

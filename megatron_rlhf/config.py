@@ -438,6 +438,7 @@ ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce++")
 baselines within a prompt's group, KL in the reward; reinforce++: discounted returns of
 the KL-shaped reward whitened over the batch (no baseline model)."""
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass
@@ -463,15 +464,41 @@ class PPOConfig:
     whiten_advantages: bool = True
     """Normalise GAE advantages over the whole batch (all data-parallel ranks)."""
     clip_eps: float = 0.2
-    """PPO ratio clip."""
+    """PPO ratio clip: ``[1 - clip_eps_low, 1 + clip_eps_high]``, both this unless set."""
+    clip_eps_low: float | None = None
+    """Lower ratio clip (None: ``clip_eps``)."""
+    clip_eps_high: float | None = None
+    """Upper ratio clip (None: ``clip_eps``); DAPO's clip-higher sets it above the lower
+    one (0.28 against 0.2) so that unlikely tokens can gain probability."""
+    dual_clip: float | None = None
+    """Dual-clip PPO: for negative advantages the ratio term is capped at ``-A * C`` (C > 1),
+    so one token far off-policy cannot dominate the loss (None: off)."""
     value_clip_eps: float = 0.2
     """Clip of the critic's new values around the old ones (0: no value clipping)."""
     kl_coef: float = 0.05
     """KL(actor || reference) weight: a per-token reward penalty with gae, a loss term with grpo."""
-    kl_estimator: str = "k1"
-    """Per-token KL estimate: k1 (log-ratio), k2, k3 (Schulman), abs."""
+    kl_estimator: str | None = None
+    """Per-token KL estimate: k1 (log-ratio), k2, k3 (Schulman), abs. None: k3 where the KL
+    is a loss (grpo), k1 where it shapes the reward. As a loss, k1 and abs are refused: the
+    expected gradient of k1 is zero, and that of abs is not the KL's."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the policy loss."""
+    loss_agg: str = "token-mean"
+    """How per-token policy losses become one: token-mean (over the mini-batch's response
+    tokens on all ranks), seq-mean-token-mean (each response's token mean, averaged over
+    responses) or seq-mean-token-sum-norm (Dr. GRPO: each response's token sum over a
+    constant, the response-length limit, averaged over responses)."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: drop prompt groups whose rewards are all equal (no signal
+    for a group baseline) and generate for more prompts until the batch is full."""
+    filter_max_tries: int = 4
+    """--filter-groups: generation rounds per iteration at most; a batch still short after
+    them is filled with dropped groups (counted in the metrics)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: responses within this many tokens of the length
+    limit lose up to ``overlong_penalty``, linearly (0: off)."""
+    overlong_penalty: float = 1.0
+    """The largest soft overlong penalty, reached at the length limit."""
     recompute_logprobs: bool | None = None
     """Take log pi_old from a training forward instead of from generation (None: for bf16
     models, where the cached decode and the full forward round differently, and when
@@ -479,14 +506,22 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "rollout_n", "micro_batch_size", "num_mini_batches",
-                     "ppo_epochs"):
+                     "ppo_epochs", "filter_max_tries"):
             _positive(name, getattr(self, name))
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"unknown advantage estimator {self.advantage_estimator!r}; "
                              f"valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
+        if self.kl_estimator is None:
+            self.kl_estimator = "k3" if self.kl_in_loss else "k1"
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; "
                              f"valid: {', '.join(KL_ESTIMATORS)}")
+        if self.kl_in_loss and self.kl_coef and self.kl_estimator in ("k1", "abs"):
+            why = ("its expected gradient is zero (E[grad log pi] = 0), so the KL term would do "
+                   "nothing" if self.kl_estimator == "k1" else
+                   "its gradient is sign(log pi/pi_ref) * grad log pi, not the KL's")
+            raise ValueError(f"--kl-estimator {self.kl_estimator} cannot be the KL loss of "
+                             f"{self.advantage_estimator}: {why}; use k3 (the default) or k2")
         if self.advantage_estimator in ("grpo", "rloo") and self.rollout_n < 2:
             raise ValueError(f"{self.advantage_estimator} compares the responses to one prompt: "
                              "use --rollout-n >= 2")
@@ -494,6 +529,32 @@ class PPOConfig:
             raise ValueError(f"gamma and lam must lie in [0, 1], got {self.gamma}, {self.lam}")
         if self.clip_eps <= 0 or self.value_clip_eps < 0 or self.kl_coef < 0:
             raise ValueError("clip_eps must be > 0, value_clip_eps and kl_coef >= 0")
+        for name in ("clip_eps_low", "clip_eps_high"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+        if self.clip_low >= 1:
+            raise ValueError(f"the lower ratio clip {self.clip_low} must be < 1 (the ratio is "
+                             f"clipped to [1 - low, 1 + high])")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"--dual-clip {self.dual_clip} must be > 1 (a cap on the ratio for "
+                             "negative advantages, above the clip range; typically 3)")
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"unknown --loss-agg {self.loss_agg!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")
+        if self.filter_groups and self.rollout_n < 2:
+            raise ValueError("--filter-groups drops groups whose rewards are all equal: it needs "
+                             "--rollout-n >= 2")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ValueError(f"--overlong-buffer {self.overlong_buffer} and --overlong-penalty "
+                             f"{self.overlong_penalty} must be >= 0")
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
     @property
     def use_critic(self) -> bool:
@@ -600,6 +661,10 @@ class LoopConfig:
     """Distil the draft towards the updated actor on each iteration's rollouts."""
     draft_distill_topk: int = 64
     """Teacher tokens per position for --draft-distill."""
+    prompt_key: str = "prompt"
+    """The field of a dataset record holding the prompt: a string or a chat messages list."""
+    wandb_project: str | None = None
+    """Log every metric to this Weights & Biases project too (offline without a network)."""
 
     def __post_init__(self) -> None:
         _positive("train_iters", self.train_iters)
@@ -609,6 +674,60 @@ class LoopConfig:
             raise ValueError("save_interval must be >= 0")
         if self.keep_last_checkpoints < 0:
             raise ValueError("keep_last_checkpoints must be >= 0 (0 keeps every checkpoint)")
+
+
+@dataclass
+class RewardConfig:
+    """How a reward function (``--reward-fn``) scores the samples."""
+
+    answer_key: str = "answer"
+    """The record field a verifier (``--reward-fn math``) checks the final answer against."""
+    reward_timeout: float = 10.0
+    """Seconds one verifier call may take; past it the sample scores 0 (counted)."""
+    reward_workers: int | None = None
+    """Processes verifying a batch (None: a small default; 0: in this process)."""
+    strict_rewards: bool = False
+    """A crash, a non-number or a timeout of the reward stops the run with a RewardError
+    (default: the sample scores 0, counted in ``reward_errors`` / ``reward_timeouts``)."""
+
+    def __post_init__(self) -> None:
+        if not self.reward_timeout > 0:
+            raise ValueError(f"--reward-timeout must be > 0 seconds, got {self.reward_timeout}")
+        if self.reward_workers is not None and self.reward_workers < 0:
+            raise ValueError(f"--reward-workers must be >= 0, got {self.reward_workers}")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: the policy generates for every held-out record (on the
+    generation layout, with the engine and its speculation), scored with the run's reward."""
+
+    eval_interval: int = 0
+    """Evaluate before iteration 1 and every this many iterations (and after the last);
+    0: only before the first and after the last iteration."""
+    eval_samples: int = 1
+    """Responses per held-out prompt (K); pass@K is reported for K > 1."""
+    eval_temperature: float = 0.0
+    """Sampling temperature of the evaluation (0: greedy)."""
+    eval_threshold: float = 1.0
+    """A response counts as correct (``eval/accuracy``) when it scores at least this."""
+    eval_limit: int = 0
+    """Evaluate on the first this many held-out records (0: all)."""
+
+    def __post_init__(self) -> None:
+        _positive("eval_samples", self.eval_samples)
+        if self.eval_interval < 0 or self.eval_limit < 0:
+            raise ValueError("--eval-interval and --eval-limit must be >= 0")
+        if self.eval_temperature < 0:
+            raise ValueError(f"--eval-temperature must be >= 0, got {self.eval_temperature}")
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            raise ValueError(f"--eval-samples {self.eval_samples} greedy responses would all be "
+                             "the same: set --eval-temperature > 0 (e.g. 1.0) or --eval-samples 1")
+
+    def due(self, iteration: int, last: int) -> bool:
+        """Whether to evaluate after ``iteration`` (0: before the first one)."""
+        return (iteration == 0 or iteration == last
+                or bool(self.eval_interval and iteration % self.eval_interval == 0))
 
 
 FINETUNE_LOSSES = ("sft", "bradley-terry", "dpo")
@@ -757,7 +876,7 @@ def dataclass_from_namespace(cls, namespace, **extra):
 
 
 __all__ = [
-    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerationConfig", "SpecConfig", "MigrationConfig", "PPOConfig", "OptimConfig", "LoopConfig", "FinetuneConfig", "FINETUNE_LOSSES",
-    "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "PRESETS", "ROLES",
+    "ModelConfig", "ParallelConfig", "PrecisionConfig", "GenerationConfig", "SpecConfig", "MigrationConfig", "PPOConfig", "OptimConfig", "LoopConfig", "RewardConfig", "EvalConfig", "FinetuneConfig", "FINETUNE_LOSSES",
+    "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "PRESETS", "ROLES",
     "preset", "check_role", "dataclass_from_namespace",
 ]

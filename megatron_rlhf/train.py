@@ -17,10 +17,12 @@ import sys
 
 from megatron_rlhf import arguments
 from megatron_rlhf.config import (
+    EvalConfig,
     GenerationConfig,
     LoopConfig,
     OptimConfig,
     PPOConfig,
+    RewardConfig,
     SpecConfig,
     dataclass_from_namespace,
 )
@@ -57,6 +59,8 @@ def validate(args: argparse.Namespace):
         dtype=arguments.dtype_from_args(args),
         paths=paths, reward_fn=args.reward_fn, world_size=arguments.launch_world_size(),
         prompts_file=args.prompts, save_dir=args.save, log_dir=args.log_dir,
+        reward=dataclass_from_namespace(RewardConfig, args),
+        eval_prompts=args.eval_prompts, evaluation=dataclass_from_namespace(EvalConfig, args),
     )
 
 

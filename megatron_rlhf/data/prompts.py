@@ -1,37 +1,57 @@
-"""Instruction prompts for generation and RLHF: the shipped set and user jsonl files.
+"""Prompt records for generation and RLHF: the shipped sets and users' dataset files.
 
-Each line of a prompts file is a JSON object with at least ``{"prompt": "..."}``; the
-shipped file (:data:`DEFAULT_PROMPTS`) also has ``id``, ``category`` and ``split``
-(``train`` or ``heldout``, about one prompt in ten of every category held out).
+A record is one row of a dataset: the prompt (``--prompt-key``, default ``prompt``: a
+string, or a chat ``messages`` list of ``{"role", "content"}``) plus any other fields (an
+answer, test cases, ids), which ride along untouched to the reward function as
+``RewardInput.meta``. Files may be ``.jsonl`` (one JSON object per line), ``.json`` (a list
+of objects, or an object holding one such list, as ``datasets``' ``to_json(lines=False)``
+writes) or ``.parquet`` (read with ``pyarrow``: the files people keep from Hugging Face
+datasets). A bad record raises ``ValueError`` naming the file, the line (jsonl) or row, and
+what is wrong, before anything distributed starts.
+
+The shipped instruction prompts (:data:`DEFAULT_PROMPTS`) have ``id``, ``category`` and
+``split`` (``train`` or ``heldout``); the shipped arithmetic word problems
+(:data:`MATH_TRAIN`, :data:`MATH_HELDOUT`) have ``id``, ``prompt`` and ``answer``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rlhf.data.tokenizer import encode_prompt
+from megatron_rlhf.data.tokenizer import encode_chat, encode_prompt
 
 DEFAULT_PROMPTS: Path = Path(__file__).with_name("prompts.jsonl")
 """The instruction prompts shipped with the package (written for this project)."""
+MATH_TRAIN: Path = Path(__file__).with_name("math_train.jsonl")
+"""Shipped arithmetic word problems with answers (``tools/make_math_task.py``), for training."""
+MATH_HELDOUT: Path = Path(__file__).with_name("math_heldout.jsonl")
+"""Their held-out split (no problem in common with :data:`MATH_TRAIN`), for evaluation."""
 
 SPLITS = ("train", "heldout")
 """Valid values of a prompt's ``split``."""
+FORMATS = (".jsonl", ".json", ".parquet")
+"""Dataset file types :func:`load_prompts` reads."""
 
 
 @dataclass
 class Prompt:
-    """One instruction prompt."""
+    """One prompt record."""
 
     id: str
-    """Stable identifier such as ``p0001``; ``line{n}`` when the file gives none."""
+    """The record's ``id``; ``line{n}`` / ``row{n}`` when the file gives none."""
     prompt: str
-    """The user's instruction text (without any chat template)."""
+    """The user's instruction text (without any chat template; for a ``messages`` record,
+    its last user turn)."""
     category: str
     """Kind of task, e.g. ``math`` or ``coding``; ``unknown`` when the file gives none."""
     split: str
     """``train`` or ``heldout``; ``train`` when the file gives none."""
+    messages: list[dict] | None = None
+    """The chat turns when the record's prompt is a ``messages`` list (None: a string)."""
+    meta: dict = field(default_factory=dict)
+    """Every field of the record but the prompt, untouched (``RewardInput.meta``)."""
 
 
 def _check_split(split: str | None) -> None:
@@ -39,42 +59,122 @@ def _check_split(split: str | None) -> None:
         raise ValueError(f"unknown split {split!r}: valid splits are {', '.join(map(repr, SPLITS))} or None (all)")
 
 
-def _parse_line(line: str, path: Path, n: int) -> Prompt:
-    """The prompt on line ``n`` (1-based) of ``path``; ``ValueError`` naming both when invalid."""
-    where = f"{path}, line {n}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+def _messages(value, where: str, key: str) -> tuple[list[dict], str]:
+    """A chat ``messages`` list checked, and the text of its last user turn."""
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: {key!r}[{i}] must be an object with string 'role' and "
+                             f"'content', got {m!r}")
+    users = [m["content"] for m in value if m["role"] == "user"]
+    if not users or value[-1]["role"] == "assistant":
+        raise ValueError(f"{where}: the {key!r} chat must hold a user turn and not end with the "
+                         "assistant's (the response is what gets generated)")
+    return [dict(role=m["role"], content=m["content"]) for m in value], users[-1]
+
+
+def parse_record(record, where: str, key: str = "prompt", default_id: str = "",
+                 required: tuple[str, ...] = ()) -> Prompt:
+    """The :class:`Prompt` of one record (``where`` names it in errors: file and line/row);
+    ``required``: fields the reward needs (e.g. the verifier's answer), named when missing."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if "prompt" not in record:
-        raise ValueError(f"{where}: missing the 'prompt' field")
-    text = record["prompt"]
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {text!r}")
+    for name in required:
+        if record.get(name) is None:
+            raise ValueError(f"{where}: missing the {name!r} field that the reward function checks "
+                             "answers against (--answer-key names it)")
+    if key not in record:
+        fields = ", ".join(map(repr, sorted(record))) or "none"
+        raise ValueError(f"{where}: missing the {key!r} field (fields: {fields}); "
+                         "--prompt-key names the prompt's field")
+    value, messages = record[key], None
+    if isinstance(value, (list, tuple)) and value:
+        messages, value = _messages(list(value), where, key)
+    elif not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: {key!r} must be a non-empty string or a chat messages list, "
+                         f"got {value!r}")
     split = record.get("split", "train")
     if split not in SPLITS:
         raise ValueError(f"{where}: split {split!r} is not one of {', '.join(map(repr, SPLITS))}")
-    return Prompt(
-        id=str(record.get("id", f"line{n}")),
-        prompt=text,
-        category=str(record.get("category", "unknown")),
-        split=split,
-    )
+    return Prompt(id=str(record.get("id", default_id)), prompt=value,
+                  category=str(record.get("category", "unknown")), split=split, messages=messages,
+                  meta={k: v for k, v in record.items() if k != key})
 
 
-def load_prompts(path: str | Path | None = None, split: str | None = None) -> list[Prompt]:
-    """Prompts from a jsonl file (the shipped set when ``path`` is None), in file order.
+def _read_jsonl(path: Path, key: str, required: tuple[str, ...]) -> list[Prompt]:
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {n}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+            out.append(parse_record(record, where, key, f"line{n}", required))
+    return out
 
-    ``split`` keeps only ``"train"`` or ``"heldout"`` prompts; None keeps all. Blank lines
-    are skipped; an invalid line raises ``ValueError`` with the file and line number.
+
+def _rows(path: Path) -> list:
+    """The records of a ``.json`` or ``.parquet`` file, in order."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow's errors name no file
+            raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno} ({e.msg}); a file of one "
+                         "object per line must be named .jsonl") from None
+    if isinstance(data, dict):  # {"data": [...]} / {"train": [...]}: the one list it holds
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) != 1:
+            raise ValueError(f"{path}: expected a list of records, or an object holding exactly "
+                             f"one such list; got an object with fields {sorted(data)}")
+        data = lists[0]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of records, got {type(data).__name__}")
+    return data
+
+
+def load_prompts(path: str | Path | None = None, split: str | None = None,
+                 key: str = "prompt", required: tuple[str, ...] = ()) -> list[Prompt]:
+    """Prompt records of a dataset file (the shipped instruction prompts when ``path`` is
+    None), in file order; see the module docstring for the formats.
+
+    ``split`` keeps only ``"train"`` or ``"heldout"`` records; None keeps all. ``key`` is the
+    prompt's field; ``required``: other fields every record must have. Errors name the file
+    and the line or row (0-based, as ``datasets`` counts them).
     """
     _check_split(split)
     path = DEFAULT_PROMPTS if path is None else Path(path)
-    with path.open(encoding="utf-8") as f:
-        prompts = [_parse_line(line, path, n) for n, line in enumerate(f, start=1) if line.strip()]
+    if path.suffix not in FORMATS:
+        raise ValueError(f"{path}: unknown dataset format {path.suffix!r}; use one of "
+                         f"{', '.join(FORMATS)}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such prompts file")
+    if path.suffix == ".jsonl":
+        prompts = _read_jsonl(path, key, required)
+    else:
+        prompts = [parse_record(r, f"{path}, row {i}", key, f"row{i}", required)
+                   for i, r in enumerate(_rows(path))]
+    if not prompts:
+        raise ValueError(f"{path}: holds no records")
     return [p for p in prompts if split is None or p.split == split]
+
+
+def encode_record(tokenizer, p: Prompt, chat: bool = True) -> list[int]:
+    """Token ids of a record's prompt: its chat ``messages`` through the chat template, or
+    its text (as a user turn plus the assistant header when ``chat``)."""
+    if p.messages is None:
+        return encode_prompt(tokenizer, p.prompt, chat=chat)
+    if not chat:
+        raise ValueError(f"record {p.id}: its prompt is a chat messages list, which needs the "
+                         "chat template: drop --no-chat")
+    return encode_chat(tokenizer, p.messages)
 
 
 def format_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:

@@ -20,13 +20,16 @@ def load_tokenizer(directory: str | Path | None):
 def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
     """Token ids of ``text``; with ``chat`` wrapped as a user turn plus the assistant header."""
     if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template: encode prompts as plain text "
-                             "(generate: drop --chat; train: --no-chat)")
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat ``messages`` through the tokenizer's template, plus the assistant header."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template: encode prompts as plain text "
+                         "(generate: drop --chat; train: --no-chat)")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)

@@ -23,9 +23,12 @@ from megatron_rlhf.config import (
     OptimConfig,
     ParallelConfig,
     PPOConfig,
+    EvalConfig,
+    RewardConfig,
     SpecConfig,
 )
 from megatron_rlhf.models.checkpoint import CheckpointInfo, read_checkpoint
+from megatron_rlhf.rlhf.evaluation import HeldOut
 
 
 @dataclass
@@ -69,6 +72,9 @@ class TrainPlan:
     resume_dir: Path | None = None
     resume_state: dict = field(default_factory=dict)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    heldout: HeldOut | None = None
+    """The held-out records and how they are evaluated (None: no evaluation)."""
 
 
 def _infos(paths: CheckpointPaths, ppo: PPOConfig, resume: Path | None) -> dict[str, CheckpointInfo]:
@@ -93,16 +99,18 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
               spec: SpecConfig, par: ParallelConfig, dtype: torch.dtype, paths: CheckpointPaths,
               reward_fn: str | None, world_size: int, prompts_file=None,
               save_dir: str | None = None, log_dir: str | None = None,
-              migration: MigrationConfig | None = None) -> TrainPlan:
+              migration: MigrationConfig | None = None, reward: RewardConfig | None = None,
+              eval_prompts=None, evaluation: EvalConfig | None = None) -> TrainPlan:
     """Validate a run from files alone (no collectives); raises ValueError saying what to change."""
-    from megatron_rlhf.data.prompts import load_prompts
-    from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
+    from megatron_rlhf.data.prompts import encode_record, load_prompts
+    from megatron_rlhf.data.tokenizer import load_tokenizer
     from megatron_rlhf.generation.engine import check_draft
     from megatron_rlhf.rlhf.rewards import get_reward_fn
     from megatron_rlhf.rlhf.state import find_training_checkpoint, read_training_state
 
     if (reward_fn is None) == (paths.reward is None):
         raise ValueError("give exactly one of --reward-fn NAME and --reward-load CHECKPOINT")
+    reward = reward or RewardConfig()
     if reward_fn is not None:
         get_reward_fn(reward_fn)
     if not spec.auto and spec.num_draft_tokens and not paths.draft:
@@ -118,15 +126,24 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                              f"--train-iters above it to train further")
     infos = _infos(paths, ppo, resume)
     tokenizer = load_tokenizer(infos["actor"].tokenizer_dir)
-    prompts = load_prompts(prompts_file, split="train" if prompts_file is None else None)
+    required = (reward.answer_key,) if reward_fn in ANSWER_CHECKING else ()
+    prompts = load_prompts(prompts_file, split="train" if prompts_file is None else None,
+                           key=loop.prompt_key, required=required)
     if len(prompts) < ppo.global_batch_size:
         raise ValueError(f"{len(prompts)} prompts are fewer than --global-batch-size "
                          f"{ppo.global_batch_size}")
-    prompt_ids = [encode_prompt(tokenizer, p.prompt, chat=loop.chat) for p in prompts]
+    prompt_ids = [encode_record(tokenizer, p, chat=loop.chat) for p in prompts]
+    heldout = None
+    if eval_prompts is not None:
+        records = load_prompts(eval_prompts, key=loop.prompt_key, required=required)
+        evaluation = evaluation or EvalConfig()
+        records = records[:evaluation.eval_limit or None]
+        heldout = HeldOut(records, [encode_record(tokenizer, p, chat=loop.chat) for p in records], evaluation)
     if par.plan is not None:  # (priced at the longest prompt there is, not the flag's limit)
         longest = min(loop.max_prompt_length, max((len(ids) for ids in prompt_ids), default=1))
         par = execution_plan(par, infos, ppo, loop, gen, spec, dtype, world_size, prompt_len=longest)
     train_layout, gen_layout = par.layouts(world_size)
+    _check_extras(ppo, loop, par, reward_fn, eval_prompts, world_size)
     ppo.check_data_parallel(train_layout.dp)
     if ppo.global_batch_size % gen_layout.dp:
         raise ValueError(f"--global-batch-size {ppo.global_batch_size} prompts must split evenly "
@@ -166,11 +183,16 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                              "use --draft-train-layout gen")
         _check_layout(infos["draft"], "draft", "train", train_layout.tp)
     _check_lengths(prompts, prompt_ids, loop, gen, spec.max_tokens(bool(paths.draft)), infos)
+    if heldout is not None:
+        if len(heldout.records) < gen_layout.dp:
+            raise ValueError(f"--eval-prompts {eval_prompts}: {len(heldout.records)} records are fewer "
+                             f"than the generation layout's {gen_layout.dp} data-parallel ranks")
+        _check_lengths(heldout.records, heldout.prompt_ids, loop, gen, spec.max_tokens(bool(paths.draft)), infos)
     plan = TrainPlan(ppo=ppo, optim=optim, loop=loop, gen=gen, spec=spec, par=par, dtype=dtype,
                      paths=paths, reward_fn=reward_fn, infos=infos, tokenizer=tokenizer,
                      prompts=prompts, prompt_ids=prompt_ids, world_size=world_size,
                      save_dir=save_dir, log_dir=log_dir, resume_dir=resume, resume_state=state,
-                     migration=migration or MigrationConfig())
+                     migration=migration or MigrationConfig(), reward=reward, heldout=heldout)
     if torch.cuda.is_available():  # a warning on stderr, by the first rank of each node
         gb = torch.cuda.get_device_properties(0).total_memory / 1e9
         local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
@@ -292,6 +314,33 @@ def _check_layout(info, name: str, stage: str, tp: int, pp: int = 1) -> None:
         info.config.check_pipeline_parallel(pp)
     except ValueError as e:
         raise ValueError(f"the {name} ({info.path}) in the {stage} layout: {e}") from None
+
+
+ANSWER_CHECKING = ("math",)
+"""Reward functions that check a record's answer field (``--answer-key``)."""
+
+
+def _check_extras(ppo, loop, par, reward_fn, eval_prompts, world_size) -> None:
+    """Flags that need a reward function, one layout or an optional package."""
+    if ppo.filter_groups:
+        if reward_fn is None:
+            raise ValueError("--filter-groups scores each round's samples with the reward function: "
+                             "it needs --reward-fn (not --reward-load)")
+        train_layout, gen_layout = par.layouts(world_size)
+        if par.model_layouts(world_size) or (gen_layout.tp, gen_layout.dp, 1) != (
+                train_layout.tp, train_layout.dp, train_layout.pp):
+            raise ValueError("--filter-groups keeps each group on the rank that generated it: it "
+                             "needs one layout for generation and training (drop --gen-layout and "
+                             "the per-model --*-layout flags, or --filter-groups)")
+    if eval_prompts is not None and reward_fn is None:
+        raise ValueError("--eval-prompts scores the held-out responses with the run's reward "
+                         "function: it needs --reward-fn (a reward model is not evaluated)")
+    if loop.wandb_project:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--wandb-project {loop.wandb_project}: wandb is not installed "
+                             "(pip install wandb), or drop the flag") from None
 
 
 def _check_lengths(prompts, prompt_ids, loop, gen, drafts: int, infos) -> None:
@@ -433,7 +482,8 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     critic = here(models.inferring_critic, "critic") if plan.ppo.use_critic else None
     maker = ExperienceMaker(plan.ppo, here(models.reference, "reference"), actor=here(actor, "actor"),
                             critic=critic, reward_model=reward_model, reward_fn=plan.reward_fn,
-                            tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=anchor.dp, gen=plan.gen)
+                            tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=anchor.dp, gen=plan.gen,
+                            reward=plan.reward)
     run_info = {"tp": train_layout.tp, "seed": plan.loop.seed,
                 "train_layout": mem.layout_text(train_layout),
                 "gen_layout": mem.layout_text(gen_layout, pipeline=False),
@@ -447,4 +497,5 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
                        log_dir=plan.log_dir, start_iteration=start, run_info=run_info,
                        migration=plan.migration, gen_pg=gen_pg,
                        release_train_copy=plan.par.release_train_copy,
-                       model_pgs={n: g for n, g in places.items() if g is not anchor})
+                       model_pgs={n: g for n, g in places.items() if g is not anchor},
+                       heldout=plan.heldout)

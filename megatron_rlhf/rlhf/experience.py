@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf import platform
-from megatron_rlhf.config import GenerationConfig, PPOConfig
+from megatron_rlhf.config import GenerationConfig, PPOConfig, RewardConfig
 from megatron_rlhf.models.forward import logits_of, values_of
 from megatron_rlhf.models.pipeline import map_micro_batches
 from megatron_rlhf.rlhf import placement
@@ -31,7 +31,7 @@ from megatron_rlhf.rlhf.advantages import (
 )
 from megatron_rlhf.rlhf.batch import Experience, last_token_index, pack, response_slice
 from megatron_rlhf.rlhf.losses import kl_estimate, policy_logprobs, reshapes_policy, token_rewards
-from megatron_rlhf.rlhf.rewards import RewardError, RewardInput, score_samples
+from megatron_rlhf.rlhf.rewards import RewardError, RewardInput
 
 
 @torch.no_grad()
@@ -91,7 +91,7 @@ class ExperienceMaker:
     def __init__(self, cfg: PPOConfig, reference, critic=None, reward_model=None,
                  reward_fn: str | None = None, tokenizer=None, pad_id: int = 0,
                  eos_id: int | None = None, dp_group=None, actor=None,
-                 gen: GenerationConfig | None = None):
+                 gen: GenerationConfig | None = None, reward: RewardConfig | None = None):
         if (reward_model is None) == (reward_fn is None):
             raise ValueError("give exactly one of a reward model and a reward function")
         self.cfg, self.reference, self.critic = cfg, reference, critic
@@ -105,6 +105,9 @@ class ExperienceMaker:
                 next(actor.parameters()).dtype, gen)
         if self.recompute and actor is None:
             raise ValueError("recompute_logprobs needs the actor")
+        self.scorer = None if reward_fn is None else _scorer(reward_fn, reward or RewardConfig())
+        self.reward_stats = {"reward_errors": 0, "reward_timeouts": 0}
+        """Samples given 0 for a crash or a timeout since :meth:`take_reward_stats`."""
         self.placed: dict = {}
         """Call (``reference``, ``critic``, ``reward``, ``actor``: inference, the last the old
         log-probs' recompute; ``actor_train``, ``critic_train``) -> this
@@ -114,9 +117,12 @@ class ExperienceMaker:
         self._tables: dict = {}
 
     def make(self, prompts: list[list[int]], prompt_texts: list[str], rollout,
-             first_index: int = 0) -> Experience:
-        """``prompts``/``prompt_texts`` per sample (repeated for a group); ``first_index``:
-        this rank's first sample in the global batch (named in reward errors)."""
+             first_index: int = 0, metas: list[dict] | None = None,
+             scores: torch.Tensor | None = None) -> Experience:
+        """``prompts``/``prompt_texts``/``metas`` (the records' other fields) per sample
+        (repeated for a group); ``first_index``: this rank's first sample in the global batch
+        (named in reward errors); ``scores``: the samples' rewards when already computed
+        (:meth:`score`, penalties included), else computed here."""
         cfg, mbs = self.cfg, self.cfg.micro_batch_size
         responses = rollout.responses()
         dev = platform.device()
@@ -130,7 +136,9 @@ class ExperienceMaker:
             exp.old_logprobs = self._placed_rows("actor", exp, sample_ids)
         exp.ref_logprobs = self._placed_rows("reference", exp, sample_ids)
         exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
-        exp.scores = self._scores(exp, prompts, prompt_texts, responses, rollout, first_index).to(dev)
+        if scores is None:
+            scores = self.score(prompts, prompt_texts, rollout, first_index, metas, exp)
+        exp.scores = scores.to(dev)
         if cfg.use_critic:
             exp.values = self._placed_rows("critic", exp, sample_ids)
             rewards = token_rewards(exp.scores, exp.kl, mask, cfg.kl_coef)
@@ -207,7 +215,26 @@ class ExperienceMaker:
             setattr(batch, f, platform.padded([cols[j] for _, cols in theirs], 0, host[f].dtype, width=width))
         return batch
 
-    def _scores(self, exp, prompts, prompt_texts, responses, rollout, first_index):
+    def take_reward_stats(self) -> dict:
+        """The counts of :attr:`reward_stats`, which start again from zero."""
+        out, self.reward_stats = self.reward_stats, dict.fromkeys(self.reward_stats, 0)
+        return out
+
+    def score(self, prompts, prompt_texts, rollout, first_index: int = 0, metas=None, exp=None,
+              penalties: bool = True) -> torch.Tensor:
+        """``[B]`` rewards of a rollout's samples (a reward model's needs the packed ``exp``),
+        with the soft overlong penalty when ``penalties`` and configured; collective over the
+        world (every rank stops together on a reward error)."""
+        if exp is None and self.reward_model is not None:
+            exp = self._batch(prompts, rollout.responses())
+        scores = self._scores(exp, prompts, prompt_texts, rollout.responses(), rollout, first_index,
+                              metas or [{}] * len(prompts))
+        if penalties and self.cfg.overlong_buffer and self.gen is not None:
+            scores = scores + overlong_penalty(rollout.lengths.to(scores.device), self.gen.max_new_tokens,
+                                               self.cfg.overlong_buffer, self.cfg.overlong_penalty)
+        return scores
+
+    def _scores(self, exp, prompts, prompt_texts, responses, rollout, first_index, metas):
         error = None
         try:
             if self.reward_model is not None:
@@ -222,15 +249,31 @@ class ExperienceMaker:
                     RewardInput(prompt=text, response=self.tokenizer.decode(r, skip_special_tokens=True)
                                 if self.tokenizer is not None else "",
                                 prompt_ids=p, response_ids=r, finish_reason=reason,
-                                eos_token_id=self.eos_id)
-                    for p, text, r, reason in zip(prompts, prompt_texts, responses,
-                                                  rollout.finish_reasons)
+                                eos_token_id=self.eos_id, meta=meta)
+                    for p, text, r, reason, meta in zip(prompts, prompt_texts, responses,
+                                                        rollout.finish_reasons, metas)
                 ]
-                scores = score_samples(self.reward_fn, samples, first_index)
+                scores, counts = self.scorer(samples, first_index)
+                for name in self.reward_stats:
+                    self.reward_stats[name] += int(counts.get(name, 0))
         except RewardError as e:
             error, scores = e, torch.zeros(len(prompts), device=platform.device())
         _stop_together(error)
         return scores
+
+
+def _scorer(name: str, cfg: RewardConfig):
+    from megatron_rlhf.rlhf.rewards import RewardScorer
+
+    return RewardScorer(name, timeout_s=cfg.reward_timeout, workers=cfg.reward_workers,
+                        strict=cfg.strict_rewards, answer_key=cfg.answer_key)
+
+
+def overlong_penalty(lengths: torch.Tensor, limit: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, ``[B]``: 0 up to ``limit - buffer`` response tokens,
+    then falling linearly to ``-penalty`` at ``limit``."""
+    over = (lengths.float() - (limit - buffer)).clamp(min=0)
+    return -penalty * (over / buffer).clamp(max=1)
 
 
 def _stop_together(error: Exception | None) -> None:

@@ -21,9 +21,9 @@ from megatron_rlhf.config import KL_ESTIMATORS  # one list, also validated by PP
 from megatron_rlhf.config import GenerationConfig
 from megatron_rlhf.generation.sampling import samples_actor, sampling_logits
 
-# log(pi_ref / pi) is clamped to this range before ``exp`` in k3 so that a token the
-# reference finds far likelier than the policy cannot overflow to inf.
-_K3_LOG_RATIO_CLAMP = 20.0
+RATIO_LOG_CLAMP = 20.0
+"""Log-ratios are clamped to +-this before ``exp`` (k3, and the PPO ratio: a token whose
+probability moved by e^20 would overflow the loss, not inform it)."""
 
 
 def check_kl_estimator(name: str) -> None:
@@ -49,7 +49,7 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tenso
         return 0.5 * diff.square()
     if estimator == "abs":
         return diff.abs()
-    log_ratio = (-diff).clamp(-_K3_LOG_RATIO_CLAMP, _K3_LOG_RATIO_CLAMP)  # log(pi_ref / pi)
+    log_ratio = (-diff).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)  # log(pi_ref / pi)
     return torch.exp(log_ratio) - log_ratio - 1
 
 
@@ -128,19 +128,28 @@ def policy_logprobs_and_entropy(logits: Tensor, tokens: Tensor,
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float,
-                clip_eps_high: float | None = None) -> tuple[Tensor, Tensor]:
+                clip_eps_high: float | None = None,
+                dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate per token.
 
-    ``ratio = exp(logprobs - old_logprobs)``; ``loss = max(-A * ratio,
-    -A * clamp(ratio, 1 - clip_eps, 1 + (clip_eps_high or clip_eps)))``. All inputs
-    [B, T]. Returns ``(loss [B, T], clipped [B, T] bool)`` where ``clipped`` marks tokens
-    whose clipped branch is strictly larger (the clip was active). Unmasked.
+    ``ratio = exp(clamp(logprobs - old_logprobs, +-RATIO_LOG_CLAMP))``; ``loss = max(-A * ratio,
+    -A * clamp(ratio, 1 - clip_eps, 1 + (clip_eps_high or clip_eps)))`` (clip-higher: a
+    larger upper bound); with ``dual_clip`` C, the loss of a negative advantage is at most
+    ``-A * C``. All inputs [B, T]. Returns ``(loss [B, T], clipped [B, T] bool)`` where
+    ``clipped`` marks tokens where a clip was active (the clipped branch strictly larger, or
+    the dual clip's cap taken). Unmasked.
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
+    log_ratio = (logprobs - old_logprobs).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    ratio = torch.exp(log_ratio)  # [B, T]
     unclipped = -advantages * ratio
     clipped_loss = -advantages * ratio.clamp(1 - clip_eps, 1 + high)
-    return torch.maximum(unclipped, clipped_loss), clipped_loss > unclipped
+    loss, clipped = torch.maximum(unclipped, clipped_loss), clipped_loss > unclipped
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        capped = (advantages < 0) & (loss > cap)
+        loss, clipped = torch.where(capped, cap, loss), clipped | capped
+    return loss, clipped
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor,

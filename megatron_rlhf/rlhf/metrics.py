@@ -1,9 +1,11 @@
-"""Per-iteration metrics: ``metrics.jsonl`` and TensorBoard (rank 0), and a progress bar."""
+"""Per-iteration metrics: ``metrics.jsonl``, TensorBoard and optionally Weights & Biases
+(rank 0), and a progress bar."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -13,13 +15,16 @@ class MetricsLog:
     to TensorBoard under ``LOG_DIR/tensorboard``. Only rank 0 writes.
 
     On resume from iteration ``k``, lines of later iterations (written by the run that
-    stopped) are dropped, so the file reads as one uninterrupted run.
+    stopped) are dropped, so the file reads as one uninterrupted run. With
+    ``wandb_project`` every metric also goes to Weights & Biases (:func:`start_wandb`).
     """
 
-    def __init__(self, log_dir: str | None, enabled: bool, resume_from: int = 0):
+    def __init__(self, log_dir: str | None, enabled: bool, resume_from: int = 0,
+                 wandb_project: str | None = None, config: dict | None = None):
         self.enabled = enabled and log_dir is not None
         self.path = None if log_dir is None else Path(log_dir) / "metrics.jsonl"
         self.tb = None
+        self.wandb = start_wandb(wandb_project, log_dir, config) if enabled and wandb_project else None
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,6 +46,8 @@ class MetricsLog:
                   file=sys.stderr)
 
     def write(self, iteration: int, metrics: dict) -> None:
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=iteration)
         if not self.enabled:
             return
         row = {"iteration": iteration, **metrics}
@@ -55,6 +62,34 @@ class MetricsLog:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def wandb_mode() -> str:
+    """``WANDB_MODE`` when set; else online with credentials (``WANDB_API_KEY``, or a login
+    in ``~/.netrc``), offline without (sync later with ``wandb sync``)."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    netrc = Path.home() / ".netrc"
+    logged_in = netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+    return "online" if os.environ.get("WANDB_API_KEY") or logged_in else "offline"
+
+
+def start_wandb(project: str, log_dir: str | None, config: dict | None):
+    """A W&B run of ``project`` (files under ``log_dir``); an online start that fails (no
+    network) falls back to offline."""
+    import wandb  # optional: checked before the run starts (build.make_plan)
+
+    kwargs = dict(project=project, dir=log_dir, config=config or {}, reinit=True)
+    mode = wandb_mode()
+    try:
+        return wandb.init(mode=mode, **kwargs)
+    except Exception as e:
+        if mode == "offline":
+            raise
+        print(f"warning: wandb online start failed ({e}); logging offline", file=sys.stderr)
+        return wandb.init(mode="offline", **kwargs)
 
 
 def progress(start: int, total: int, enabled: bool):

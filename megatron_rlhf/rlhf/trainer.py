@@ -28,7 +28,8 @@ generation (:mod:`megatron_rlhf.generation.migration`) and come back for the exp
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,8 @@ from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, LoopConfig, MigrationConfig, PPOConfig, SpecConfig
 from megatron_rlhf.data.sampler import batch_indices
 from megatron_rlhf.rlhf import offload, placement
+from megatron_rlhf.rlhf.dynamic_sampling import GroupFilter
+from megatron_rlhf.rlhf.evaluation import HeldOut, eval_metrics
 from megatron_rlhf.rlhf.experience import ExperienceMaker
 from megatron_rlhf.rlhf.placement import Share
 from megatron_rlhf.rlhf.metrics import MetricsLog, progress
@@ -127,8 +130,10 @@ class RLHFTrainer:
                  prompt_ids: list[list[int]], pg, tokenizer=None, save_dir=None, log_dir=None,
                  start_iteration: int = 0, run_info: dict | None = None,
                  migration: MigrationConfig | None = None, gen_pg=None,
-                 release_train_copy: bool | None = None, model_pgs: dict | None = None):
+                 release_train_copy: bool | None = None, model_pgs: dict | None = None,
+                 heldout: HeldOut | None = None):
         self.m, self.generator, self.maker = models, generator, maker
+        self.heldout = heldout
         self.model_pgs = model_pgs or {}
         """Call (reference, reward, critic: inference; critic_train) -> the process groups
         of its own layout (None on the ranks outside one over part of the world)."""
@@ -145,7 +150,8 @@ class RLHFTrainer:
         self.run_info = run_info or {}
         self.rank0 = dist.get_rank() == 0
         self.dp_rank, self.dp = pg.dp.rank(), pg.dp.size()
-        self.log = MetricsLog(log_dir, self.rank0, resume_from=start_iteration)
+        self.log = MetricsLog(log_dir, self.rank0, resume_from=start_iteration,
+                              wandb_project=loop.wandb_project, config=self.run_info)
         self.history: list[dict] = []
         self.migrator = None
         migration = migration or MigrationConfig()
@@ -156,9 +162,14 @@ class RLHFTrainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[dict]:
-        bar = progress(self.start, self.loop.train_iters, self.rank0)
-        for it in range(self.start + 1, self.loop.train_iters + 1):
+        last = self.loop.train_iters
+        if self.heldout is not None and self.start == 0:  # the baseline
+            self.log.write(0, self.evaluate(0))
+        bar = progress(self.start, last, self.rank0)
+        for it in range(self.start + 1, last + 1):
             metrics = self.iteration(it)
+            if self.heldout is not None and self.heldout.cfg.due(it, last):
+                metrics.update(self.evaluate(it))
             self.history.append(metrics)
             self.log.write(it, metrics)
             if bar is not None:
@@ -173,36 +184,94 @@ class RLHFTrainer:
         self.log.close()
         return self.history
 
-    def _my_samples(self, it: int, dp_group):
+    def _my_samples(self, it: int, dp_group, round_: int = 0):
         """This rank's share of iteration ``it``'s samples under a layout's DP group:
-        prompt ids, prompt texts and global sample indices (whole prompt groups)."""
+        prompt ids, prompt texts, global sample indices (whole prompt groups) and the
+        records' other fields. ``round_`` > 0: a further draw of prompts (--filter-groups),
+        from a stream of its own, with sample indices after the earlier rounds'."""
         g = self.ppo.global_batch_size
-        idx = batch_indices(len(self.prompt_ids), g, it, self.loop.seed)
+        if round_ == 0:
+            idx = batch_indices(len(self.prompt_ids), g, it, self.loop.seed)
+        else:
+            tries = self.ppo.filter_max_tries
+            idx = batch_indices(len(self.prompt_ids), g, (it - 1) * tries + round_, self.loop.seed + 1)
         per, rank = g // dp_group.size(), dp_group.rank()
         mine = idx[rank * per:(rank + 1) * per]
         n = self.ppo.rollout_n
         ids = [self.prompt_ids[i] for i in mine for _ in range(n)]
         texts = [self.prompts[i].prompt for i in mine for _ in range(n)]
-        first = rank * per * n
-        return ids, texts, list(range(first, first + len(ids)))
+        metas = [self.prompts[i].meta for i in mine for _ in range(n)]
+        first = round_ * g * n + rank * per * n
+        return ids, texts, list(range(first, first + len(ids))), metas
+
+    def _generate(self, ids, sample_ids, gen: GenerationConfig, seed: int):
+        """A generation call on the generation layout: the trainees' optimizer states (and,
+        where generation has a copy of its own, the training weights) wait on the host."""
+        m = self.m
+        for t in (m.actor, m.critic, m.draft_trainee):
+            if t is not None:
+                offload.park_trainee(t, host=True)
+        if self.release_train_copy and m.actor is not None:  # generation has its own copy: the training one waits
+            offload.release_weights(m.actor, host=True, force=True)
+        generated = self.generator.generate(ids, gen, self.spec, seed=seed, sample_ids=sample_ids,
+                                            migrator=self.migrator)
+        self.generator.release()  # the KV cache store (and its graphs) until the next rollout
+        if m.actor is not None:
+            offload.release_weights(m.actor, host=False, force=True)
+        return generated
+
+    def _filtered_rollout(self, it: int):
+        """--filter-groups: rounds of generation and scoring until this rank (and every other)
+        holds its share of groups whose rewards differ (:mod:`~megatron_rlhf.rlhf.dynamic_sampling`)."""
+        per_rank = self.ppo.global_batch_size // self.pg.dp.size()
+        keep = GroupFilter(need=per_rank, n=self.ppo.rollout_n)
+        dev = platform.device()
+        for round_ in range(self.ppo.filter_max_tries):
+            ids, texts, sids, metas = self._my_samples(it, self.gen_pg.dp, round_)
+            generated = self._generate(ids, sids, self.gen, iteration_seed(self.loop.seed, it))
+            scores = self.maker.score(ids, texts, generated, sids[0], metas)
+            keep.add(generated, scores, (ids, texts, sids, metas))
+            short = platform.all_reduce(torch.tensor([float(keep.short)], device=dev), dist.ReduceOp.MAX)
+            if not short.item():
+                break
+        rollout, scores, (ids, texts, sids, metas), counts = keep.batch(self.generator.pad_id)
+        totals = platform.all_reduce(torch.tensor(list(counts.values()), dtype=torch.float64, device=dev),
+                                     group=self.pg.dp).tolist()
+        metrics = dict(zip(counts, totals), filter_rounds=float(keep.rounds))
+        return rollout, scores, ids, texts, sids, metas, metrics
+
+    def evaluate(self, it: int) -> dict:
+        """The policy on the held-out records (every rank of the generation layout takes
+        every DP-size-th record), scored with the run's reward: ``eval/*`` metrics."""
+        h, dp = self.heldout, self.gen_pg.dp
+        k, start = h.cfg.eval_samples, time.perf_counter()
+        mine = list(range(dp.rank(), len(h.records), dp.size()))
+        ids = [h.prompt_ids[i] for i in mine for _ in range(k)]
+        sids = [i * k + j for i in mine for j in range(k)]
+        gen = replace(self.gen, temperature=h.cfg.eval_temperature)
+        generated = self._generate(ids, sids, gen, iteration_seed(self.loop.seed, 0) ^ 0x5EED)
+        scores = self.maker.score(ids, [h.records[i].prompt for i in mine for _ in range(k)], generated,
+                                  sids[0] if sids else 0, [h.records[i].meta for i in mine for _ in range(k)],
+                                  penalties=False)
+        out = eval_metrics(scores, generated.lengths, k, h.cfg.eval_threshold, dp)
+        out.update({f"eval/{k}": float(v) for k, v in self.maker.take_reward_stats().items()})
+        out["eval/time_s"] = time.perf_counter() - start
+        return out
 
     def iteration(self, it: int) -> dict:
         m, stages = self.m, offload.StageMemory()
-        gen_ids, _, gen_sids = self._my_samples(it, self.gen_pg.dp)
         host, dev = torch.device("cpu"), platform.device()
+        scores, extra = None, {}
         with stages.stage("rollout"):
-            for t in (m.actor, m.critic, m.draft_trainee):
-                if t is not None:
-                    offload.park_trainee(t, host=True)
-            if self.release_train_copy and m.actor is not None:  # generation has its own copy: the training one waits
-                offload.release_weights(m.actor, host=True, force=True)
-            generated = self.generator.generate(gen_ids, self.gen, self.spec,
-                                                seed=iteration_seed(self.loop.seed, it),
-                                                sample_ids=gen_sids, migrator=self.migrator)
-            self.generator.release()  # the KV cache store (and its graphs) until the next rollout
-            if m.actor is not None:
-                offload.release_weights(m.actor, host=False, force=True)
-        ids, texts, sids = self._my_samples(it, self.pg.dp)
+            if self.ppo.filter_groups:  # (one layout: the generating ranks train)
+                generated, scores, gen_ids, texts, gen_sids, metas, extra = self._filtered_rollout(it)
+            else:
+                gen_ids, _, gen_sids, _ = self._my_samples(it, self.gen_pg.dp)
+                generated = self._generate(gen_ids, gen_sids, self.gen, iteration_seed(self.loop.seed, it))
+        if self.ppo.filter_groups:
+            ids, sids = gen_ids, gen_sids
+        else:
+            ids, texts, sids, metas = self._my_samples(it, self.pg.dp)
         rollout = generated
         if self.pg is not self.gen_pg:  # to the train layout's data-parallel ranks
             rollout = regroup(generated, gen_sids, self.gen_pg, sids, ids, self.generator.pad_id)
@@ -210,19 +279,24 @@ class RLHFTrainer:
             offload.move_model(m.actor_gen, host)
         inferring = [x for x in (m.reference, m.reward_model, m.critic_inf) if x is not None]
         with stages.stage("experience"):
-            for extra in inferring:
-                offload.move_model(extra, dev)
+            for extra_model in inferring:
+                offload.move_model(extra_model, dev)
             self.maker.placed = {name: Share(self._my_samples(it, g.dp)[2] if g is not None else [])
                                  for name, g in self.model_pgs.items()}
-            exp = self.maker.make(ids, texts, rollout, first_index=sids[0] if sids else 0)
-            for extra in inferring:
-                offload.move_model(extra, host)
+            exp = self.maker.make(ids, texts, rollout, first_index=sids[0] if sids else 0, metas=metas,
+                                  scores=scores)
+            for extra_model in inferring:
+                offload.move_model(extra_model, host)
         metrics = self._rollout_metrics(generated, rollout, exp)
+        counts = self.maker.take_reward_stats()
+        totals = platform.all_reduce(torch.tensor([float(v) for v in counts.values()], dtype=torch.float64,
+                                                  device=dev), group=self.pg.dp).tolist()
+        metrics.update(dict(zip(counts, totals)), **extra)
         with stages.stage("train"):
             for t in (m.actor, m.critic):
                 if t is not None:
                     offload.park_trainee(t, host=False)
-            metrics.update(self._train(exp, sids))
+            metrics.update(self._train(exp, sids, it))
             for t in (m.actor, m.critic):  # (generation and reallocation read weights directly)
                 if t is not None:
                     t.gather_params()
@@ -247,7 +321,7 @@ class RLHFTrainer:
         metrics["time_iteration_s"] = sum(v for k, v in stages.metrics.items() if k.startswith("time_"))
         return metrics
 
-    def _train(self, exp, sample_ids: list[int]) -> dict:
+    def _train(self, exp, sample_ids: list[int], it: int) -> dict:
         """PPO for the actor and the critic, each on its layout's data-parallel ranks (the
         batch moved there when its layout is not the one holding the samples); on disjoint
         ranks the two train at the same time. Their metrics, on every rank."""
@@ -259,7 +333,8 @@ class RLHFTrainer:
                    for name, _, _ in calls}  # (collective over the world: every rank, in order)
         for name, trainee, train in calls:
             if trainee is not None:
-                out.update(train(trainee, batches[name], self.ppo))
+                out.update(train(trainee, batches[name], self.ppo, horizon=self.gen.max_new_tokens,
+                                 seed=iteration_seed(self.loop.seed, it)))
         if not any(name in self.model_pgs for name, _, _ in calls):
             return out
         merged = {}  # (a model's metrics are the same on every rank of its layout)

@@ -53,26 +53,57 @@ def _global_tokens(mask: torch.Tensor, group) -> torch.Tensor:
     return platform.all_reduce(mask.sum().double(), group=group).clamp(min=1)
 
 
-def _mini_batches(exp: Experience, cfg: PPOConfig) -> list[Experience]:
+def loss_weights(mask: torch.Tensor, agg: str, group, horizon: int | None = None) -> torch.Tensor:
+    """``[b, T]`` per-token weights turning a mini-batch's per-token losses into one loss
+    whose gradients, summed over the data-parallel ``group``, are the whole batch's:
+
+    - ``token-mean``: ``mask / (response tokens on all ranks)``;
+    - ``seq-mean-token-mean``: ``mask / (the response's length x responses on all ranks)``;
+    - ``seq-mean-token-sum-norm`` (Dr. GRPO): ``mask / (horizon x responses on all ranks)``,
+      ``horizon`` a constant (the response-length limit), so no response's tokens count
+      more for being short.
+    """
+    mask = mask.float()
+    if agg == "token-mean":
+        return mask / _global_tokens(mask, group).float()
+    seqs = platform.all_reduce(torch.tensor(float(mask.shape[0]), dtype=torch.float64,
+                                            device=mask.device), group=group).clamp(min=1).float()
+    if agg == "seq-mean-token-mean":
+        return mask / (mask.sum(-1, keepdim=True).clamp(min=1) * seqs)
+    if agg == "seq-mean-token-sum-norm":
+        if not horizon:
+            raise ValueError("seq-mean-token-sum-norm needs the response-length limit (horizon)")
+        return mask / (float(horizon) * seqs)
+    raise ValueError(f"unknown loss aggregation {agg!r}")
+
+
+def _mini_batches(exp: Experience, cfg: PPOConfig, epoch: int, seed: int | None) -> list[Experience]:
+    """This epoch's mini-batches: the samples in a fresh seeded order each epoch (when there
+    is more than one mini-batch: else the order changes nothing but rounding)."""
+    if seed is not None and cfg.num_mini_batches > 1:
+        g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % (2**63))
+        exp = exp.select(torch.randperm(exp.batch_size, generator=g).to(exp.input_ids.device))
     return exp.split(exp.batch_size // cfg.num_mini_batches)
 
 
-def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_loss) -> dict:
+def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_loss,
+                agg: str = "token-mean", horizon: int | None = None, seed: int | None = None) -> dict:
     """PPO epochs x mini-batches (one optimizer step each) x micro-batches (accumulated,
     through the pipeline when the model is a pipeline stage).
 
     ``micro_loss(output, mb, sums)`` returns the per-token loss ``[b, T]`` of a micro-batch
     from the model's raw output and adds its metrics to ``sums`` (on the last pipeline
-    stage); it is summed over response tokens and divided by the mini-batch's token count
-    over all DP ranks. Returns token-mean metrics over all ranks.
+    stage); it is weighted by :func:`loss_weights` (``agg``: token-mean by default, over the
+    mini-batch on all DP ranks) and summed. ``seed``: reshuffle the samples between epochs.
+    Returns token-mean metrics over all ranks.
     """
     t.model.train()
     sums, norms, all_tokens = _Sums(), [], torch.zeros((), dtype=torch.float64, device=exp.response_mask.device)
-    for _ in range(cfg.ppo_epochs):
-        for mini in _mini_batches(exp, cfg):
-            tokens = _global_tokens(mini.response_mask, t.pg.dp)
+    for epoch in range(cfg.ppo_epochs):
+        for mini in _mini_batches(exp, cfg, epoch, seed):
+            mini.loss_weights = loss_weights(mini.response_mask, agg, t.pg.dp, horizon)
             forward_backward(t.model, mini.split(cfg.micro_batch_size),
-                             lambda out, mb: (micro_loss(out, mb, sums) * mb.response_mask).sum() / tokens,
+                             lambda out, mb: (micro_loss(out, mb, sums) * mb.loss_weights).sum(),
                              t.accumulating)
             norms.append(t.step())
             all_tokens += mini.response_mask.sum()
@@ -97,7 +128,8 @@ def policy_forward(actor, mb: Experience) -> tuple[torch.Tensor, torch.Tensor]:
 def _policy_loss(actor, output, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.Tensor:
     mask = mb.response_mask
     logp, entropy = policy_from_output(actor, output, mb)
-    pg_loss, clipped = policy_loss(logp, mb.old_logprobs, mb.advantages, cfg.clip_eps)
+    pg_loss, clipped = policy_loss(logp, mb.old_logprobs, mb.advantages, cfg.clip_low,
+                                   cfg.clip_high, cfg.dual_clip)
     loss = pg_loss
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * entropy
@@ -125,16 +157,22 @@ def _value_loss(output, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.Te
     return loss
 
 
-def train_actor(t: Trainee, exp: Experience, cfg: PPOConfig) -> dict:
-    """PPO epochs over ``exp`` for the actor; token-mean metrics over all ranks."""
-    out = _ppo_passes(t, exp, cfg, "actor", lambda out, mb, sums: _policy_loss(t.model, out, mb, cfg, sums))
+def train_actor(t: Trainee, exp: Experience, cfg: PPOConfig, horizon: int | None = None,
+                seed: int | None = None) -> dict:
+    """PPO epochs over ``exp`` for the actor, its loss aggregated as ``cfg.loss_agg``
+    (``horizon``: the response-length limit, for seq-mean-token-sum-norm; ``seed``: the
+    mini-batches' order per epoch); token-mean metrics over all ranks."""
+    out = _ppo_passes(t, exp, cfg, "actor", lambda out, mb, sums: _policy_loss(t.model, out, mb, cfg, sums),
+                      agg=cfg.loss_agg, horizon=horizon, seed=seed)
     out["actor_lr"] = t.scheduler.current_lr
     return out
 
 
-def train_critic(t: Trainee, exp: Experience, cfg: PPOConfig) -> dict:
-    """Clipped value-loss epochs over ``exp`` for the critic."""
-    return _ppo_passes(t, exp, cfg, "critic", lambda out, mb, sums: _value_loss(out, mb, cfg, sums))
+def train_critic(t: Trainee, exp: Experience, cfg: PPOConfig, horizon: int | None = None,
+                 seed: int | None = None) -> dict:
+    """Clipped value-loss epochs over ``exp`` for the critic (token-mean)."""
+    return _ppo_passes(t, exp, cfg, "critic", lambda out, mb, sums: _value_loss(out, mb, cfg, sums),
+                       seed=seed)
 
 
 def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk: int) -> dict:

@@ -110,3 +110,74 @@ def test_format_prompt_applies_chat_template():
     assert ids[0] == start and ids.count(start) == 2
     plain = format_prompt(tok, text, chat=False)
     assert tok.decode(plain) == text
+
+
+# ------------------------------------------------------------------ records with fields
+RECORDS = [{"id": "q1", "question": "What is 2+3?", "answer": "5", "level": 1,
+            "tests": [{"in": 1, "out": 2}], "tags": {"k": "a"}},
+           {"id": "q2", "question": "What is 7*6?", "answer": "42", "level": 3,
+            "tests": None, "tags": {"k": "v"}}]
+
+
+def _files(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = _write(tmp_path / "r.jsonl", [json.dumps(r) for r in RECORDS])
+    plain = tmp_path / "r.json"
+    plain.write_text(json.dumps(RECORDS))
+    wrapped = tmp_path / "w.json"
+    wrapped.write_text(json.dumps({"data": RECORDS}))
+    parquet = tmp_path / "r.parquet"
+    pq.write_table(pa.Table.from_pylist(RECORDS), parquet)
+    return {"jsonl": jsonl, "json": plain, "json-wrapped": wrapped, "parquet": parquet}
+
+
+def test_jsonl_json_and_parquet_records_keep_every_field(tmp_path):
+    for kind, path in _files(tmp_path).items():
+        got = load_prompts(path, key="question")
+        assert [p.prompt for p in got] == ["What is 2+3?", "What is 7*6?"], kind
+        assert [p.id for p in got] == ["q1", "q2"], kind
+        for p, record in zip(got, RECORDS):
+            assert p.meta == {k: v for k, v in record.items() if k != "question"}, kind
+
+
+def test_chat_messages_prompt(tmp_path):
+    msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Add 2 and 3."}]
+    path = _write(tmp_path / "m.jsonl", [json.dumps({"messages": msgs, "answer": 5})])
+    (p,) = load_prompts(path, key="messages")
+    assert p.messages == msgs and p.prompt == "Add 2 and 3." and p.meta == {"answer": 5}
+    from megatron_rlhf.data.prompts import encode_record
+
+    tok = _tiny_chat_tokenizer()
+    assert tok.decode(encode_record(tok, p)) == (
+        "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nAdd 2 and 3.<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="needs the chat template: drop --no-chat"):
+        encode_record(tok, p, chat=False)
+    bad = _write(tmp_path / "n.jsonl", [json.dumps({"messages": msgs + [{"role": "assistant", "content": "5"}]})])
+    with pytest.raises(ValueError, match=r"n\.jsonl, line 1: the 'messages' chat must hold a user turn"):
+        load_prompts(bad, key="messages")
+
+
+def test_bad_records_name_file_row_and_key(tmp_path):
+    files = _files(tmp_path)
+    with pytest.raises(ValueError, match=r"r\.parquet, row 0: missing the 'prompt' field \(fields: .*'question'.*--prompt-key"):
+        load_prompts(files["parquet"])
+    with pytest.raises(ValueError, match=r"r\.json, row 1: missing the 'tests' field that the reward"):
+        load_prompts(files["json"], key="question", required=("tests",))
+    with pytest.raises(ValueError, match=r"r\.jsonl, line 2: missing the 'tests' field .*--answer-key"):
+        load_prompts(files["jsonl"], key="question", required=("tests",))
+    with pytest.raises(ValueError, match=r"r\.parquet, row 1: missing the 'tests' field"):  # (None there)
+        load_prompts(files["parquet"], key="question", required=("tests",))
+    (tmp_path / "x.csv").write_text("prompt\nhi\n")
+    with pytest.raises(ValueError, match=r"unknown dataset format '\.csv'; use one of \.jsonl, \.json, \.parquet"):
+        load_prompts(tmp_path / "x.csv")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(ValueError, match=r"bad\.parquet: not a readable parquet file"):
+        load_prompts(tmp_path / "bad.parquet")
+    (tmp_path / "two.json").write_text(json.dumps({"a": [], "b": []}))
+    with pytest.raises(ValueError, match="exactly one such list"):
+        load_prompts(tmp_path / "two.json")
+    with pytest.raises(FileNotFoundError, match="no such prompts file"):
+        load_prompts(tmp_path / "missing.jsonl")

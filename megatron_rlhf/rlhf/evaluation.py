@@ -1,0 +1,48 @@
+"""Held-out evaluation: the policy's reward and accuracy on records it does not train on.
+
+The trainer generates for every held-out record (``--eval-samples`` K responses each, greedy
+by default) with the same generator, layout and speculation as its rollouts, and scores them
+with the run's reward function (penalties such as the overlong one left out). It runs before
+iteration 1 (the baseline), every ``--eval-interval`` iterations and after the last, and logs:
+
+    eval/reward_mean       mean reward over all responses
+    eval/accuracy          fraction of responses scoring at least --eval-threshold
+    eval/pass@K            fraction of records with a correct response among their K (K > 1)
+    eval/response_length   mean response length, tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rlhf import platform
+from megatron_rlhf.config import EvalConfig
+
+
+@dataclass
+class HeldOut:
+    """The held-out records of a run and how they are evaluated."""
+
+    records: list
+    """:class:`~megatron_rlhf.data.prompts.Prompt` records."""
+    prompt_ids: list[list[int]]
+    """Their token ids (chat template applied as for training)."""
+    cfg: EvalConfig
+
+
+def eval_metrics(scores: torch.Tensor, lengths: torch.Tensor, k: int, threshold: float, group) -> dict:
+    """``eval/*`` metrics of this rank's ``scores [R*K]`` and ``lengths [R*K]`` (K consecutive
+    responses per record), summed over the data-parallel ``group``."""
+    correct = (scores.detach().double().cpu() >= threshold).double()
+    local = torch.tensor([float(scores.double().sum()), float(correct.sum()), float(len(correct)),
+                          float(lengths.double().sum()),
+                          float(correct.view(-1, k).amax(dim=1).sum()) if len(correct) else 0.0],
+                         dtype=torch.float64, device=platform.device())
+    total, right, n, tokens, solved = platform.all_reduce(local, group=group).tolist()
+    out = {"eval/reward_mean": total / max(n, 1), "eval/accuracy": right / max(n, 1),
+           "eval/response_length": tokens / max(n, 1), "eval/responses": n}
+    if k > 1:
+        out[f"eval/pass@{k}"] = solved / max(n / k, 1)
+    return out

@@ -1,0 +1,190 @@
+"""GRPO as DAPO / Dr. GRPO users run it: the KL loss's estimator, ratio safety (clamp,
+dual clip, clip-higher), loss aggregation, overlong penalty, mini-batch reshuffling,
+dynamic sampling's group filter, and the held-out metrics."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_rlhf.config import EvalConfig, PPOConfig
+from megatron_rlhf.generation.rollout import GenerationStats, Rollout
+from megatron_rlhf.rlhf.batch import Experience
+from megatron_rlhf.rlhf.dynamic_sampling import GroupFilter, informative_groups
+from megatron_rlhf.rlhf.evaluation import eval_metrics
+from megatron_rlhf.rlhf.experience import overlong_penalty
+from megatron_rlhf.rlhf.losses import RATIO_LOG_CLAMP, policy_loss
+from megatron_rlhf.rlhf.update import _mini_batches, loss_weights
+
+
+# ------------------------------------------------------------------------- KL as a loss
+def test_kl_loss_defaults_to_k3_and_refuses_k1_and_abs():
+    assert PPOConfig(advantage_estimator="grpo").kl_estimator == "k3"
+    assert PPOConfig(advantage_estimator="gae").kl_estimator == "k1"  # in the reward: unbiased
+    assert PPOConfig(advantage_estimator="rloo").kl_estimator == "k1"
+    with pytest.raises(ValueError, match="k1 cannot be the KL loss of grpo: its expected gradient is zero"):
+        PPOConfig(advantage_estimator="grpo", kl_estimator="k1")
+    with pytest.raises(ValueError, match="abs cannot be the KL loss of grpo"):
+        PPOConfig(advantage_estimator="grpo", kl_estimator="abs")
+    PPOConfig(advantage_estimator="grpo", kl_estimator="k1", kl_coef=0.0)  # no KL term: fine
+    PPOConfig(advantage_estimator="grpo", kl_estimator="k2")
+
+
+def test_bad_options_are_refused():
+    for kw, msg in [(dict(dual_clip=1.0), "--dual-clip 1.0 must be > 1"),
+                    (dict(clip_eps_low=1.0), "lower ratio clip 1.0 must be < 1"),
+                    (dict(clip_eps_high=0.0), "--clip-eps-high must be > 0"),
+                    (dict(loss_agg="sum"), "unknown --loss-agg 'sum'"),
+                    (dict(filter_groups=True, rollout_n=1), "--filter-groups .* --rollout-n >= 2"),
+                    (dict(overlong_buffer=-1), "--overlong-buffer -1")]:
+        with pytest.raises(ValueError, match=msg):
+            PPOConfig(**kw)
+    with pytest.raises(ValueError, match="greedy responses would all be the same"):
+        EvalConfig(eval_samples=4)
+
+
+# ------------------------------------------------------------------------- ratio safety
+def test_clip_higher_bounds_the_ratio_asymmetrically():
+    cfg = PPOConfig(clip_eps=0.2, clip_eps_high=0.28)
+    assert (cfg.clip_low, cfg.clip_high) == (0.2, 0.28)
+    logp = torch.log(torch.tensor([[1.5, 1.25, 0.5]]))
+    old = torch.zeros(1, 3)
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    loss, clipped = policy_loss(logp, old, adv, cfg.clip_low, cfg.clip_high)
+    # A > 0: the ratio 1.5 is capped at 1.28 (not 1.2), 1.25 is inside; A < 0: 0.5 -> 0.8
+    assert torch.allclose(loss, torch.tensor([[-1.28, -1.25, 0.8]]))
+    assert clipped.tolist() == [[True, False, True]]
+
+
+def test_dual_clip_caps_negative_advantages():
+    logp = torch.log(torch.tensor([[10.0, 10.0, 2.0]]))
+    old = torch.zeros(1, 3)
+    adv = torch.tensor([[-1.0, 1.0, -1.0]])
+    loss, clipped = policy_loss(logp, old, adv, 0.2, dual_clip=3.0)
+    # ratio 10 with A = -1: max(10, 1.2) = 10, capped at 3; with A > 0 untouched (-1.2); ratio 2: 2 < 3
+    assert torch.allclose(loss, torch.tensor([[3.0, -1.2, 2.0]]))
+    assert clipped.tolist() == [[True, True, False]]
+    plain, _ = policy_loss(logp, old, adv, 0.2)
+    assert plain[0, 0] == 10.0  # the cap is what changed it
+
+
+def test_log_ratio_is_clamped_before_exp():
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-1000.0, 1000.0]])
+    loss, _ = policy_loss(logp, old, torch.tensor([[-1.0, 1.0]]), 0.2)
+    assert torch.isfinite(loss).all()
+    assert float(loss[0, 0].detach()) == pytest.approx(math.exp(RATIO_LOG_CLAMP))
+    loss.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+# ------------------------------------------------------------------------- aggregation
+MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.float32)
+
+
+def _aggregate(per_token, agg, horizon=None):
+    return float((per_token * loss_weights(MASK, agg, None, horizon)).sum())
+
+
+def test_loss_aggregations_match_their_definitions():
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 7.0, 99.0, 99.0], [6.0, 99.0, 99.0, 99.0]])
+    assert _aggregate(x, "token-mean") == pytest.approx((1 + 2 + 3 + 4 + 5 + 7 + 6) / 7)
+    assert _aggregate(x, "seq-mean-token-mean") == pytest.approx((2.5 + 6.0 + 6.0) / 3)
+    assert _aggregate(x, "seq-mean-token-sum-norm", horizon=8) == pytest.approx((10 + 12 + 6) / 8 / 3)
+    with pytest.raises(ValueError, match="horizon"):
+        loss_weights(MASK, "seq-mean-token-sum-norm", None)
+
+
+def test_seq_mean_weights_short_responses_more_per_token():
+    tm = loss_weights(MASK, "token-mean", None)
+    sm = loss_weights(MASK, "seq-mean-token-mean", None)
+    assert torch.allclose(tm[MASK.bool()], torch.full((7,), 1 / 7))
+    assert sm[2, 0] == pytest.approx(1 / 3) and sm[0, 0] == pytest.approx(1 / 12)
+    assert (sm[~MASK.bool()] == 0).all()
+
+
+# ------------------------------------------------------------------------- overlong
+def test_overlong_penalty_is_soft_and_linear():
+    lengths = torch.tensor([10, 24, 28, 32])
+    p = overlong_penalty(lengths, limit=32, buffer=8, penalty=0.5)
+    assert p.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5])
+
+
+# ------------------------------------------------------------------------- reshuffle
+def _exp(n):
+    ids = torch.arange(n)[:, None].repeat(1, 3)
+    mask = torch.ones(n, 2)
+    z = torch.zeros(n, 2)
+    return Experience(input_ids=ids, attention_mask=torch.ones(n, 3), response_mask=mask, old_logprobs=z,
+                      ref_logprobs=z, scores=torch.zeros(n), kl=z, advantages=z)
+
+
+def test_mini_batches_reshuffled_per_epoch_seeded():
+    cfg = PPOConfig(num_mini_batches=2, ppo_epochs=2)
+    exp = _exp(8)
+
+    def order(epoch, seed):
+        return [mb.input_ids[:, 0].tolist() for mb in _mini_batches(exp, cfg, epoch, seed)]
+
+    assert order(0, 5) == order(0, 5)  # seeded
+    assert order(0, 5) != order(1, 5)  # a new order each epoch
+    assert sorted(sum(order(1, 5), [])) == list(range(8))  # every sample once
+    assert order(0, None) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    one = PPOConfig(num_mini_batches=1)
+    assert [mb.batch_size for mb in _mini_batches(exp, one, 1, 5)] == [8]
+
+
+# ------------------------------------------------------------------------- dynamic sampling
+def _rollout(lengths, fill):
+    t = max(lengths)
+    resp = torch.stack([torch.tensor([fill + i] * n + [0] * (t - n)) for i, n in enumerate(lengths)])
+    lp = -torch.ones(len(lengths), t) * (resp != 0)
+    return Rollout(prompt_ids=[[fill + i] for i in range(len(lengths))], response_ids=resp,
+                   response_logprobs=lp, sampling_logprobs=lp, lengths=torch.tensor(lengths),
+                   finish_reasons=["eos"] * len(lengths),
+                   stats=GenerationStats(new_tokens=sum(lengths), elapsed_s=1.0))
+
+
+def test_informative_groups():
+    assert informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2) == [False, True, False]
+
+
+def test_group_filter_keeps_informative_groups_and_fills_a_full_batch():
+    f = GroupFilter(need=2, n=2)
+    r1 = _rollout([2, 3, 1, 4], fill=10)  # groups: (10, 11) equal rewards, (12, 13) informative
+    f.add(r1, torch.tensor([1.0, 1.0, 0.0, 1.0]), ([[10]] * 4, list("abcd"), [0, 1, 2, 3], [{}] * 4))
+    assert f.short == 1
+    r2 = _rollout([5, 2, 3, 3], fill=20)  # (20, 21) informative, (22, 23) equal
+    f.add(r2, torch.tensor([0.0, 0.5, 0.0, 0.0]), ([[20]] * 4, list("efgh"), [8, 9, 10, 11], [{}] * 4))
+    assert f.short == 0
+    rollout, scores, (ids, texts, sids, metas), counts = f.batch(pad_id=0)
+    assert sids == [2, 3, 8, 9] and texts == list("cdef")
+    assert scores.tolist() == [0.0, 1.0, 0.0, 0.5]
+    assert rollout.lengths.tolist() == [1, 4, 5, 2]
+    assert rollout.response_ids[0].tolist() == [12, 0, 0, 0, 0] and rollout.response_ids[2].tolist() == [20] * 5
+    assert rollout.stats.new_tokens == 10 + 13  # both rounds were generated
+    assert counts == {"filter_kept_groups": 2.0, "filter_dropped_groups": 2.0, "filter_filled_groups": 0.0}
+
+    short = GroupFilter(need=2, n=2)
+    short.add(r1, torch.tensor([1.0, 1.0, 0.0, 1.0]), ([[10]] * 4, list("abcd"), [0, 1, 2, 3], [{}] * 4))
+    rollout, scores, cols, counts = short.batch(pad_id=0)
+    assert cols[2] == [2, 3, 0, 1] and len(rollout.finish_reasons) == 4  # topped up: still full
+    assert scores.tolist() == [0.0, 1.0, 1.0, 1.0] and counts["filter_filled_groups"] == 1.0
+
+
+# ------------------------------------------------------------------------- eval metrics
+def test_eval_metrics_accuracy_and_pass_at_k():
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])  # 3 records x K=2
+    lengths = torch.tensor([4, 6, 8, 2, 3, 1])
+    out = eval_metrics(scores, lengths, 2, 1.0, None)
+    assert out["eval/accuracy"] == pytest.approx(3 / 6)
+    assert out["eval/pass@2"] == pytest.approx(2 / 3)
+    assert out["eval/reward_mean"] == pytest.approx(0.5)
+    assert out["eval/response_length"] == pytest.approx(4.0)
+    assert "eval/pass@1" not in eval_metrics(scores, lengths, 1, 0.5, None)
+
+
+def test_eval_schedule():
+    cfg = EvalConfig(eval_interval=3)
+    assert [it for it in range(0, 11) if cfg.due(it, 10)] == [0, 3, 6, 9, 10]
+    assert [it for it in range(0, 5) if EvalConfig().due(it, 4)] == [0, 4]
