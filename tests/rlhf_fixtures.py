@@ -25,7 +25,7 @@ PROMPTS = ["ab", "cde", "fghi", "jklmn", "opqrst", "uv", "wxy", "zabc", "defgh",
            "op", "qrs", "tuvw", "xyzab", "cdefgh", "ijk"]
 """16 short lowercase prompts, 2-6 letters."""
 
-VOLATILE = ("time_", "peak_mem", "gen_tokens_per_s", "gen_idle_", "gen_migrat", "gen_rounds_by",
+VOLATILE = ("time_", "eval/time_", "peak_mem", "gen_tokens_per_s", "gen_idle_", "gen_migrat", "gen_rounds_by",
             "realloc_")
 """Metric keys that depend on the machine, or on how the samples were spread over the
 data-parallel ranks (rounds, migrations, idle time), not on the numbers (excluded from
@@ -76,6 +76,39 @@ def raise_on_boom(sample) -> float:
     if sample.prompt == "boom":
         raise ValueError("boom prompt seen")
     return 0.0
+
+
+def record_fields(sample) -> float:
+    """Checks that the record's other fields arrived unchanged (records written by
+    :func:`write_records`: ``answer`` = the prompt's length, ``info`` = {"p": prompt, "n":
+    [1, 2]}), raising otherwise; ``flat`` records score 0.5 whatever the response (their
+    groups' rewards are all equal), the others token parity."""
+    want = {"answer": len(sample.prompt), "info": {"p": sample.prompt, "n": [1, 2]},
+            "flat": sample.prompt.startswith(("a", "c", "e", "g", "i"))}
+    got = {k: sample.meta.get(k) for k in want}
+    if got != want:
+        raise ValueError(f"record fields {sample.meta} != {want}")
+    if got["flat"]:
+        return 0.5
+    from megatron_rlhf.rlhf.rewards import token_parity
+
+    return token_parity(sample)
+
+
+def write_records(path: Path, prompts=PROMPTS) -> Path:
+    """The records :func:`record_fields` checks, as ``.jsonl``, ``.json`` or ``.parquet``."""
+    rows = [{"text": p, "answer": len(p), "info": {"p": p, "n": [1, 2]},
+             "flat": p.startswith(("a", "c", "e", "g", "i"))} for p in prompts]
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 # ---------------------------------------------------------------------------- running

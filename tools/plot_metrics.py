@@ -6,8 +6,10 @@
 Given a directory, reads ``DIR/metrics.jsonl``. The PNG goes next to the file
 (``metrics.png``) unless ``-o`` is given. Three panels share the ``iteration`` axis:
 ``reward_mean`` with a +-``reward_std`` band and a dashed moving average (window 5),
-``kl``, and the stage times ``time_*_s`` as stacked bars. Points whose keys are missing
-are skipped; a line that is not valid JSON is an error (exit 2).
+``kl``, and the stage times ``time_*_s`` as stacked bars. A run with held-out
+evaluation (``eval/*``) adds its accuracy, pass@K and mean reward as marked lines in the
+reward panel (iteration 0: the baseline) and its time to the bars. Points whose keys are
+missing are skipped; a line that is not valid JSON is an error (exit 2).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-STAGE_KEYS = ("time_rollout_s", "time_experience_s", "time_train_s", "time_draft_s")
+STAGE_KEYS = ("time_rollout_s", "time_experience_s", "time_train_s", "time_draft_s", "eval/time_s")
+EVAL_KEYS = ("eval/accuracy", "eval/reward_mean")
 MA_WINDOW = 5
 
 
@@ -69,7 +72,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     output = args.output or path.with_name("metrics.png")
+    import matplotlib.pyplot as plt
 
+    fig = draw(rows, str(path))
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    print(output)
+    return 0
+
+
+def draw(rows: list[dict], title: str):
+    """The figure of ``rows`` (see the module docstring)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             ax_r.fill_between(bit, lo, hi, alpha=0.25, label="+-reward_std")
         ma = moving_average(list(mean), MA_WINDOW)
         ax_r.plot(it, ma, "--", label=f"moving avg ({MA_WINDOW})")
+    passes = sorted({k for r in rows for k in r if k.startswith("eval/pass@")})
+    for key in (*EVAL_KEYS, *passes):
+        points = series(rows, key)
+        if points:
+            ax_r.plot(*zip(*points), "o-", markersize=4, label=f"{key} (held out)")
+    if ax_r.lines:
         ax_r.legend(loc="best", fontsize="small")
     ax_r.set_ylabel("reward")
 
@@ -104,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         it, secs = zip(*points)
         base = [bottoms.get(i, 0.0) for i in it]
-        ax_t.bar(it, secs, bottom=base, label=key.removeprefix("time_").removesuffix("_s"))
+        label = key.removeprefix("time_").removeprefix("eval/").removesuffix("_s")
+        ax_t.bar(it, secs, bottom=base, label="eval" if key.startswith("eval/") else label)
         for i, s in zip(it, secs):
             bottoms[i] = bottoms.get(i, 0.0) + s
     if bottoms:
@@ -112,12 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     ax_t.set_ylabel("time per stage (s)")
     ax_t.set_xlabel("iteration")
 
-    fig.suptitle(str(path))
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
-    print(output)
-    return 0
+    return fig
 
 
 if __name__ == "__main__":

@@ -384,6 +384,7 @@ class RLHFTrainer:
             "gen_graph_capture_s": capture_s,
             "gen_idle_s_max": idle,
             "gen_idle_frac_max": idle_frac,
+            "samples": n,
             "reward_mean": mean,
             "reward_std": math.sqrt(max(rsq / n - mean * mean, 0.0)),
             "kl": kl / max(tokens, 1),

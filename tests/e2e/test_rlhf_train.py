@@ -140,19 +140,30 @@ def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tiny, tmp_pat
     ("nan_reward", "returned nan for sample {i}; rewards must be finite numbers"),
     ("raise_on_boom", "raised on sample {i}: ValueError: boom prompt seen"),
 ], ids=["nan", "raises"])
-def test_failing_reward_stops_the_run(tiny, tmp_path, fn, message):
+def test_failing_reward_stops_a_strict_run(tiny, tmp_path, fn, message):
     prompts = ["ab", "cde", "boom", "fghi"]
     seed, n = 7, 2
     order = batch_indices(len(prompts), 4, 1, seed)  # iteration 1 takes all four
     i = order.index(prompts.index("boom")) * n  # the first sample of "boom" in the batch
     args = F.train_args(tiny.actor, F.write_prompts(tmp_path / "p.jsonl", prompts), tmp_path,
                         reward_fn=f"rlhf_fixtures:{fn}", global_batch_size=4, rollout_n=n,
-                        seed=seed, save_interval=1)
+                        seed=seed, save_interval=1, strict_rewards=True)
     r = F.run_train(args)
     assert r.returncode == 3, (r.returncode, r.stderr[-3000:])
     assert f"error: rank 0: reward function 'rlhf_fixtures:{fn}' " + message.format(i=i) in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "save" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_failing_reward_scores_zero_and_is_counted(tiny, tmp_path):
+    """Without --strict-rewards a crash costs its sample (reward 0), not the run."""
+    prompts = ["ab", "cde", "boom", "fghi"]
+    args = F.train_args(tiny.actor, F.write_prompts(tmp_path / "p.jsonl", prompts), tmp_path,
+                        reward_fn="rlhf_fixtures:raise_on_boom", global_batch_size=4, rollout_n=2,
+                        save=None)
+    F.check_ok(F.run_train(args))
+    rows = F.read_metrics(tmp_path / "log")
+    assert [(m["reward_errors"], m["reward_timeouts"]) for m in rows] == [(2, 0), (2, 0)]
 
 
 # ---------------------------------------------------------------------------- reward model

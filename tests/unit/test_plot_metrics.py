@@ -66,3 +66,20 @@ def test_corrupt_line_exits_2(tmp_path):
     assert result.returncode == 2
     assert f"{metrics}:4:" in result.stderr
     assert not (tmp_path / "metrics.png").exists()
+
+
+def test_eval_metrics_are_plotted(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_metrics", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    rows = [{"iteration": 0, "eval/accuracy": 0.2, "eval/reward_mean": 0.2, "eval/pass@4": 0.5,
+             "eval/time_s": 3.0}]
+    rows += [{"iteration": it, "reward_mean": 0.1 * it, "time_train_s": 2.0} for it in (1, 2)]
+    rows[-1].update({"eval/accuracy": 0.4, "eval/reward_mean": 0.4, "eval/pass@4": 0.7, "eval/time_s": 3.0})
+    fig = tool.draw(rows, "t")
+    reward_axes, _, time_axes = fig.axes
+    lines = {line.get_label(): list(line.get_xdata()) for line in reward_axes.lines}
+    assert lines["eval/accuracy (held out)"] == [0, 2] and lines["eval/pass@4 (held out)"] == [0, 2]
+    assert "eval" in [t.get_text() for t in time_axes.get_legend().get_texts()]
