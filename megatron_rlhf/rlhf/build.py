@@ -111,6 +111,9 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
     if (reward_fn is None) == (paths.reward is None):
         raise ValueError("give exactly one of --reward-fn NAME and --reward-load CHECKPOINT")
     reward = reward or RewardConfig()
+    if eval_prompts is not None and reward_fn is None:
+        raise ValueError("--eval-prompts scores the held-out responses with the run's reward "
+                         "function: it needs --reward-fn (a reward model is not evaluated)")
     if reward_fn is not None:
         get_reward_fn(reward_fn)
     if not spec.auto and spec.num_draft_tokens and not paths.draft:
@@ -332,9 +335,6 @@ def _check_extras(ppo, loop, par, reward_fn, eval_prompts, world_size) -> None:
             raise ValueError("--filter-groups keeps each group on the rank that generated it: it "
                              "needs one layout for generation and training (drop --gen-layout and "
                              "the per-model --*-layout flags, or --filter-groups)")
-    if eval_prompts is not None and reward_fn is None:
-        raise ValueError("--eval-prompts scores the held-out responses with the run's reward "
-                         "function: it needs --reward-fn (a reward model is not evaluated)")
     if loop.wandb_project:
         try:
             import wandb  # noqa: F401

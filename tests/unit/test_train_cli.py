@@ -21,7 +21,7 @@ CASES = [
      "ranks"),
     ("unknown_reward",
      dict(reward_fn="nope"), 1,
-     "unknown reward function 'nope'; valid names: concise, format_bullets, no_e, token_parity"),
+     "unknown reward function 'nope'; valid names: concise, format_bullets, math, no_e, token_parity"),
     ("missing_user_reward",
      dict(reward_fn="rlhf_fixtures:no_such_function"), 1,
      "cannot load reward function 'rlhf_fixtures:no_such_function'"),
@@ -111,6 +111,26 @@ CASES = [
      lambda f: dict(plan=f["plans"]["actor_apart"]), 2,
      "the plan puts actor_train on 2x1x1 and actor_inf on 1x1x2: this trainer runs every call "
      "but generation on one layout"),
+    ("math_without_answers",
+     dict(reward_fn="math"), 1,
+     "prompts.jsonl, line 1: missing the 'answer' field that the reward function checks answers "
+     "against (--answer-key names it)"),
+    ("prompt_key_missing",
+     dict(prompt_key="question"), 1, "prompts.jsonl, line 1: missing the 'question' field"),
+    ("k1_as_grpo_loss",
+     dict(advantage_estimator="grpo", kl_estimator="k1"), 1,
+     "--kl-estimator k1 cannot be the KL loss of grpo: its expected gradient is zero"),
+    ("filter_groups_with_a_gen_layout",
+     dict(advantage_estimator="grpo", filter_groups=True, train_layout="2x1x1", gen_layout="1x2"), 2,
+     "--filter-groups keeps each group on the rank that generated it"),
+    ("eval_needs_a_reward_fn",
+     lambda f: dict(eval_prompts=f["prompts"], reward_fn=None, reward_load=f["actor"]), 1,
+     "--eval-prompts scores the held-out responses with the run's reward function"),
+    ("eval_file_missing",
+     lambda f: dict(eval_prompts=f["empty"] / "nope.jsonl"), 1, "nope.jsonl: no such prompts file"),
+    ("eval_samples_greedy",
+     lambda f: dict(eval_prompts=f["prompts"], eval_samples=4), 1,
+     "--eval-samples 4 greedy responses would all be the same"),
     ("valid", {}, 2, None),  # the control: good flags get as far as the first collective
     ("valid_plan", lambda f: dict(plan=f["plans"]["ok"]), 2, None),
     ("valid_plan_reference_apart", lambda f: dict(plan=f["plans"]["ref_apart"]), 2, None),
@@ -118,6 +138,10 @@ CASES = [
     ("valid_layouts", dict(train_layout="2x1x1", gen_layout="1x2"), 2, None),
     ("valid_reference_on_part_of_the_world", dict(ref_layout="1x1x1@1"), 2, None),
     ("valid_pipeline", dict(train_layout="1x2x1"), 2, None),
+    ("valid_verifiable", lambda f: dict(eval_prompts=f["prompts"], eval_samples=2, eval_temperature=1.0,
+                                        advantage_estimator="grpo", filter_groups=True,
+                                        clip_eps_high=0.28, dual_clip=3.0, overlong_buffer=2,
+                                        loss_agg="seq-mean-token-sum-norm"), 2, None),
 ]
 
 
@@ -129,7 +153,8 @@ def results(world1, tmp_path_factory):
     prompts = F.write_prompts(d / "prompts.jsonl")
     long = list(F.PROMPTS)
     long[4] = "abcdefghijklmnopqrst"  # line 5: 20 tokens
-    files = {"long_prompts": F.write_prompts(d / "long.jsonl", long), "empty": d / "empty", "actor": actor}
+    files = {"long_prompts": F.write_prompts(d / "long.jsonl", long), "empty": d / "empty", "actor": actor,
+             "prompts": prompts}
     files["empty"].mkdir()
     files["plans"] = {}
     for name, ref, critic, extra in (("ok", "2x1x1", "2x1x1", {}), ("ref_apart", "1x1x2", "2x1x1", {}),
