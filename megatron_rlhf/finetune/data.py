@@ -34,12 +34,23 @@ class Example:
     def length(self) -> int:
         return len(self.prompt) + len(self.response)
 
+    @property
+    def untargeted(self) -> int:
+        """Leading response tokens that are no target: the first one when the prompt is
+        empty (nothing of this example precedes it to predict it from)."""
+        return 0 if self.prompt else min(1, len(self.response))
+
+    @property
+    def targets(self) -> int:
+        """Response tokens the SFT loss predicts."""
+        return len(self.response) - self.untargeted
+
 
 @dataclass
 class TokenBatch:
     input_ids: Tensor  # [B, T] right-padded
     segments: Tensor  # [B, T] example number within the row (1, 2, ...), 0 at padding
-    loss_mask: Tensor  # [B, T] 1 at response tokens (the targets)
+    loss_mask: Tensor  # [B, T] 1 at the targets: response tokens (an empty prompt's first excepted)
     last: Tensor  # [E] flat index (row * T + column) of each example's last token, in order
     ref: Tensor | None = None  # [B] DPO: the reference's summed response log-probs per row
 
@@ -170,7 +181,7 @@ def token_batch(rows: list[list[Example]], pad_id: int, device=None) -> TokenBat
         for k, e in enumerate(row, 1):
             i_row += e.prompt + e.response
             s_row += [k] * e.length
-            m_row += [0] * len(e.prompt) + [1] * len(e.response)
+            m_row += [0] * (len(e.prompt) + e.untargeted) + [1] * e.targets
             last.append(r_i * width + len(i_row) - 1)
         ids.append(i_row)
         seg.append(s_row)

@@ -66,7 +66,7 @@ class FinetuneTrainer:
 
     def _denominator(self, records: list) -> torch.Tensor:
         """The step's targets on all ranks: response tokens (SFT) or pairs."""
-        local = sum(len(e.response) for e in records) if self.cfg.loss == "sft" else len(records)
+        local = sum(e.targets for e in records) if self.cfg.loss == "sft" else len(records)
         return platform.all_reduce(torch.tensor(float(local), dtype=torch.float64,
                                                 device=platform.device()), group=self.pg.dp)
 

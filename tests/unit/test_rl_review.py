@@ -341,10 +341,6 @@ def test_sft_packing_after_an_empty_prompt(world1):
             col += e.length
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "finetune/data.py: an empty-prompt example packed after another has its first response "
-    "token marked as a target, predicted from the previous example's last token (alone, "
-    "column 0 is never a target); fix data.token_batch (or sft_loss) and drop this marker"))
 def test_sft_packing_an_empty_prompt_example_after_another():
     """No target is predicted across examples: every target column's predecessor lies in
     the same example, so the packed SFT target count equals the examples' alone."""
