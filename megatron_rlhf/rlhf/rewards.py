@@ -36,14 +36,17 @@ import contextlib
 import functools
 import inspect
 import math
+import mmap
 import numbers
 import os
 import pickle
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -235,6 +238,10 @@ def _with_alarm(call: Callable[[], Any], seconds: float) -> Any:
 _WORKER_START_S = 120.0
 """Longest wait for a worker to import the function and warm up."""
 
+_PROGRESS = struct.Struct("<qd")
+"""A worker's progress, in memory it shares with the scorer: the number of samples it has
+started (ever) and the ``time.monotonic()`` at which it started the latest."""
+
 
 class _RemoteTraceback(Exception):
     """A worker's traceback, chained as the cause of a RewardError."""
@@ -256,9 +263,9 @@ def _portable(outcome: _Outcome) -> _Outcome:
     return outcome
 
 
-def _worker_main(fd: int, parent_pid: int) -> None:
-    """A worker process: load the function, warm up, then score the chunks it is sent
-    (one message per sample, or one per batch call) until its connection closes."""
+def _worker_main(fd: int, progress_fd: int, parent_pid: int) -> None:
+    """A worker process: load the function, warm up, then score the chunks it is sent until
+    its connection closes; one message per chunk, the progress through it in shared memory."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     with contextlib.suppress(Exception):  # Linux: die with the parent even while stuck in a call
         import ctypes
@@ -266,6 +273,8 @@ def _worker_main(fd: int, parent_pid: int) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:
         return
+    progress = mmap.mmap(progress_fd, _PROGRESS.size)
+    os.close(progress_fd)
     conn = Connection(fd)
     try:
         fn, batched = pickle.loads(conn.recv_bytes())
@@ -276,6 +285,7 @@ def _worker_main(fd: int, parent_pid: int) -> None:
         conn.send(("failed", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
     conn.send(("ready",))
+    started = 0
     while True:
         try:
             samples = conn.recv()
@@ -285,10 +295,14 @@ def _worker_main(fd: int, parent_pid: int) -> None:
             conn.send(("lost", f"cannot receive the samples: {type(exc).__name__}: {exc}"))
             continue
         if batched:
-            conn.send(("batch", [_portable(o) for o in _call_batch(fn, samples)]))
+            outcomes = _call_batch(fn, samples)
         else:
+            outcomes = []
             for sample in samples:
-                conn.send(("one", _portable(_call_one(fn, sample))))
+                started += 1
+                _PROGRESS.pack_into(progress, 0, started, time.monotonic())
+                outcomes.append(_call_one(fn, sample))
+        conn.send(("done", [_portable(o) for o in outcomes]))
 
 
 class _Worker:
@@ -298,20 +312,44 @@ class _Worker:
     def __init__(self, payload: bytes):
         ours, theirs = socket.socketpair()
         fd = theirs.fileno()
-        code = (f"import sys; sys.path[:] = {sys.path!r}; "
-                "from megatron_rlhf.rlhf.rewards import _worker_main; "
-                f"_worker_main({fd}, {os.getpid()})")
+        if hasattr(os, "memfd_create"):
+            progress_fd = os.memfd_create("reward-worker-progress")
+        else:
+            progress_fd, path = tempfile.mkstemp(prefix="reward-worker-")
+            os.unlink(path)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd],
+            os.ftruncate(progress_fd, _PROGRESS.size)
+            self.progress = mmap.mmap(progress_fd, _PROGRESS.size)
+            code = (f"import sys; sys.path[:] = {sys.path!r}; "
+                    "from megatron_rlhf.rlhf.rewards import _worker_main; "
+                    f"_worker_main({fd}, {progress_fd}, {os.getpid()})")
+            self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd, progress_fd],
                                          stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
+            os.close(progress_fd)
         self.conn = Connection(ours.detach())
         self.conn.send_bytes(payload)
         self.ready = False
         self.chunk: list[int] | None = None
-        """Batch positions sent and not yet answered (the first one is being scored)."""
-        self.deadline = time.monotonic() + _WORKER_START_S
+        """Batch positions of the chunk it is scoring."""
+        self.sent_at = time.monotonic()
+        """When the chunk was sent (before it is ready: when it was started)."""
+        self.base = 0
+        """Samples it had started before this chunk."""
+
+    def dispatch(self, chunk: list[int], samples: list[RewardInput]) -> None:
+        self.base = _PROGRESS.unpack_from(self.progress)[0]  # it is idle: no race
+        self.conn.send([samples[i] for i in chunk])
+        self.chunk, self.sent_at = chunk, time.monotonic()
+
+    def in_flight(self) -> tuple[int, float]:
+        """The position in the chunk of the sample being scored, and when it started."""
+        started, at = _PROGRESS.unpack_from(self.progress)
+        k = started - self.base - 1
+        if k < 0:  # still receiving the chunk
+            return 0, self.sent_at
+        return min(k, len(self.chunk) - 1), at
 
     def stop(self, kill: bool) -> None:
         if kill:
@@ -326,13 +364,16 @@ class _Worker:
 
 
 class _WorkerPool:
-    """``size`` workers bound to one function, kept across calls. A call splits the batch
-    into contiguous chunks (two per worker; one per worker for a batched function) and
-    hands them to idle workers. A per-sample call has ``timeout_s`` from the moment the
-    worker starts it (when the previous answer arrives); a worker past it is killed, that
-    sample times out, the rest of its chunk goes back to the queue and a fresh worker
-    replaces it. A batch call has ``timeout_s`` per sample in its chunk, and on expiry all
-    of the chunk's samples time out."""
+    """``size`` workers bound to one function, kept across calls.
+
+    A call splits the batch into contiguous chunks (two per worker; one per worker for a
+    batched function) and hands them to idle workers, one message each way per chunk. A
+    per-sample call has ``timeout_s`` from the moment the worker starts it (which it
+    records in memory shared with this process, so no message is needed per sample). A
+    worker past it is killed and reaped: that sample times out, the rest of its chunk
+    (those it had scored too: their results died with it) goes back to the queue for the
+    other workers, and a fresh worker replaces it. A batch call has ``timeout_s`` per
+    sample in its chunk, and on expiry all of the chunk's samples time out."""
 
     def __init__(self, name: str, fn: Callable, batched: bool, size: int):
         self.name, self.batched, self.size = name, batched, size
@@ -352,6 +393,13 @@ class _WorkerPool:
         self.workers.remove(w)
         w.stop(kill=True)
 
+    def _deadline(self, w: _Worker, timeout_s: float) -> float:
+        if not w.ready:
+            return w.sent_at + _WORKER_START_S
+        if self.batched:
+            return w.sent_at + timeout_s * len(w.chunk)
+        return w.in_flight()[1] + timeout_s
+
     def run(self, samples: list[RewardInput], timeout_s: float) -> list[_Outcome]:
         try:
             return self._run(samples, timeout_s)
@@ -367,43 +415,43 @@ class _WorkerPool:
         queue = deque(list(range(a, b)) for a, b in zip(bounds, bounds[1:]))
         while True:
             self._fill()
-            now = time.monotonic()
             for w in list(self.workers):
                 if w.ready and w.chunk is None and queue:
                     chunk = queue.popleft()
                     try:
-                        w.conn.send([samples[i] for i in chunk])
+                        w.dispatch(chunk, samples)
                     except OSError:  # it died while idle: a fresh one takes the chunk
                         queue.appendleft(chunk)
                         self._drop(w)
-                        continue
-                    w.chunk = chunk
-                    w.deadline = now + timeout_s * (len(chunk) if self.batched else 1)
             busy = [w for w in self.workers if w.chunk is not None or (queue and not w.ready)]
             if not busy:
                 break
-            left = min(w.deadline for w in busy) - time.monotonic()
+            left = min(self._deadline(w, timeout_s) for w in busy) - time.monotonic()
             for conn in wait([w.conn for w in busy], timeout=max(left, 0.0)):
-                self._receive(next(w for w in busy if w.conn is conn), out, queue, timeout_s)
+                self._receive(next(w for w in busy if w.conn is conn), out, queue)
             now = time.monotonic()
-            for w in [w for w in busy if w in self.workers and w.deadline <= now]:
-                self._expire(w, out, queue)
+            for w in busy:
+                if w in self.workers and (w.chunk is not None or not w.ready) \
+                        and self._deadline(w, timeout_s) <= now:
+                    self._expire(w, out, queue)
         assert all(o is not None for o in out)
         return out  # type: ignore[return-value]
 
-    def _finish(self, w: _Worker, out: list, outcome: _Outcome, queue: deque) -> None:
-        """The chunk's current sample (a batch call: all of it) got ``outcome``; a
-        per-sample chunk's rest goes back to the queue (the worker is being dropped)."""
+    def _lose(self, w: _Worker, out: list, outcome: _Outcome, queue: deque) -> None:
+        """``w`` is gone in the middle of its chunk: the sample it was scoring (a batch call:
+        the whole chunk) gets ``outcome``, the chunk's others go back to the queue."""
+        k = 0 if self.batched else w.in_flight()[0]
         chunk, w.chunk = w.chunk, None
         if self.batched:
             for i in chunk:
                 out[i] = outcome._replace(span=(chunk[0], chunk[-1]))
-        else:
-            out[chunk[0]] = outcome
-            if len(chunk) > 1:
-                queue.appendleft(chunk[1:])
+            return
+        out[chunk[k]] = outcome
+        rest = chunk[:k] + chunk[k + 1:]
+        if rest:
+            queue.appendleft(rest)
 
-    def _receive(self, w: _Worker, out: list, queue: deque, timeout_s: float) -> None:
+    def _receive(self, w: _Worker, out: list, queue: deque) -> None:
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):
@@ -414,26 +462,22 @@ class _WorkerPool:
                         f"the worker process for reward function {self.name!r} exited with "
                         f"code {w.proc.returncode} before it was ready (its error is above)") from None
                 return  # died while idle; replaced
-            self._finish(w, out, _Outcome("died", detail=f"exit code {w.proc.returncode}"), queue)
+            self._lose(w, out, _Outcome("died", detail=f"exit code {w.proc.returncode}"), queue)
             return
         kind = msg[0]
         if kind == "ready":
             w.ready = True
-        elif kind == "failed":
+            return
+        if kind == "failed":
             self._drop(w)
             raise RewardError(f"cannot run reward function {self.name!r} in a worker process: "
                               f"{msg[1]}") from _RemoteTraceback(msg[2])
-        elif kind == "one":
-            out[w.chunk.pop(0)] = msg[1]
-            w.deadline = time.monotonic() + timeout_s
-            if not w.chunk:
-                w.chunk = None
-        elif kind == "batch":
-            chunk, w.chunk = w.chunk, None
+        chunk, w.chunk = w.chunk, None
+        if kind == "done":
+            span = (chunk[0], chunk[-1]) if self.batched else None
             for i, o in zip(chunk, msg[1]):
-                out[i] = o._replace(span=(chunk[0], chunk[-1]))
+                out[i] = o._replace(span=span)
         else:  # "lost": the samples did not reach the function
-            chunk, w.chunk = w.chunk, None
             for i in chunk:
                 out[i] = _Outcome("raised", detail=msg[1])
 
@@ -442,7 +486,7 @@ class _WorkerPool:
         if not w.ready:
             raise RewardError(f"the worker process for reward function {self.name!r} did not "
                               f"start within {_WORKER_START_S:g} s")
-        self._finish(w, out, _TIMEOUT, queue)
+        self._lose(w, out, _TIMEOUT, queue)
 
 
 # ------------------------------------------------------------------------- the scorer

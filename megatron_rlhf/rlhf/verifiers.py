@@ -6,7 +6,9 @@ decided by the `math-verify <https://github.com/huggingface/Math-Verify>`_ libra
 0.0. The final answer is found by math-verify's own extraction, in this order:
 
 1. a ``\\boxed{...}`` anywhere in the response (the last one);
-2. else, when the response has a ``####`` (GSM8K's marker), the line after the last one;
+2. else, when the last ``####`` (GSM8K's marker) is followed by what starts like an answer
+   (a digit, sign, ``.``, ``(``, ``$`` or ``\\``: not a markdown heading such as
+   ``#### Step 2``), the rest of that line;
 3. else math-verify's anchored patterns ("final answer is", "answer: ... ", "the answer
    is 42.") before any plain number or LaTeX;
 4. else the last number or LaTeX expression in the response.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import decimal
 import functools
 import numbers
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -76,15 +79,20 @@ def _math_verify() -> tuple[Any, Any, tuple]:
     return parse, verify, configs
 
 
+_ANSWER_START = re.compile(r"[-+.(\d$\\]")
+"""How the text after a GSM8K ``####`` starts when it is an answer, not a heading."""
+
+
 def _extract(text: str) -> list:
     """math-verify's parse of ``text`` (sympy values, then the matched string), with a
     ``####`` line taking precedence over the rest of the text unless there is a box."""
     parse, _, configs = _math_verify()
     if "####" in text and "\\boxed" not in text:
-        tail = text.rpartition("####")[2].strip()
-        found = parse(tail.splitlines()[0], configs, parsing_timeout=None) if tail else []
-        if found:
-            return found
+        line = text.rpartition("####")[2].lstrip().partition("\n")[0]
+        if _ANSWER_START.match(line):
+            found = parse(line, configs, parsing_timeout=None)
+            if found:
+                return found
     return parse(text, configs, parsing_timeout=None)
 
 

@@ -351,6 +351,20 @@ def test_pool_sleeping_verifier_costs_one_timeout_not_the_iteration():
             scorer(batch, first_index=100)
 
 
+def test_pool_rescores_the_rest_of_a_stuck_chunk():
+    """One worker, chunks [0, 1, 2] and [3, 4, 5]: sample 4 hangs after 3 was scored (its
+    result dies with the worker); a fresh worker scores 3 and 5."""
+    batch = [sample(r) for r in ("a", "bb", "ccc", "dddd", "sleep", "ffffff")]
+    with RewardScorer("reward_fixtures:sleepy", workers=1, timeout_s=1.0) as scorer:
+        scorer([sample("x")])
+        t = time.monotonic()
+        scores, counts = scorer(batch, first_index=0)
+        assert time.monotonic() - t < 1.0 + 2.0
+        assert scores.tolist() == [1.0, 2.0, 3.0, 4.0, 0.0, 6.0]
+        assert counts == {"reward_timeouts": 1, "reward_errors": 0}
+        assert "timed out on sample 4" in scorer.last_failure
+
+
 def test_pool_crash_bad_value_and_dead_worker():
     batch = [sample(r) for r in ("ok", "crash", "nan", "exit", "fine", "ok")]
     with RewardScorer("reward_fixtures:crashy", workers=2) as scorer:
@@ -381,9 +395,12 @@ def test_pool_batched_isolated_function():
 
 def test_pool_keeps_its_workers_across_calls():
     with RewardScorer("reward_fixtures:pid", workers=2) as scorer:
-        first = set(scorer([sample()] * 8)[0].long().tolist())
-        assert len(first) == 2 and os.getpid() not in first  # both workers, not this process
-        assert set(scorer([sample()] * 8)[0].long().tolist()) == first
+        used = set(scorer([sample()] * 8)[0].long().tolist())
+        pids = {w.proc.pid for w in scorer._pool.workers}
+        assert len(pids) == 2 and used <= pids and os.getpid() not in used  # workers, not us
+        for _ in range(3):
+            used |= set(scorer([sample()] * 8)[0].long().tolist())
+        assert {w.proc.pid for w in scorer._pool.workers} == pids and used <= pids
 
 
 def test_pool_worker_that_cannot_import_the_function(monkeypatch):

@@ -67,6 +67,10 @@ def test_wrong_answers_score_zero(response, answer):
     ("The answer is 42. It took me 3 steps.", 42),  # "answer is" beats a later number
     ("\\boxed{42} (not 41)", 42),  # a box beats a later number
     ("\\boxed{41}\n#### 42", 41),  # a box beats ####
+    ("3 + 39 = 42. The answer is 42. (41 was a typo)", 42),
+    ("#### Step 3\n3 + 39 = 42, so the answer is 42.\nWe used 2 steps.", 42),  # a heading
+    ("#### Step 3\nAdd: 3 + 39 = 42", 42),
+    ("####\n$42$ apples", 42),
     ("1 + 1 = 2, 2 + 2 = 4, so 7", 7),  # else the last number
 ])
 def test_final_answer_precedence(response, answer):
