@@ -188,3 +188,29 @@ def test_eval_schedule():
     cfg = EvalConfig(eval_interval=3)
     assert [it for it in range(0, 11) if cfg.due(it, 10)] == [0, 3, 6, 9, 10]
     assert [it for it in range(0, 5) if EvalConfig().due(it, 4)] == [0, 4]
+
+
+# ------------------------------------------------------------------------- records -> reward
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_record_fields_reach_a_users_reward_function_unchanged(tmp_path, suffix):
+    """Every field of a record but the prompt arrives as ``RewardInput.meta``, equal to what
+    the file holds (``rlhf_fixtures:record_fields`` raises otherwise: strict, so it fails)."""
+    import rlhf_fixtures as F
+    from megatron_rlhf.config import RewardConfig
+    from megatron_rlhf.data.prompts import load_prompts
+    from megatron_rlhf.rlhf.experience import ExperienceMaker
+
+    records = load_prompts(F.write_records(tmp_path / f"r{suffix}", F.PROMPTS[:4]), key="text")
+    cfg = PPOConfig(global_batch_size=4, rollout_n=1)
+    maker = ExperienceMaker(cfg, None, reward_fn="rlhf_fixtures:record_fields",
+                            reward=RewardConfig(strict_rewards=True, reward_workers=0))
+    rollout = _rollout([3, 2, 4, 1], fill=4)  # even ids 4, 6: parity 1 or 0 per row
+    scores = maker.score([[1]] * 4, [r.prompt for r in records], rollout, 0, [r.meta for r in records])
+    flat = [r.meta["flat"] for r in records]
+    assert flat == [True, True, False, False]
+    assert scores.tolist() == [0.5, 0.5, 1.0, 0.0]
+    assert maker.take_reward_stats() == {"reward_errors": 0, "reward_timeouts": 0}
+    wrong = [dict(r.meta, info={"p": "?", "n": [1, 2]}) for r in records]
+    from megatron_rlhf.rlhf.rewards import RewardError
+    with pytest.raises(RewardError, match="record fields"):
+        maker.score([[1]] * 4, [r.prompt for r in records], rollout, 0, wrong)
