@@ -7,6 +7,7 @@ STAMP   := $(VENV)/.installed
 NPROC   ?= 2
 OUT     ?= out/demo
 ITERS   ?= 16
+DEMO    ?= grpo
 
 .PHONY: install demo test test-fast clean
 
@@ -21,7 +22,7 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 demo: $(STAMP)
-	NPROC=$(NPROC) OUT=$(OUT) ITERS=$(ITERS) PATH=$(abspath $(BIN)):$$PATH bash examples/cpu_demo.sh
+	DEMO=$(DEMO) NPROC=$(NPROC) OUT=$(OUT) ITERS=$(ITERS) PATH=$(abspath $(BIN)):$$PATH bash examples/cpu_demo.sh
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

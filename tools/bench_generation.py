@@ -52,6 +52,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
+
 import torch
 
 from megatron_rlhf.config import GenerationConfig, SpecConfig
@@ -137,14 +140,6 @@ def draft_variant(text: str) -> tuple[int | str, bool]:
     return n, bool(suffix)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 class Reporter:

@@ -60,6 +60,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "megatron_rlhf" / "data"
 VERIFIERS = ROOT / "megatron_rlhf" / "rlhf" / "verifiers.py"
@@ -512,14 +515,6 @@ def table(results: dict[str, dict], cmp: dict | None, conf: dict) -> str:
     return "\n".join(lines)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def main(argv=None) -> int:

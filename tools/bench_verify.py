@@ -39,6 +39,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_rlhf.rlhf import verifiers  # noqa: E402
@@ -138,14 +141,6 @@ def run_scorer(samples: list[RewardInput], batch: int, workers: int, timeout: fl
         scorer.close()
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
