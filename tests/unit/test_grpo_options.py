@@ -214,3 +214,53 @@ def test_record_fields_reach_a_users_reward_function_unchanged(tmp_path, suffix)
     from megatron_rlhf.rlhf.rewards import RewardError
     with pytest.raises(RewardError, match="record fields"):
         maker.score([[1]] * 4, [r.prompt for r in records], rollout, 0, wrong)
+
+
+# ------------------------------------------------------------------------- W&B logging
+class _FakeWandb:
+    """Stands in for the optional ``wandb`` package: records init kwargs and logged rows."""
+
+    def __init__(self, fail_online=False):
+        self.inits, self.rows, self.finished, self.fail_online = [], [], 0, fail_online
+
+    def init(self, **kw):
+        if kw["mode"] == "online" and self.fail_online:
+            raise OSError("no network")
+        self.inits.append(kw)
+        return self
+
+    def log(self, row, step):
+        self.rows.append((step, row))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_wandb_gets_every_numeric_metric_offline_without_credentials(tmp_path, monkeypatch):
+    import sys
+
+    from megatron_rlhf.rlhf.metrics import MetricsLog, wandb_mode
+
+    fake = _FakeWandb(fail_online=True)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login
+    assert wandb_mode() == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x")
+    assert wandb_mode() == "online"
+    log = MetricsLog(str(tmp_path / "log"), True, wandb_project="p", config={"seed": 1})
+    assert [i["mode"] for i in fake.inits] == ["offline"]  # online failed: offline instead
+    assert fake.inits[0]["project"] == "p" and fake.inits[0]["config"] == {"seed": 1}
+    log.write(0, {"eval/accuracy": 0.25, "gen_rounds_by_draft_len": [1, 2]})
+    log.write(1, {"reward_mean": 0.5, "samples": 8})
+    log.close()
+    assert fake.rows == [(0, {"eval/accuracy": 0.25}), (1, {"reward_mean": 0.5, "samples": 8})]
+    assert fake.finished == 1
+    assert len(_lines(tmp_path / "log" / "metrics.jsonl")) == 2
+    other = MetricsLog(str(tmp_path / "log2"), False, wandb_project="p")  # not rank 0: no run
+    assert other.wandb is None and len(fake.inits) == 1
+
+
+def _lines(path):
+    return [line for line in path.read_text().splitlines() if line.strip()]
