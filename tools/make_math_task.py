@@ -22,8 +22,9 @@ The instruction appended to every problem is chosen with ``--instruction`` (a ke
 number at the end.") was picked for SmolLM2-135M-Instruct: greedy, it answers 19% of the
 held-out problems correctly by the verifier's final-answer rule (96-128 new tokens), while
 the right number appears somewhere in 45% of its answers (measured with
-``tools/eval_math_baseline.py``): the gap is format and focus, which GRPO teaches quickly. Train and held-out problems are drawn from one seeded stream and
-deduplicated on the problem text, so the two files share no identical prompt. The output
+``tools/eval_math_baseline.py``): the gap is format and focus, which GRPO teaches quickly.
+Train and held-out problems are drawn from one seeded stream and deduplicated on the problem
+text, so the two files share no identical prompt. The output
 is a pure function of the arguments: running the script twice gives identical bytes, and
 ``tests/unit/test_math_task.py`` checks that the shipped files equal the default output.
 """

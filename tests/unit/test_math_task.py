@@ -78,3 +78,17 @@ def test_eval_expr_and_bad_arguments():
         tool.generate(n_train=1, n_heldout=1, ops="+x")
     with pytest.raises(ValueError):
         tool.generate(n_train=1, n_heldout=1, instruction="nope")
+
+
+def test_baseline_final_answer_rule():
+    spec = importlib.util.spec_from_file_location("eval_math_baseline", ROOT / "tools" / "eval_math_baseline.py")
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    assert ev.final_answer("3 + 4 = 7, so \\boxed{7}. Then 9.") == "\\boxed{7}"
+    assert ev.final_answer("3 + 4 = 7\n#### 7\nThe answer is 8.") == "7"
+    assert ev.final_answer("Tom has 3 + 5 = 8 balloons.\nTom has 8 - 5 = 3 now.") == "3"
+    assert ev.final_answer("no number here") is None
+    assert ev.appears("so 1,200 in all", "1200") and not ev.appears("12 apples", "1")
+    pytest.importorskip("math_verify")
+    assert ev.is_correct("Tom has 3 + 5 = 8 balloons.", "8")
+    assert not ev.is_correct("Tom has 3 + 5 = 8 balloons, not 9.", "8")
