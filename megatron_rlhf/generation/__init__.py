@@ -1,1 +1,3 @@
-"""Generation: the smoke greedy loop now; KV cache, speculative decoding and migration next."""
+"""Generation: KV cache and incremental forward, sampling with keyed uniforms, lossless
+speculative decoding with a draft model, the workload-aware drafting selector, sample
+migration between data-parallel ranks, and CUDA-graphed steps on GPU (:mod:`.engine`)."""

@@ -1,1 +1,3 @@
-"""Planning the iteration before it runs: memory per stage (:mod:`.memory`); later the dataflow graph, cost model and layout search (ReaLHF)."""
+"""Planning the iteration before it runs (ReaLHF): memory per stage (:mod:`.memory`), the
+dataflow graph of an RLHF iteration (:mod:`.graph`), its cost model (:mod:`.cost`) and the
+search over per-call layouts (:mod:`.search`)."""
