@@ -73,14 +73,13 @@ def main(argv=None) -> int:
 
     # --- distributed from here on ---
     from megatron_rlhf.parallel.groups import build_process_groups
-    from megatron_rlhf.rlhf.build import build_trainer
+    from megatron_rlhf.rlhf.build import build_trainer, one_layout
     from megatron_rlhf.rlhf.rewards import RewardError
 
     rank, world = platform.init_distributed(seed=plan.loop.seed)
     train_layout, gen_layout = plan.par.layouts(world)
     pg = build_process_groups(train_layout)
-    same = (gen_layout.tp, gen_layout.dp, 1) == (train_layout.tp, train_layout.dp, train_layout.pp)
-    gen_pg = pg if same else build_process_groups(gen_layout)
+    gen_pg = pg if one_layout(train_layout, gen_layout) else build_process_groups(gen_layout)
     trainer = build_trainer(plan, pg, gen_pg)
     try:
         history = trainer.run()

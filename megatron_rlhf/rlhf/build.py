@@ -105,7 +105,7 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
     from megatron_rlhf.data.prompts import encode_record, load_prompts
     from megatron_rlhf.data.tokenizer import load_tokenizer
     from megatron_rlhf.generation.engine import check_draft
-    from megatron_rlhf.rlhf.rewards import get_reward_fn
+    from megatron_rlhf.rlhf.rewards import get_reward_fn, takes_answer_key
     from megatron_rlhf.rlhf.state import find_training_checkpoint, read_training_state
 
     if (reward_fn is None) == (paths.reward is None):
@@ -129,7 +129,7 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                              f"--train-iters above it to train further")
     infos = _infos(paths, ppo, resume)
     tokenizer = load_tokenizer(infos["actor"].tokenizer_dir)
-    required = (reward.answer_key,) if reward_fn in ANSWER_CHECKING else ()
+    required = (reward.answer_key,) if reward_fn and takes_answer_key(get_reward_fn(reward_fn)) else ()
     prompts = load_prompts(prompts_file, split="train" if prompts_file is None else None,
                            key=loop.prompt_key, required=required)
     if len(prompts) < ppo.global_batch_size:
@@ -146,7 +146,7 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
         longest = min(loop.max_prompt_length, max((len(ids) for ids in prompt_ids), default=1))
         par = execution_plan(par, infos, ppo, loop, gen, spec, dtype, world_size, prompt_len=longest)
     train_layout, gen_layout = par.layouts(world_size)
-    _check_extras(ppo, loop, par, reward_fn, eval_prompts, world_size)
+    _check_extras(ppo, loop, par, reward_fn, train_layout, gen_layout, world_size)
     ppo.check_data_parallel(train_layout.dp)
     if ppo.global_batch_size % gen_layout.dp:
         raise ValueError(f"--global-batch-size {ppo.global_batch_size} prompts must split evenly "
@@ -319,19 +319,18 @@ def _check_layout(info, name: str, stage: str, tp: int, pp: int = 1) -> None:
         raise ValueError(f"the {name} ({info.path}) in the {stage} layout: {e}") from None
 
 
-ANSWER_CHECKING = ("math",)
-"""Reward functions that check a record's answer field (``--answer-key``)."""
+def one_layout(train_layout, gen_layout) -> bool:
+    """Whether generation runs on the train layout's process groups (no copy of its own)."""
+    return (gen_layout.tp, gen_layout.dp, 1) == (train_layout.tp, train_layout.dp, train_layout.pp)
 
 
-def _check_extras(ppo, loop, par, reward_fn, eval_prompts, world_size) -> None:
+def _check_extras(ppo, loop, par, reward_fn, train_layout, gen_layout, world_size) -> None:
     """Flags that need a reward function, one layout or an optional package."""
     if ppo.filter_groups:
         if reward_fn is None:
             raise ValueError("--filter-groups scores each round's samples with the reward function: "
                              "it needs --reward-fn (not --reward-load)")
-        train_layout, gen_layout = par.layouts(world_size)
-        if par.model_layouts(world_size) or (gen_layout.tp, gen_layout.dp, 1) != (
-                train_layout.tp, train_layout.dp, train_layout.pp):
+        if par.model_layouts(world_size) or not one_layout(train_layout, gen_layout):
             raise ValueError("--filter-groups keeps each group on the rank that generated it: it "
                              "needs one layout for generation and training (drop --gen-layout and "
                              "the per-model --*-layout flags, or --filter-groups)")

@@ -225,9 +225,10 @@ class ExperienceMaker:
         """``[B]`` rewards of a rollout's samples (a reward model's needs the packed ``exp``),
         with the soft overlong penalty when ``penalties`` and configured; collective over the
         world (every rank stops together on a reward error)."""
+        responses = rollout.responses()
         if exp is None and self.reward_model is not None:
-            exp = self._batch(prompts, rollout.responses())
-        scores = self._scores(exp, prompts, prompt_texts, rollout.responses(), rollout, first_index,
+            exp = self._batch(prompts, responses)
+        scores = self._scores(exp, prompts, prompt_texts, responses, rollout, first_index,
                               metas or [{}] * len(prompts))
         if penalties and self.cfg.overlong_buffer and self.gen is not None:
             scores = scores + overlong_penalty(rollout.lengths.to(scores.device), self.gen.max_new_tokens,

@@ -492,7 +492,8 @@ class _WorkerPool:
 # ------------------------------------------------------------------------- the scorer
 
 
-def _takes_answer_key(fn: Callable) -> bool:
+def takes_answer_key(fn: Callable) -> bool:
+    """Whether ``fn`` checks a record field named by ``answer_key`` (the scorer passes it)."""
     try:
         return "answer_key" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -530,7 +531,7 @@ class RewardScorer:
         self.fn_name, self.timeout_s, self.strict = fn_name, float(timeout_s), strict
         self.batched = bool(getattr(fn, "batched", False))
         self.isolated = bool(getattr(fn, "isolated", False))
-        if _takes_answer_key(fn):
+        if takes_answer_key(fn):
             fn = functools.partial(fn, answer_key=answer_key)
         self.fn = fn
         if not self.isolated:

@@ -254,7 +254,7 @@ class RLHFTrainer:
                                   sids[0] if sids else 0, [h.records[i].meta for i in mine for _ in range(k)],
                                   penalties=False)
         out = eval_metrics(scores, generated.lengths, k, h.cfg.eval_threshold, dp)
-        out.update({f"eval/{k}": float(v) for k, v in self.maker.take_reward_stats().items()})
+        out.update({f"eval/{name}": float(v) for name, v in self.maker.take_reward_stats().items()})
         out["eval/time_s"] = time.perf_counter() - start
         return out
 
