@@ -295,7 +295,8 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-eps", type=float, default=0.2, help="PPO ratio clip")
     g.add_argument("--value-clip-eps", type=float, default=0.2, help="value clip (0: none)")
     g.add_argument("--kl-coef", type=float, default=0.05,
-                   help="KL-to-reference weight (reward penalty with gae, loss with grpo)")
+                   help="KL-to-reference weight (reward penalty with gae, loss with grpo; 0: no "
+                        "reference model is loaded or run, and no kl metric)")
     g.add_argument("--kl-estimator", choices=KL_ESTIMATORS, default=None,
                    help="per-token KL estimate (default: k3 as grpo's loss term, k1 in the reward)")
     g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus weight")
@@ -320,7 +321,10 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
     rc.add_argument("--recompute-logprobs", dest="recompute_logprobs", action="store_true",
                     default=None, help="log pi_old from a training forward, not from generation "
                     "(default: on for bf16, or when sampling is tempered or truncated: "
-                    "--temperature not 0 or 1, --top-k or --top-p set; off otherwise)")
+                    "--temperature not 0 or 1, --top-k or --top-p set; off otherwise; and "
+                    "never needed with one optimizer step per iteration (--ppo-epochs 1, "
+                    "--num-mini-batches 1) and no KL in the reward: the update's own "
+                    "log-probs, detached, are then log pi_old)")
     rc.add_argument("--no-recompute-logprobs", dest="recompute_logprobs", action="store_false",
                     help="always use generation's log-probs")
     g = p.add_argument_group("held-out evaluation")

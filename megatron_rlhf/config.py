@@ -348,7 +348,8 @@ class PPOConfig:
     recompute_logprobs: bool | None = None
     """Take log pi_old from a training forward instead of from generation (None: for bf16
     models, where the cached decode and the full forward round differently, and when
-    sampling is tempered or truncated, so that the first PPO ratio is exactly 1)."""
+    sampling is tempered or truncated, so that the first PPO ratio is exactly 1; unless
+    :attr:`old_from_update`, which needs no forward at all)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "rollout_n", "micro_batch_size", "num_mini_batches",
@@ -405,6 +406,22 @@ class PPOConfig:
     @property
     def use_critic(self) -> bool:
         return self.advantage_estimator == "gae"
+
+    @property
+    def old_from_update(self) -> bool:
+        """log pi_old is the update forward's own log-probs, detached: with one optimizer step
+        per iteration (one PPO epoch, one mini-batch) the policy being updated *is* the old
+        one, so the ratio is exactly 1 without a forward to recompute it (as TRL and verl
+        do). Only when ``recompute_logprobs`` is left unset, and no KL term shapes the
+        reward (that one is computed from log pi_old before the update)."""
+        return (self.recompute_logprobs is None and self.ppo_epochs == 1 and self.num_mini_batches == 1
+                and not (self.kl_coef and not self.kl_in_loss))
+
+    @property
+    def uses_reference(self) -> bool:
+        """A KL term reads the reference's log-probs; without one (``kl_coef`` 0) the reference
+        model is neither loaded nor run."""
+        return self.kl_coef > 0
 
     @property
     def kl_in_loss(self) -> bool:

@@ -28,12 +28,19 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return ~allowed[:, None]
 
 
-def masked_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **kw):
+def masked_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   output_from: int = 0, **kw):
     """``model``'s raw output for a (left-)padded batch: positions counting real tokens, the
     causal-and-padding mask, after checking that the model applies it
     (:func:`~megatron_rlhf.models.builder.check_mask_honoured`). ``kw`` go to the model.
     Under sequence parallelism the batch is right-padded to a multiple of TP (mask 0) and
     the output cut back to the given length.
+
+    ``output_from``: the output layer (an LM's vocabulary projection) runs on columns
+    ``output_from:`` only, and the output has those columns (no logits are computed for
+    the rest of a prompt; not under sequence parallelism, whose output layer gathers the
+    sequence itself: there the whole output comes back). Callers find the columns from the
+    output's width (:func:`~megatron_rlhf.rlhf.batch.response_slice`).
     """
     from megatron_rlhf.models import sequence_parallel
     from megatron_rlhf.models.builder import check_mask_honoured
@@ -46,7 +53,17 @@ def masked_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                          "without sequence parallelism")
     length = input_ids.shape[1]
     input_ids, attention_mask = sequence_parallel.pad(model, input_ids, attention_mask)
-    out = model(input_ids, position_ids(attention_mask), causal_padding_mask(attention_mask), **kw)
+    hook = None
+    if output_from > 0 and model.post_process and not sequence_parallel.enabled(model):
+        hook = model.output_layer.register_forward_pre_hook(
+            lambda _layer, args: (args[0][output_from:], *args[1:]))  # hidden states are [s, b, h]
+    try:
+        out = model(input_ids, position_ids(attention_mask), causal_padding_mask(attention_mask), **kw)
+    finally:
+        if hook is not None:
+            hook.remove()
+    if hook is not None:
+        return out
     return out[:, :length] if model.post_process and out.shape[1] != length else out
 
 

@@ -28,14 +28,20 @@ from megatron_rlhf import platform
 from megatron_rlhf.models import sequence_parallel
 from megatron_rlhf.models.forward import masked_forward
 
+LM_ROLES = ("actor", "reference", "draft")
+"""Roles whose output is vocabulary logits (the others': a value per position)."""
+
 
 def pipelined(model) -> bool:
     return model.pg_collection.pp.size() > 1
 
 
 def model_output(model, mb) -> torch.Tensor:
-    """The model's raw output for a micro-batch (one stage's, under PP)."""
-    return masked_forward(model, mb.input_ids, mb.attention_mask)
+    """The model's raw output for a micro-batch (one stage's, under PP). An LM's logits only
+    from the column before the first response token on (the prompt's others predict
+    nothing that is scored: :func:`~megatron_rlhf.rlhf.batch.response_slice` reads them)."""
+    lm = getattr(model, "mrlhf_role", None) in LM_ROLES
+    return masked_forward(model, mb.input_ids, mb.attention_mask, output_from=mb.prompt_len - 1 if lm else 0)
 
 
 def map_micro_batches(model, micro_batches: list, fn) -> list:

@@ -62,6 +62,61 @@ class Experience:
         """Consecutive chunks of ``size`` rows (the last may be smaller)."""
         return [self.select(slice(i, i + size)) for i in range(0, self.batch_size, size)]
 
+    def columns(self, prompt: int, response: int) -> "Experience":
+        """The last ``prompt`` prompt columns and the first ``response`` response columns
+        (the others must be padding in every row: positions count real tokens only, so the
+        forward is unchanged)."""
+        p = self.prompt_len
+        fields = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in SEQUENCE_FIELDS:
+                v = v[:, p - prompt:p + response]
+            elif isinstance(v, Tensor) and v.dim() == 2:
+                v = v[:, :response]
+            fields[f.name] = v
+        return Experience(**fields)
+
+    def micro_batches(self, size: int, one_width: bool = False) -> tuple[list["Experience"], Tensor]:
+        """``(micro-batches, order)``: the rows in chunks of ``size``, longest responses first,
+        each cut to the columns its own rows use (:meth:`columns`), so that no forward runs
+        over columns of padding alone (``one_width``: cut every chunk to the columns any
+        row uses, for pipeline schedules, whose micro-batches share one shape).
+        ``order[i]``: the row of ``self`` that is the ``i``-th row over the chunks
+        (:func:`in_row_order` puts per-row results back). One host read of the lengths."""
+        p = self.prompt_len
+        lengths = torch.stack([self.attention_mask[:, :p].sum(1), self.response_mask.sum(1).long()], 1)
+        lengths = lengths.tolist()
+        rows = sorted(range(self.batch_size), key=lambda i: (-lengths[i][1], -lengths[i][0], i))
+        chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
+
+        def extent(idx):  # (prompt, response) columns the rows use; one prompt column at least
+            return (max(1, max(lengths[i][0] for i in idx)), max(1, max(lengths[i][1] for i in idx)))
+
+        if one_width:
+            widths = [extent(rows)] * len(chunks)
+        else:
+            widths = [extent(idx) for idx in chunks]
+        order = torch.tensor(rows, dtype=torch.long)
+        dev = self.input_ids.device
+        parts = [self.select(torch.tensor(idx, dtype=torch.long, device=dev)).columns(*w)
+                 for idx, w in zip(chunks, widths)]
+        return parts, order
+
+
+SEQUENCE_FIELDS = ("input_ids", "attention_mask")
+"""The :class:`Experience` fields over prompt and response columns (the other ``[B, ...]``
+fields of two dimensions are per response token)."""
+
+
+def in_row_order(parts: list[Tensor], order: Tensor, width: int | None = None) -> Tensor:
+    """Per-row results of :meth:`Experience.micro_batches` (``[b]``, or ``[b, t]`` padded
+    with 0 on the right to ``width``) back in the batch's row order."""
+    if width is not None:
+        parts = [torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in parts]
+    out = torch.cat(parts)
+    return out[torch.argsort(order.to(out.device))]
+
 
 def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device=None):
     """``(input_ids [B, P+T], attention_mask [B, P+T], response_mask [B, T])`` on ``device``
@@ -77,9 +132,16 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int, devi
 
 
 def response_slice(full: Tensor, exp: Experience) -> Tensor:
-    """Columns of a ``[B, P+T, ...]`` model output that predict the response tokens."""
+    """Columns of a model output that predict the response tokens: of a ``[B, P+T, ...]``
+    output, or of one over the last columns only (``output_from`` of
+    :func:`~megatron_rlhf.models.forward.masked_forward`: it starts at column
+    ``P+T - its width``)."""
     p, t = exp.prompt_len, exp.response_mask.shape[1]
-    return full[:, p - 1:p + t - 1]
+    start = p - 1 - (exp.input_ids.shape[1] - full.shape[1])
+    if start < 0:
+        raise ValueError(f"an output of {full.shape[1]} columns does not reach back to column {p - 1}, "
+                         f"which predicts the first response token")
+    return full[:, start:start + t]
 
 
 def last_token_index(exp: Experience) -> Tensor:

@@ -234,7 +234,7 @@ def execution_plan(par: ParallelConfig, infos: dict, ppo: PPOConfig, loop: LoopC
                                                 recompute=par.recompute_granularity or "none",
                                                 speculation=spec_model))
     graph = rlhf_graph(ppo.samples_per_iteration, prompt_len or loop.max_prompt_length, gen.max_new_tokens,
-                       critic=ppo.use_critic, reward_model="reward" in models,
+                       critic=ppo.use_critic, reference=ppo.uses_reference, reward_model="reward" in models,
                        draft="draft" in models, draft_distill=loop.draft_distill,
                        ppo_epochs=ppo.ppo_epochs, mini_batches=ppo.num_mini_batches,
                        group=ppo.rollout_n)
@@ -394,7 +394,7 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     ``pg``: the train layout's process groups; ``gen_pg``: the generation layout's (None or
     ``pg``: the same layout, one copy of the actor)."""
     from megatron_rlhf.generation.engine import Generator
-    from megatron_rlhf.rlhf.experience import ExperienceMaker, recompute_by_default
+    from megatron_rlhf.rlhf.experience import ExperienceMaker, recomputes
     from megatron_rlhf.rlhf.state import load_trainer_states
     from megatron_rlhf.parallel.groups import build_process_groups
     from megatron_rlhf.plan import memory as mem
@@ -435,9 +435,11 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
         return _trainee(plan, model, g, lr, True) if g is not None else None
 
     actor = held("actor", train_layout, pg, trains=True)
-    models = Models(actor=trainee(actor, pg, plan.optim.lr),
-                    reference=held("reference", layouts["reference"], pgs["reference"]))
-    places = {"reference": pgs["reference"]}  # call -> its process groups
+    models = Models(actor=trainee(actor, pg, plan.optim.lr))
+    places = {}  # call -> its process groups
+    if plan.ppo.uses_reference:  # else no KL term reads it: neither loaded nor run
+        models.reference = held("reference", layouts["reference"], pgs["reference"])
+        places["reference"] = pgs["reference"]
     critic = None
     if plan.ppo.use_critic:
         skip = ("output_layer.",) if plan.infos["critic"].role not in ("critic", "reward") else ()
@@ -450,9 +452,7 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
         models.reward_model = held("reward", layouts["reward"], pgs["reward"])
         places["reward"] = pgs["reward"]
     places["actor_train"] = pg
-    if plan.ppo.recompute_logprobs is None:
-        plan.ppo.recompute_logprobs = recompute_by_default(plan.dtype, plan.gen)
-    if plan.ppo.recompute_logprobs:  # the old log-probs: a forward of the actor's training copy
+    if recomputes(plan.ppo, plan.dtype, plan.gen):  # the old log-probs: a forward of the actor's training copy
         places["actor"] = pg
     models.elsewhere = {name: m for name, m in (("actor", actor), ("critic", critic)) if isinstance(m, Absent)}
     if gen_pg is not pg:
@@ -479,7 +479,8 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
 
     reward_model = here(models.reward_model, "reward") if plan.paths.reward else None
     critic = here(models.inferring_critic, "critic") if plan.ppo.use_critic else None
-    maker = ExperienceMaker(plan.ppo, here(models.reference, "reference"), actor=here(actor, "actor"),
+    reference = here(models.reference, "reference") if plan.ppo.uses_reference else None
+    maker = ExperienceMaker(plan.ppo, reference, actor=here(actor, "actor"),
                             critic=critic, reward_model=reward_model, reward_fn=plan.reward_fn,
                             tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=anchor.dp, gen=plan.gen,
                             reward=plan.reward)

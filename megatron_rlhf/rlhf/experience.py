@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, PPOConfig, RewardConfig
 from megatron_rlhf.models.forward import logits_of, values_of
-from megatron_rlhf.models.pipeline import map_micro_batches
+from megatron_rlhf.models.pipeline import map_micro_batches, pipelined
 from megatron_rlhf.rlhf import placement
 from megatron_rlhf.rlhf.advantages import (
     gae,
@@ -29,9 +29,18 @@ from megatron_rlhf.rlhf.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from megatron_rlhf.rlhf.batch import Experience, last_token_index, pack, response_slice
+from megatron_rlhf.rlhf.batch import Experience, in_row_order, last_token_index, pack, response_slice
 from megatron_rlhf.rlhf.losses import kl_estimate, policy_logprobs, reshapes_policy, token_rewards
 from megatron_rlhf.rlhf.rewards import RewardError, RewardInput
+
+
+def per_row(model, exp: Experience, micro_batch_size: int, fn, per_token: bool = True) -> torch.Tensor:
+    """``fn(output, mb)`` of every micro-batch (:meth:`~megatron_rlhf.rlhf.batch.Experience.micro_batches`:
+    no forward over padding columns alone), back in ``exp``'s rows: ``[B, T]`` when
+    ``per_token``, else ``[B]``."""
+    parts, order = exp.micro_batches(micro_batch_size, one_width=pipelined(model))
+    outs = map_micro_batches(model, parts, fn)
+    return in_row_order(outs, order, exp.response_mask.shape[1] if per_token else None)
 
 
 @torch.no_grad()
@@ -41,7 +50,7 @@ def response_logprobs(model, exp: Experience, micro_batch_size: int) -> torch.Te
     def fn(output, mb):
         logits = response_slice(logits_of(model, output), mb)
         return policy_logprobs(logits, mb.response_ids, exp.policy) * mb.response_mask
-    return torch.cat(map_micro_batches(model, exp.split(micro_batch_size), fn))
+    return per_row(model, exp, micro_batch_size, fn)
 
 
 def recompute_by_default(dtype: torch.dtype, policy: GenerationConfig | None) -> bool:
@@ -50,6 +59,16 @@ def recompute_by_default(dtype: torch.dtype, policy: GenerationConfig | None) ->
     for a tempered or truncated policy (:func:`~megatron_rlhf.rlhf.losses.reshapes_policy`;
     its log-probs from the decode differ from the training forward's by rounding)."""
     return dtype != torch.float32 or reshapes_policy(policy)
+
+
+def recomputes(cfg: PPOConfig, dtype: torch.dtype, policy: GenerationConfig | None) -> bool:
+    """Whether the experience runs a forward of the actor for log pi_old: as
+    ``cfg.recompute_logprobs`` says, or when unset, never where the update's own forward
+    gives them (:attr:`~megatron_rlhf.config.PPOConfig.old_from_update`), else
+    :func:`recompute_by_default`."""
+    if cfg.recompute_logprobs is not None:
+        return cfg.recompute_logprobs
+    return not cfg.old_from_update and recompute_by_default(dtype, policy)
 
 
 def generation_logprobs(rollout, policy: GenerationConfig | None) -> torch.Tensor:
@@ -63,7 +82,7 @@ def response_values(model, exp: Experience, micro_batch_size: int) -> torch.Tens
     """``[B, T]`` critic values ``V(s_t)`` of the states before each response token."""
     def fn(output, mb):
         return response_slice(values_of(output), mb).float() * mb.response_mask
-    return torch.cat(map_micro_batches(model, exp.split(micro_batch_size), fn))
+    return per_row(model, exp, micro_batch_size, fn)
 
 
 @torch.no_grad()
@@ -71,7 +90,7 @@ def reward_model_scores(model, exp: Experience, micro_batch_size: int) -> torch.
     """``[B]`` a reward model's value at each response's last token."""
     def fn(output, mb):
         return values_of(output).float().gather(1, last_token_index(mb)[:, None])[:, 0]
-    return torch.cat(map_micro_batches(model, exp.split(micro_batch_size), fn))
+    return per_row(model, exp, micro_batch_size, fn, per_token=False)
 
 
 TRAINING_INPUTS = {"actor_train": ("old_logprobs", "ref_logprobs", "advantages"),
@@ -84,8 +103,9 @@ class ExperienceMaker:
 
     ``gen``: the settings the rollouts were sampled with; they define the policy of every
     log-prob (None: the models' own distributions at temperature 1). ``actor``: needed to
-    recompute old log-probs (``cfg.recompute_logprobs``; None there:
-    :func:`recompute_by_default` when the actor is given).
+    recompute old log-probs (``cfg.recompute_logprobs``; None there: :func:`recomputes`
+    when the actor is given). ``reference``: None when no KL term reads it
+    (``cfg.kl_coef`` 0); ``ref_logprobs`` and ``kl`` then stay 0.
     """
 
     def __init__(self, cfg: PPOConfig, reference, critic=None, reward_model=None,
@@ -101,8 +121,7 @@ class ExperienceMaker:
         self.actor, self.gen = actor, gen
         self.recompute = cfg.recompute_logprobs
         if self.recompute is None:
-            self.recompute = actor is not None and recompute_by_default(
-                next(actor.parameters()).dtype, gen)
+            self.recompute = actor is not None and recomputes(cfg, next(actor.parameters()).dtype, gen)
         if self.recompute and actor is None:
             raise ValueError("recompute_logprobs needs the actor")
         self.scorer = None if reward_fn is None else _scorer(reward_fn, reward or RewardConfig())
@@ -134,8 +153,11 @@ class ExperienceMaker:
         self._tables = self._placed_tables()
         if self.recompute:
             exp.old_logprobs = self._placed_rows("actor", exp, sample_ids)
-        exp.ref_logprobs = self._placed_rows("reference", exp, sample_ids)
-        exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
+        if self.reference is None and cfg.uses_reference:
+            raise ValueError(f"kl_coef {cfg.kl_coef} reads a reference model: give one")
+        if self.reference is not None:  # else no KL term reads it: ref_logprobs and kl stay 0
+            exp.ref_logprobs = self._placed_rows("reference", exp, sample_ids)
+            exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
         if scores is None:
             scores = self.score(prompts, prompt_texts, rollout, first_index, metas, exp)
         exp.scores = scores.to(dev)

@@ -119,12 +119,15 @@ def policy_logprobs(logits: Tensor, tokens: Tensor, policy: GenerationConfig | N
     return logprobs_from_logits(policy_logits(logits, tokens, policy), tokens)
 
 
-def policy_logprobs_and_entropy(logits: Tensor, tokens: Tensor,
-                                policy: GenerationConfig | None) -> tuple[Tensor, Tensor]:
+def policy_logprobs_and_entropy(logits: Tensor, tokens: Tensor, policy: GenerationConfig | None,
+                                entropy_grad: bool = True) -> tuple[Tensor, Tensor]:
     """``(log pi(tokens), entropy of pi)``, both [...], under the trained policy
-    (:func:`policy_logits`, computed once)."""
+    (:func:`policy_logits`, computed once). ``entropy_grad`` False: the entropy is a metric
+    only, computed outside autograd (no ``[..., V]`` tensors kept for a backward)."""
     z = policy_logits(logits, tokens, policy)
-    return logprobs_from_logits(z, tokens), entropy_from_logits(z, truncated=z is not logits)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy_from_logits(z if entropy_grad else z.detach(), truncated=z is not logits)
+    return logprobs_from_logits(z, tokens), entropy
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float,

@@ -55,9 +55,10 @@ class Models:
 
     actor: Trainee | None
     """None on the ranks outside a train layout over part of the world (see ``elsewhere``)."""
-    reference: torch.nn.Module
+    reference: torch.nn.Module | None = None
     """An :class:`~megatron_rlhf.parallel.reshard.Absent` copy on the ranks outside a
-    reference layout over part of the world (so for ``reward_model`` and ``critic_inf``)."""
+    reference layout over part of the world (so for ``reward_model`` and ``critic_inf``);
+    None when no KL term reads it (``kl_coef`` 0)."""
     critic: Trainee | None = None
     """None without a critic, and on the ranks outside its layout over part of the world."""
     draft: torch.nn.Module | None = None
@@ -387,7 +388,7 @@ class RLHFTrainer:
             "samples": n,
             "reward_mean": mean,
             "reward_std": math.sqrt(max(rsq / n - mean * mean, 0.0)),
-            "kl": kl / max(tokens, 1),
+            **({"kl": kl / max(tokens, 1)} if self.ppo.uses_reference else {}),
             "response_length": tokens / n,
             "eos_fraction": eos / n,
             "gen_tokens_per_s": new / max(elapsed, 1e-9),

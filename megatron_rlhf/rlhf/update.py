@@ -20,7 +20,7 @@ import torch
 from megatron_rlhf import platform
 from megatron_rlhf.config import PPOConfig
 from megatron_rlhf.models.forward import logits_of, values_of
-from megatron_rlhf.models.pipeline import forward_backward, from_last_stage, model_output
+from megatron_rlhf.models.pipeline import forward_backward, from_last_stage, model_output, pipelined
 from megatron_rlhf.rlhf.batch import Experience, response_slice
 from megatron_rlhf.rlhf.losses import (
     kl_estimate,
@@ -102,7 +102,7 @@ def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_lo
     for epoch in range(cfg.ppo_epochs):
         for mini in _mini_batches(exp, cfg, epoch, seed):
             mini.loss_weights = loss_weights(mini.response_mask, agg, t.pg.dp, horizon)
-            forward_backward(t.model, mini.split(cfg.micro_batch_size),
+            forward_backward(t.model, mini.micro_batches(cfg.micro_batch_size, pipelined(t.model))[0],
                              lambda out, mb: (micro_loss(out, mb, sums) * mb.loss_weights).sum(),
                              t.accumulating)
             norms.append(t.step())
@@ -113,11 +113,13 @@ def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_lo
     return out
 
 
-def policy_from_output(actor, output, mb: Experience) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_from_output(actor, output, mb: Experience,
+                       with_entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log pi(a_t | s_t), entropy of pi(. | s_t))``, both ``[b, T]``, from the actor's
-    raw output, under the policy ``mb.policy`` (what PPO trains)."""
+    raw output, under the policy ``mb.policy`` (what PPO trains); the entropy outside
+    autograd unless ``with_entropy_grad`` (it is then a metric only)."""
     logits = response_slice(logits_of(actor, output), mb)
-    return policy_logprobs_and_entropy(logits, mb.response_ids, mb.policy)
+    return policy_logprobs_and_entropy(logits, mb.response_ids, mb.policy, with_entropy_grad)
 
 
 def policy_forward(actor, mb: Experience) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,9 +129,10 @@ def policy_forward(actor, mb: Experience) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _policy_loss(actor, output, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.Tensor:
     mask = mb.response_mask
-    logp, entropy = policy_from_output(actor, output, mb)
-    pg_loss, clipped = policy_loss(logp, mb.old_logprobs, mb.advantages, cfg.clip_low,
-                                   cfg.clip_high, cfg.dual_clip)
+    logp, entropy = policy_from_output(actor, output, mb, with_entropy_grad=bool(cfg.entropy_coef))
+    # one optimizer step per iteration: pi_old is the policy being updated (ratio exactly 1)
+    old = logp.detach() if cfg.old_from_update else mb.old_logprobs
+    pg_loss, clipped = policy_loss(logp, old, mb.advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
     loss = pg_loss
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * entropy
@@ -140,7 +143,7 @@ def _policy_loss(actor, output, mb: Experience, cfg: PPOConfig, sums: _Sums) -> 
     sums.add("policy_loss", pg_loss, mask)
     sums.add("clip_frac", clipped.float(), mask)
     sums.add("entropy", entropy, mask)
-    sums.add("approx_kl", 0.5 * (logp.detach() - mb.old_logprobs) ** 2, mask)
+    sums.add("approx_kl", 0.5 * (logp.detach() - old) ** 2, mask)
     return loss
 
 
@@ -191,7 +194,7 @@ def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk:
     t.model.train()
     tokens = _global_tokens(exp.response_mask, t.pg.dp)
     sums = torch.zeros(2, dtype=torch.float64, device=exp.response_mask.device)  # KL, regression
-    micro_batches = exp.split(micro_batch_size)
+    micro_batches = exp.micro_batches(micro_batch_size)[0]
     for i, mb in enumerate(micro_batches):
         mask = mb.response_mask
         with torch.no_grad():

@@ -96,3 +96,72 @@ def test_a_model_on_a_layout_of_its_own_gives_the_same_experience(world1):
             assert batch.input_ids[row, -batch.response_mask.shape[1]:][:n].tolist() == RESPONSES[i]
     maker.placed["actor_train"] = Share([])  # a rank outside the actor's layout
     assert maker.on_layout(apart, "actor_train", [10, 11, 12]) is None
+
+
+LONG_PROMPTS = [[3, 4], [5, 6, 7, 8, 9, 10], [11], [12, 13, 14], [15, 16, 17, 18], [19]]
+LONG_RESPONSES = [[20, 21, 22, 23, 24, 25, 26], [27], [], [28, 29], [30, 31, 32, 33], [34, 35, 36]]
+
+
+def _long_experience():
+    ids, att, mask = pack(LONG_PROMPTS, LONG_RESPONSES, pad_id=0)
+    adv = torch.linspace(-1, 1, mask.numel()).view_as(mask) * mask
+    z = torch.zeros_like(mask)
+    return Experience(input_ids=ids, attention_mask=att, response_mask=mask, old_logprobs=z,
+                      ref_logprobs=z, scores=torch.arange(6.0), kl=z, advantages=adv)
+
+
+def test_micro_batches_run_no_column_of_padding_alone():
+    """Longest responses first; each micro-batch cut to the columns its rows use (the first
+    prompt column and the last response column hold a real token of some row); every row
+    keeps its tokens and per-token fields; ``order`` names each row's source."""
+    exp = _long_experience()
+    parts, order = exp.micro_batches(2)
+    assert [p.batch_size for p in parts] == [2, 2, 2]
+    assert order.tolist() == [0, 4, 5, 3, 1, 2]  # by response length, then prompt length
+    for mb in parts:
+        assert mb.attention_mask[:, 0].any() and mb.response_mask[:, -1].any()
+    assert [tuple(p.input_ids.shape) for p in parts] == [(2, 11), (2, 6), (2, 7)]
+    rows = [(mb, j) for mb in parts for j in range(mb.batch_size)]
+    for (mb, j), src in zip(rows, order.tolist()):
+        real = mb.input_ids[j][mb.attention_mask[j].bool()].tolist()
+        assert real == LONG_PROMPTS[src] + LONG_RESPONSES[src]
+        n = len(LONG_RESPONSES[src])
+        assert torch.equal(mb.advantages[j, :n], exp.advantages[src, :n])
+        assert mb.scores[j] == src
+    one, _ = exp.micro_batches(2, one_width=True)  # a pipeline's micro-batches share one shape
+    assert {tuple(p.input_ids.shape) for p in one} == {(2, 13)}  # 6 prompt + 7 response columns
+
+
+def test_micro_batches_give_the_gradient_of_the_whole_batch(world1):
+    """The PPO-style loss summed over the cut, reordered micro-batches has the gradient of
+    the uncut batch in its own order."""
+    from megatron_rlhf.rlhf.update import policy_forward
+
+    actor = build_model(preset("tiny"), "actor", world1, dtype=torch.float32, seed=7)
+    exp = _long_experience()
+
+    def grads(micro_batches):
+        actor.zero_grad(set_to_none=True)
+        for mb in micro_batches:
+            logp, _ = policy_forward(actor, mb)
+            (logp * mb.advantages).sum().backward()
+        return [p.grad.clone() for p in actor.parameters() if p.grad is not None]
+
+    whole, cut = grads([exp]), grads(exp.micro_batches(2)[0])
+    assert len(whole) == len(cut) > 0
+    for a, b in zip(whole, cut):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_an_lm_scores_responses_without_logits_for_the_prompt(world1):
+    """The vocabulary projection runs from the column before the first response token on;
+    a value model's output keeps every column."""
+    from megatron_rlhf.models.pipeline import model_output
+
+    cfg = preset("tiny")
+    exp = _long_experience()
+    actor = build_model(cfg, "actor", world1, dtype=torch.float32)
+    critic = build_model(cfg, "critic", world1, dtype=torch.float32)
+    with torch.no_grad():
+        assert model_output(actor, exp).shape[1] == exp.response_mask.shape[1] + 1
+        assert model_output(critic, exp).shape[1] == exp.input_ids.shape[1]

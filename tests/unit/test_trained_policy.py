@@ -112,14 +112,14 @@ def _make(sampled, gen, **ppo):
 
 def test_first_ratio_is_exactly_one(sampled):
     actor = sampled[0]
-    maker, exp, cfg = _make(sampled, TEMPERED)
+    maker, exp, cfg = _make(sampled, TEMPERED, ppo_epochs=2)  # two updates: pi_old needs its own forward
     assert maker.recompute and exp.policy is TEMPERED  # recomputed by default when tempered
     mask = exp.response_mask.bool()
     # the old log-probs are those of the distribution actually sampled
     slp = sampled[3].sampling_logprobs[:, :mask.shape[1]]
     assert (exp.old_logprobs - slp)[mask].abs().max() < 1e-4
     actor.train()
-    for mb in exp.split(cfg.micro_batch_size):  # the first mini-batch's micro-batches
+    for mb in exp.micro_batches(cfg.micro_batch_size)[0]:  # the first mini-batch's, cut as training cuts them
         logp, _ = policy_forward(actor, mb)
         ratio = torch.exp(logp - mb.old_logprobs)
         assert torch.equal(ratio[mb.response_mask.bool()], torch.ones(int(mb.response_mask.sum())))
@@ -147,3 +147,42 @@ def test_without_recompute_old_logprobs_are_the_sampling_logprobs(sampled):
     t = exp.response_mask.shape[1]
     slp = sampled[3].sampling_logprobs[:, :t] * exp.response_mask
     assert torch.equal(exp.old_logprobs, slp)
+
+
+def _policy_grads(actor, exp, cfg):
+    """The actor's gradients of the masked sum of the PPO loss over ``exp``'s micro-batches
+    (cut as training cuts them)."""
+    actor.zero_grad(set_to_none=True)
+    for mb in exp.micro_batches(cfg.micro_batch_size)[0]:
+        (_policy_micro(actor, mb, cfg, _Sums()) * mb.response_mask).sum().backward()
+    grads = [p.grad.clone() for p in actor.parameters() if p.grad is not None]
+    actor.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_one_update_per_iteration_takes_old_logprobs_from_its_own_forward(sampled):
+    """With one optimizer step per iteration no forward recomputes log pi_old: the update's
+    own log-probs, detached, are it. The gradient equals the recomputing run's, whatever
+    ``exp.old_logprobs`` holds (here the sampling log-probs shifted by 1, which would put
+    every ratio at e^1, outside the clip, if they were read)."""
+    actor = sampled[0]
+    maker, exp, cfg = _make(sampled, TEMPERED)
+    assert cfg.old_from_update and not maker.recompute
+    recomputing_maker, recomputed, recomputing = _make(sampled, TEMPERED, recompute_logprobs=True)
+    assert recomputing_maker.recompute and not recomputing.old_from_update
+    advantages = torch.linspace(-1, 1, exp.response_mask.numel()).view_as(exp.response_mask) * exp.response_mask
+    exp.advantages, recomputed.advantages = advantages, advantages.clone()
+    exp.old_logprobs = exp.old_logprobs - 1.0
+    actor.train()
+    sums = _Sums()
+    _policy_micro(actor, exp, cfg, sums)
+    assert sums.values["clip_frac"] == 0 and sums.values["approx_kl"] == 0
+    got, want = _policy_grads(actor, exp, cfg), _policy_grads(actor, recomputed, recomputing)
+    assert len(got) == len(want) > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the control: the same shifted old log-probs, read as pi_old, change the gradient
+    shifted = _make(sampled, TEMPERED, recompute_logprobs=False)[1]
+    shifted.advantages, shifted.old_logprobs = advantages, exp.old_logprobs
+    assert not all(torch.equal(a, b) for a, b in zip(_policy_grads(actor, shifted, PPOConfig(
+        global_batch_size=4, rollout_n=2, micro_batch_size=4, advantage_estimator="grpo",
+        recompute_logprobs=False)), want))
