@@ -12,7 +12,9 @@ import sys
 import torch
 
 from megatron_rlhf.config import (
+    DRAFT_SOURCES,
     PRESETS,
+    SPEC_VERIFY,
     ModelConfig,
     ParallelConfig,
     dataclass_from_namespace,
@@ -130,6 +132,20 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cost-profile", default=None,
                    help="auto: JSON of measured step latencies, loaded if it exists, else "
                         "profiled at the first call (a few seconds) and written there")
+    g.add_argument("--draft-source", choices=DRAFT_SOURCES, default=None,
+                   help="drafts from the draft model (model; the default with --draft-load), the "
+                        "rollout's own history (history: prompt, group siblings and earlier "
+                        "responses to the same prompt; no draft model needed) or both")
+    g.add_argument("--spec-verify", dest="verify", choices=SPEC_VERIFY, default="exact",
+                   help="exact (default): accept a draft token iff it is the token plain sampling "
+                        "draws there, so samples equal speculation off's, token for token; "
+                        "rejection (model drafts): rejection sampling, lossless in distribution "
+                        "only: samples then depend on the selector's choices and timing, and a run "
+                        "is not reproducible from its seed")
+    g.add_argument("--history-responses", type=int, default=16,
+                   help="history drafts: earlier responses kept per prompt (default 16)")
+    g.add_argument("--history-prompts", type=int, default=4096,
+                   help="history drafts: prompts whose responses are kept (default 4096)")
 
 
 def _draft_tokens(value: str):

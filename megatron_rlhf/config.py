@@ -219,7 +219,7 @@ class GenerationConfig:
 
 @dataclass
 class SpecConfig:
-    """Speculative decoding with a draft model."""
+    """Speculative decoding: drafts from a draft model and/or the rollout's own history."""
 
     num_draft_tokens: int | str = "auto"
     """Draft tokens per verification: a fixed ``n >= 0`` (0: plain decoding), or ``"auto"``:
@@ -234,6 +234,22 @@ class SpecConfig:
     acceptance_decay: float = 0.98
     """``auto``: weight the acceptance estimate keeps per generation round (plain or
     speculative); older rounds fade so the estimate follows the actor as it trains."""
+    verify: str = "exact"
+    """``exact``: a draft token is accepted iff it is the token plain sampling draws at its
+    position with that position's keyed uniform, so the samples are those of speculation
+    off, token for token, whatever the drafts and the selector's choices. ``rejection``
+    (model drafts only): rejection sampling against the draft's distribution, lossless in
+    distribution, but the samples then depend on the drafting choices (under ``auto``, on
+    the selector's timings), so a run is not reproducible from its seed."""
+    draft_source: str | None = None
+    """Where drafts come from: ``model`` (the draft model), ``history`` (the rollout's own
+    history: no draft model, no forward pass; :mod:`~megatron_rlhf.generation.history`),
+    ``both`` (history where it matches, the model elsewhere). None: ``model`` with a draft
+    model, else no speculation."""
+    history_responses: int = 16
+    """History drafts: earlier responses kept per prompt (newest first)."""
+    history_prompts: int = 4096
+    """History drafts: prompts whose responses are kept (least recently used dropped)."""
 
     def __post_init__(self) -> None:
         n = self.num_draft_tokens
@@ -244,16 +260,44 @@ class SpecConfig:
         _positive("max_draft_tokens", self.max_draft_tokens)
         if not 0 < self.acceptance_decay <= 1:
             raise ValueError(f"acceptance_decay must lie in (0, 1], got {self.acceptance_decay}")
+        if self.verify not in SPEC_VERIFY:
+            raise ValueError(f"--spec-verify {self.verify!r}: use one of {', '.join(SPEC_VERIFY)}")
+        if self.draft_source is not None and self.draft_source not in DRAFT_SOURCES:
+            raise ValueError(f"--draft-source {self.draft_source!r}: use one of {', '.join(DRAFT_SOURCES)}")
+        if self.verify == "rejection" and self.uses_history:
+            raise ValueError(f"--spec-verify rejection needs the draft's distribution; --draft-source "
+                             f"{self.draft_source} drafts single tokens from the history: use --spec-verify exact")
+        _positive("history_responses", self.history_responses)
+        _positive("history_prompts", self.history_prompts)
+
+    @property
+    def uses_history(self) -> bool:
+        """Drafts come (also) from the rollout's history."""
+        return self.draft_source in ("history", "both")
+
+    def check_sources(self, has_model: bool) -> None:
+        """Raise unless the draft sources asked for are there (before any collective)."""
+        if self.draft_source in ("model", "both") and not has_model:
+            raise ValueError(f"--draft-source {self.draft_source} needs a draft model (--draft-load); "
+                             "without one use --draft-source history")
+        if self.draft_source == "history" and has_model:
+            raise ValueError("--draft-source history drafts without a model: drop --draft-load, or "
+                             "use --draft-source both (history where it matches, the model elsewhere)")
 
     @property
     def auto(self) -> bool:
         return self.num_draft_tokens == "auto"
 
     def max_tokens(self, has_draft: bool) -> int:
-        """The most draft tokens one verification can take (0: plain decoding only)."""
-        if not has_draft:
+        """The most draft tokens one verification can take (0: plain decoding only);
+        ``has_draft``: a draft model is loaded (the history is a draft too)."""
+        if not (has_draft or self.uses_history):
             return 0 if self.auto else self.num_draft_tokens
         return self.max_draft_tokens if self.auto else self.num_draft_tokens
+
+
+SPEC_VERIFY = ("exact", "rejection")
+DRAFT_SOURCES = ("model", "history", "both")
 
 
 @dataclass

@@ -5,7 +5,10 @@
     python -m megatron_rlhf.generate --load CKPT --draft-load DRAFT --num-draft-tokens 4 \\
         --prompts megatron_rlhf/data/prompts.jsonl --batch-size 16 --temperature 0.7 --json
 
-Ranks beyond the TP size form data-parallel replicas that split the prompts. Everything
+Ranks beyond the TP size form data-parallel replicas that split the prompts; with
+``--sample-migration on`` (the default at DP > 1) unfinished samples move, KV caches
+included, from busy replicas to idle ones, and the tokens stay those of one replica alone
+(keyed random numbers, exact verification of drafts). Everything
 that can be wrong with the flags, the checkpoints or the prompts is reported before any
 collective starts.
 """
@@ -26,6 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     arguments.add_parallel_args(p)
     arguments.add_runtime_args(p)
     arguments.add_generation_args(p)
+    arguments.add_migration_args(p)
     g = p.add_argument_group("input and output")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt text")
@@ -69,7 +73,9 @@ def validate(args: argparse.Namespace):
     texts = [args.prompt] if args.prompt is not None else [
         x.prompt for x in load_prompts(args.prompts, split=args.split)][: args.limit]
     prompts = [encode_prompt(tokenizer, t, chat=args.chat) for t in texts]
-    check_request(prompts, gen, spec, infos[0].config, infos[1].config if args.draft_load else None)
+    spec.check_sources(bool(args.draft_load))
+    check_request(prompts, gen, spec, infos[0].config, infos[1].config if args.draft_load else None,
+                  history=spec.uses_history)
     return gen, spec, infos, tokenizer, prompts
 
 
@@ -79,9 +85,10 @@ def main(argv=None) -> int:
 
     platform.quiet_third_party_warnings()
     gen, spec, infos, tokenizer, prompts = arguments.validated(validate, args)
+    migration = arguments.validated(arguments.migration_config_from_args, args)
 
     # --- distributed from here on ---
-    from megatron_rlhf.generation.engine import Generator
+    from megatron_rlhf.generation.engine import Generator, history_drafter
     from megatron_rlhf.generation.rollout import GenerationStats
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.checkpoint import load_checkpoint
@@ -99,13 +106,23 @@ def main(argv=None) -> int:
         load_checkpoint(m, pg, info.path)
         models.append(m)
     engine = Generator(models[0], models[1] if len(models) > 1 else None,
-                       pad_id=tokenizer.pad_token_id or 0)
+                       pad_id=tokenizer.pad_token_id or 0, history=history_drafter(spec))
     dp_rank = layout.coords(rank).dp
     mine = list(range(dp_rank, len(prompts), layout.dp))
+    migrator = None
+    if migration.enabled(layout.dp):
+        from megatron_rlhf.generation.migration import Migrator
+
+        migrator = Migrator(pg.dp, migration, platform.device(), tp_group=pg.tp)
+    # with migration every replica takes part in every batch (the first replica has the most)
+    batches = -(-len(range(0, len(prompts), layout.dp)) // args.batch_size) if migrator else None
     results, totals = [], GenerationStats()
-    for start in range(0, len(mine), args.batch_size):
+    starts = range(0, len(mine), args.batch_size) if migrator is None else \
+        [b * args.batch_size for b in range(batches)]
+    for start in starts:
         idx = mine[start: start + args.batch_size]
-        r = engine.generate([prompts[i] for i in idx], gen, spec, seed=args.seed, sample_ids=idx)
+        r = engine.generate([prompts[i] for i in idx], gen, spec, seed=args.seed, sample_ids=idx,
+                            migrator=migrator)
         totals.add(r.stats)
         for j, i in enumerate(idx):
             n = int(r.lengths[j])

@@ -19,9 +19,18 @@ catch-up. ``n`` is fixed (``--num-draft-tokens N``) or chosen before every round
 selector (:mod:`megatron_rlhf.generation.strategy`, ``auto``) from the live batch size,
 the measured step latencies and the observed acceptance. Every choice is lossless.
 
-Random numbers are keyed per sample (:mod:`megatron_rlhf.generation.rng`): with a fixed
-``n`` a sample's tokens do not depend on its batch, its rank, the data-parallel size or
-migration. With a :class:`~megatron_rlhf.generation.migration.Migrator`, the ranks of a
+Drafts come from the draft model, from the rollout's own history
+(:class:`~megatron_rlhf.generation.history.HistoryDrafter`: a sample's prompt and
+response, its group's siblings and earlier responses to its prompt; no forward pass), or
+from both (history where it matches, the model elsewhere). Verification is ``exact`` by
+default (:func:`~megatron_rlhf.generation.speculative.accept_exact`: a draft is accepted
+iff it is the token plain sampling draws there, so the emitted tokens are speculation
+off's, whatever was drafted and however many), or rejection sampling (``rejection``, model
+drafts only: lossless in distribution, but the tokens then depend on the drafting choices).
+
+Random numbers are keyed per sample (:mod:`megatron_rlhf.generation.rng`): a sample's
+tokens do not depend on its batch, its rank, the data-parallel size or migration (under
+``rejection``, only with a fixed ``n``). With a :class:`~megatron_rlhf.generation.migration.Migrator`, the ranks of a
 data-parallel group exchange live counts every few rounds and move unfinished samples,
 caches included, from busy ranks to idle ones; results return to their owners at the end.
 
@@ -41,6 +50,7 @@ import torch.distributed as dist
 from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import rng, speculative
+from megatron_rlhf.generation.history import HistoryDrafter
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, pad_right, prefill
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.rollout import GenerationStats, Rollout
@@ -75,21 +85,22 @@ def check_draft(actor_cfg, draft_cfg) -> None:
 
 
 def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig,
-                  actor_cfg, draft_cfg=None, allow_empty: bool = False) -> int:
+                  actor_cfg, draft_cfg=None, allow_empty: bool = False, history: bool = False) -> int:
     """Validate a request against the model configs (no models, no collectives needed).
 
     Returns the KV-cache length the request needs.
     """
     if not prompts and not allow_empty:
         raise ValueError("no prompts to generate from")
-    if not spec.auto and spec.num_draft_tokens and draft_cfg is None:
-        raise ValueError("--num-draft-tokens > 0 needs a draft model (--draft-load)")
+    if not spec.auto and spec.num_draft_tokens and draft_cfg is None and not history:
+        raise ValueError("--num-draft-tokens > 0 needs a draft: a draft model (--draft-load) "
+                         "or --draft-source history")
     if draft_cfg is not None:
         check_draft(actor_cfg, draft_cfg)
     limit = actor_cfg.max_position_embeddings
     if draft_cfg is not None:
         limit = min(limit, draft_cfg.max_position_embeddings)
-    extra = spec.max_tokens(draft_cfg is not None) + 1
+    extra = spec.max_tokens(draft_cfg is not None or history) + 1
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty")
@@ -106,6 +117,13 @@ def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecCon
     return longest + cfg.max_new_tokens + extra
 
 
+def history_drafter(spec: SpecConfig) -> HistoryDrafter | None:
+    """The history drafter ``spec`` asks for (None: drafts do not come from the history)."""
+    if not spec.uses_history:
+        return None
+    return HistoryDrafter(max_responses=spec.history_responses, max_prompts=spec.history_prompts)
+
+
 class Generator:
     """Generates with ``actor`` (and ``draft``, when given) over their shared TP group.
 
@@ -113,10 +131,14 @@ class Generator:
     the generator: across the calls of an RLHF run it keeps following the actor.
     """
 
-    def __init__(self, actor, draft=None, pad_id: int = 0, selector=None, graphs: str = "auto"):
+    def __init__(self, actor, draft=None, pad_id: int = 0, selector=None, graphs: str = "auto",
+                 history: HistoryDrafter | None = None):
         if graphs not in ("auto", "eager", "off"):
             raise ValueError(f"graphs must be auto, eager or off, got {graphs!r}")
         self.actor, self.draft, self.pad_id = actor, draft, pad_id
+        self.history = history
+        """The history drafter (None: drafts come from ``draft`` only); it lives as long as
+        the generator, so an RLHF run's rollouts feed it (:mod:`~megatron_rlhf.generation.history`)."""
         self.graphs = graphs
         """``auto``: decode steps replay CUDA graphs on a GPU (with ``cuda_graphs`` set in the
         request's :class:`GenerationConfig`), the dynamic step on the CPU; ``eager``: the
@@ -135,8 +157,12 @@ class Generator:
     def check(self, prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig,
               allow_empty: bool = False) -> int:
         """Raise before any collective if the request cannot run; returns the cache length."""
+        if spec.verify == "rejection" and self.history is not None:
+            raise ValueError("--spec-verify rejection needs a draft's distribution: history drafts "
+                             "are single tokens, verified exactly (--spec-verify exact)")
         return check_request(prompts, cfg, spec, self.actor.mrlhf_config,
-                             None if self.draft is None else self.draft.mrlhf_config, allow_empty)
+                             None if self.draft is None else self.draft.mrlhf_config, allow_empty,
+                             history=self.history is not None)
 
     def selector_for(self, spec: SpecConfig, batch: int, max_len: int):
         """The ``auto`` selector, built at the first call: its cost table is loaded from
@@ -155,15 +181,21 @@ class Generator:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], cfg: GenerationConfig,
                  spec: SpecConfig | None = None, seed: int = 0,
-                 sample_ids: list[int] | None = None, migrator=None,
-                 accept_rule=speculative.accept_sampling) -> Rollout:
+                 sample_ids: list[int] | None = None, migrator=None, accept_rule=None) -> Rollout:
         """Responses to ``prompts``; ``sample_ids``: each prompt's global sample index (the
         key of its random numbers; default ``0..B-1``). With ``migrator`` every rank of its
-        data-parallel group must call this together (it may hold no prompts)."""
+        data-parallel group must call this together (it may hold no prompts).
+        ``accept_rule``: a rejection rule in place of
+        :func:`~megatron_rlhf.generation.speculative.accept_sampling` under ``rejection``
+        (tests)."""
         spec = spec or SpecConfig()
         max_len = self.check(prompts, cfg, spec, allow_empty=migrator is not None)
         t0 = time.perf_counter()
-        big_n = spec.max_tokens(self.draft is not None)
+        big_n = spec.max_tokens(self.draft is not None or self.history is not None)
+        if accept_rule is not None and spec.verify != "rejection":
+            raise ValueError("accept_rule replaces rejection sampling: pass a SpecConfig with verify='rejection'")
+        self._verify = spec.verify
+        self._accept_rule = accept_rule or speculative.accept_sampling
         batch = max(len(prompts), 1)
         if migrator is not None:
             max_len, batch = migrator.agree(max_len, batch)
@@ -186,7 +218,7 @@ class Generator:
         rope = RopeTable(self.actor, max_len)
         # the draft's cache has room for a padded catch-up past the longest sample (the
         # actor's has none to spare: attention may read a whole cache, CPU bf16 does)
-        d_rope = RopeTable(self.draft, max_len + CATCH_UP_MAX) if big_n else None
+        d_rope = RopeTable(self.draft, max_len + CATCH_UP_MAX) if big_n and self.draft is not None else None
         rows = self._prefill(prompts, sids, cfg, key, max_len, big_n, rope, d_rope, out, dev)
         stats.prefill_s = time.perf_counter() - t0
 
@@ -205,15 +237,21 @@ class Generator:
                 rows.compact()
             n = self._choose(selector, live, big_n)
             start, self._upkeep_s = time.perf_counter(), 0.0
+            looked_up = self._look_up(rows, out, n, stats) if n and self.history is not None else None
+            if looked_up is not None and self.draft is None and not looked_up[1].any():
+                n = 0  # no sample's history matched: a plain step
             if n:
-                k = self._spec_round(rows, out, cfg, n, key, rope, d_rope, stats, accept_rule)
+                k = self._spec_round(rows, out, cfg, n, key, rope, d_rope, stats, looked_up)
             else:
-                self._plain_step(rows, out, cfg, key, rope, d_rope, big_n > 0)
+                self._plain_step(rows, out, cfg, key, rope, d_rope, big_n > 0 and self.draft is not None)
                 k = None
             stats.actor_steps += 1
             stats.rounds_by_draft_len[n] += 1
             if selector is not None:  # the draft's upkeep is no round's own cost
                 selector.observe(live, n, time.perf_counter() - start - self._upkeep_s, k)
+        if self.history is not None:  # what is left unfinished here (migrated away) joins too
+            for s in sids:
+                self.history.finish(s)
         if migrator is not None:
             migrator.return_results(out, sids)
         stats.elapsed_s = time.perf_counter() - t0
@@ -282,17 +320,23 @@ class Generator:
         ordered = [prompts[i] for i in order]
         sid = torch.tensor([sids[i] for i in order], dtype=torch.long, device=dev)
         cache = self._new_cache("actor", self.actor, b, max_len)
-        feature = bool(big_n) and self.feature_draft
+        modeled = bool(big_n) and self.draft is not None  # a draft model drafts
+        feature = modeled and self.feature_draft
         fields = {"sid": sid, "emitted": torch.zeros(b, dtype=torch.long, device=dev),
                   "alive": torch.ones(b, dtype=torch.bool, device=dev)}
+        if self.history is not None:  # a migrated sample's drafting state is rebuilt from these
+            fields["prompt"] = pad_right(ordered, self.pad_id, dev) if b else torch.zeros(0, 1, dtype=torch.long, device=dev)
+            fields["prompt_len"] = torch.tensor([len(p) for p in ordered], dtype=torch.long, device=dev)
+            for s, p in zip(sid.tolist(), ordered):
+                self.history.begin(s, p)
         caches = {"actor": cache}
-        if big_n:
+        if modeled:
             caches["draft"] = self._new_cache("draft", self.draft, b, max_len + CATCH_UP_MAX)
         for s in sids:
             out.open(s)
         if not b:
             fields["pending"] = torch.zeros(0, dtype=torch.long, device=dev)
-            if big_n:
+            if modeled:
                 fields.update(catch_tokens=torch.zeros(0, 0, dtype=torch.long, device=dev),
                               catch_count=torch.zeros(0, dtype=torch.long, device=dev))
                 if feature:
@@ -306,15 +350,15 @@ class Generator:
         first, probs = sample(logits, cfg, rng.uniform(key, sid, fields["emitted"], rng.NEXT))
         lp, slp = _logprob_pair(logits, probs, first, cfg)
         for r, (s, tok) in enumerate(zip(sid.tolist(), first.tolist())):
-            if out.emit(s, [tok], [lp[r]], [slp[r]]):
+            if self._emit(out, s, [tok], [lp[r]], [slp[r]]):
                 fields["alive"][r] = False
         fields["pending"], fields["emitted"] = first, fields["emitted"] + 1
-        if big_n and feature:  # catch up with the prompt and the first token: h_{-1} = 0
+        if feature:  # catch up with the prompt and the first token: h_{-1} = 0
             fields["catch_tokens"] = pad_right([p + [t] for p, t in zip(ordered, first.tolist())],
                                                self.pad_id, dev)
             fields["catch_features"] = torch.cat([torch.zeros_like(hidden[:, :1]), hidden], 1)
             fields["catch_count"] = torch.tensor([len(p) + 1 for p in ordered], device=dev)
-        elif big_n:
+        elif modeled:
             prefill(self.draft, caches["draft"], ordered, d_rope, self.pad_id)
             fields["catch_tokens"], fields["catch_count"] = first[:, None], torch.ones_like(first)
         return Rows(fields, caches)
@@ -334,11 +378,48 @@ class Generator:
         lp, slp = _logprob_pair(logits, probs, tok, cfg)
         toks, sid = tok.tolist(), rows["sid"].tolist()
         for r in alive.nonzero()[:, 0].tolist():
-            if out.emit(sid[r], [toks[r]], [lp[r]], [slp[r]]):
+            if self._emit(out, sid[r], [toks[r]], [lp[r]], [slp[r]]):
                 alive[r] = False
         rows["pending"], rows["emitted"] = tok, rows["emitted"] + 1
         if drafting:
             self._buffer(rows, tok, hidden, d_rope)
+
+    def _emit(self, out: Outputs, sid: int, tokens: list[int], lps: list[float], slps: list[float]) -> bool:
+        """Emit a sample's tokens (the history drafter reads them); True when it finished."""
+        done = out.emit(sid, tokens, lps, slps)
+        if self.history is not None:
+            self.history.extend(sid, tokens)
+            if done:
+                self.history.finish(sid)
+        return done
+
+    def _look_up(self, rows: Rows, out: Outputs, n: int, stats) -> tuple[torch.Tensor, torch.Tensor]:
+        """History drafts for a round of width ``n``: ``(tokens [R, n], found [R])``, rows
+        whose history proposes fewer than ``n`` tokens padded (the pad is verified like any
+        draft token, and almost never accepted)."""
+        start = time.perf_counter()
+        history, alive = self.history, rows["alive"].tolist()
+        sids = rows["sid"].tolist()
+        proposals = []
+        for r, s in enumerate(sids):
+            if not alive[r]:
+                proposals.append([])
+                continue
+            if s not in history.live:  # arrived by migration: rebuild its drafting state
+                plen = int(rows["prompt_len"][r])
+                history.begin(s, rows["prompt"][r, :plen].tolist(), out.tokens.get(s, []))
+            proposals.append(history.propose(s, history.max_tokens(s, n)))
+        width = n
+        tokens = torch.full((len(sids), width), self.pad_id, dtype=torch.long)
+        found = torch.zeros(len(sids), dtype=torch.long)
+        for r, prop in enumerate(proposals):
+            prop = prop[:width]
+            if prop:
+                tokens[r, :len(prop)] = torch.tensor(prop, dtype=torch.long)
+                found[r] = len(prop)
+        stats.history_s += time.perf_counter() - start
+        dev = rows["sid"].device
+        return tokens.to(dev), found.to(dev)
 
     def _buffer(self, rows: Rows, tok: torch.Tensor, hidden: torch.Tensor | None, d_rope) -> None:
         """Append ``tok [R]`` (and its actor hidden state ``[R, h]``) to the draft's catch-up
@@ -390,15 +471,26 @@ class Generator:
             return logits, hidden[r, last][:, None]
         return res, None
 
-    def _spec_round(self, rows: Rows, out: Outputs, cfg, n, key, rope, d_rope, stats, accept_rule):
+    def _spec_round(self, rows: Rows, out: Outputs, cfg, n, key, rope, d_rope, stats, looked_up=None):
+        """One verification of ``n`` drafts per row: the draft model's, the history's
+        (``looked_up``: :meth:`_look_up`), or both (the history's where it found some)."""
         cache, alive = rows.caches["actor"], rows["alive"]
         cache.lengths[~alive] = 0
         pending = torch.where(alive, rows["pending"], self.pad_id)
         base = cache.lengths.clone()  # tokens in the actor cache before this round
         sid, emitted = rows["sid"][:, None], rows["emitted"][:, None]
-        drafts, q_probs = self._propose(rows, cfg, n, key, d_rope)
-        stats.draft_steps += n
-        drafts_t = torch.stack(drafts, 1)  # [R, n]
+        q_probs = None
+        if self.draft is not None:
+            drafts, q_probs = self._propose(rows, cfg, n, key, d_rope)
+            stats.draft_steps += n
+            drafts_t = torch.stack(drafts, 1)  # [R, n]
+        if looked_up is not None:
+            hist, found = looked_up
+            hist, found = hist[:, :n], found.clamp(max=n)
+            from_history = torch.arange(n, device=found.device)[None, :] < found[:, None]
+            drafts_t = torch.where(from_history, hist, drafts_t) if self.draft is not None else hist
+            stats.history_verifications += int(alive.sum())
+            stats.history_drafted += int(found[alive].sum())
 
         # actor: verify all n+1 positions in one forward
         a_logits = self._forward("actor", self.actor, cache, torch.cat([pending[:, None], drafts_t], 1), rope,
@@ -408,11 +500,14 @@ class Generator:
         steps = torch.arange(n + 1, device=sid.device)
         if cfg.greedy:
             verdict, p_probs = speculative.accept_greedy(drafts_t, a_logits), None
+        elif self._verify == "exact" or q_probs is None:
+            p_probs = probs_for_sampling(a_logits, cfg)
+            verdict = speculative.accept_exact(drafts_t, p_probs, rng.uniform(key, sid, emitted + steps, rng.NEXT))
         else:
             p_probs = probs_for_sampling(a_logits, cfg)
-            verdict = accept_rule(drafts_t, torch.stack(q_probs, 1), p_probs,
-                                  rng.uniform(key, sid, emitted + steps[:n], rng.ACCEPT),
-                                  rng.uniform(key, sid, emitted + steps, rng.NEXT))
+            verdict = self._accept_rule(drafts_t, torch.stack(q_probs, 1), p_probs,
+                                        rng.uniform(key, sid, emitted + steps[:n], rng.ACCEPT),
+                                        rng.uniform(key, sid, emitted + steps, rng.NEXT))
         k = verdict.accepted  # [R]
         emitted_t = torch.cat([drafts_t, drafts_t[:, :1]], 1)  # [R, n+1]; slot k <- next token
         emitted_t.scatter_(1, k[:, None], verdict.next_token[:, None])
@@ -424,17 +519,20 @@ class Generator:
         for i in range(n):
             stats.accepted_per_position[i] += int((k_live > i).sum())
             stats.drafted_per_position[i] += int((k_live >= i).sum())
+        if looked_up is not None:  # accepted drafts that came from the history
+            stats.history_accepted += int(torch.minimum(k, found)[live].sum())
         ks, toks, sids = k.tolist(), emitted_t.tolist(), rows["sid"].tolist()
         for r in live.tolist():
             kr = ks[r] + 1
-            if out.emit(sids[r], toks[r][:kr], lp[r][:kr], slp[r][:kr]):
+            if self._emit(out, sids[r], toks[r][:kr], lp[r][:kr], slp[r][:kr]):
                 alive[r] = False
 
         cache.truncate(base + 1 + k)  # the actor keeps pending + accepted drafts
-        # next round the draft reads d_1..d_k, next (with the actor's h at pending, d_1..d_k)
-        rows["catch_tokens"], rows["catch_count"] = emitted_t, k + 1
-        if self.feature_draft:
-            rows["catch_features"] = a_hidden
+        if self.draft is not None:
+            # next round the draft reads d_1..d_k, next (with the actor's h at pending, d_1..d_k)
+            rows["catch_tokens"], rows["catch_count"] = emitted_t, k + 1
+            if self.feature_draft:
+                rows["catch_features"] = a_hidden
         rows["pending"], rows["emitted"] = verdict.next_token, rows["emitted"] + k + 1
         return k_live
 
@@ -443,12 +541,16 @@ class Generator:
         buffered tokens, then draft on its own outputs (a feature draft on its own hidden
         states). Afterwards the draft cache holds exactly the caught-up tokens."""
         d_cache = rows.caches["draft"]
+        # exact verification: the draft draws with the uniform the actor's token at that
+        # position is drawn with, so a draft near the actor proposes the actor's very token
+        # (p == q: always); rejection sampling needs a uniform of its own
+        stream = rng.NEXT if self._verify == "exact" else rng.DRAFT
         logits, hidden = self._catch_up(rows, d_rope)
         caught_up = d_cache.lengths.clone()
         sid, emitted = rows["sid"], rows["emitted"]
         drafts, q_probs = [], []
         for i in range(n):
-            tok, q = sample(logits[:, -1], cfg, rng.uniform(key, sid, emitted + i, rng.DRAFT))
+            tok, q = sample(logits[:, -1], cfg, rng.uniform(key, sid, emitted + i, stream))
             drafts.append(tok)
             q_probs.append(q)
             if i + 1 < n:

@@ -10,7 +10,9 @@ index and the number of tokens it has emitted, which migration carries anyway.
 
 Streams separate the uses at one position: the token drawn from the actor (plain steps,
 and the corrected or bonus token of a verification), the draft's proposal, and the
-acceptance test of that proposal. A speculative round at response position ``m`` uses
+acceptance test of that proposal. Under exact verification a draft model proposes with the
+actor's own stream (NEXT) instead: the same uniform through a nearby distribution's
+inverse CDF mostly lands on the same token, which is what exact verification accepts. A speculative round at response position ``m`` uses
 draft and accept uniforms at ``m .. m+n-1`` and the next-token uniform at ``m+k``; the
 next round starts at ``m+k+1``. Uniforms of positions past the first rejection may be
 used again by the next round: no emitted token depended on them, so they are still

@@ -29,6 +29,14 @@ class GenerationStats:
     """``[n]``: how many verifications accepted at least ``i+1`` draft tokens."""
     new_tokens: int = 0
     """Tokens emitted over all samples."""
+    history_verifications: int = 0
+    """Sample-verifications whose drafts came (also) from the rollout's history."""
+    history_drafted: int = 0
+    """Draft tokens the history proposed (live samples)."""
+    history_accepted: int = 0
+    """Of those, the tokens the actor accepted."""
+    history_s: float = 0.0
+    """Wall time spent looking drafts up in the history."""
     elapsed_s: float = 0.0
     """Wall time of the whole call, prefill included."""
     prefill_s: float = 0.0
@@ -73,7 +81,7 @@ class GenerationStats:
         self.elapsed_s += other.elapsed_s
         self.prefill_s += other.prefill_s
         for name in ("migrated_out", "migrated_in", "migration_bytes", "migration_s", "sync_s",
-                     "idle_s"):
+                     "idle_s", "history_verifications", "history_drafted", "history_accepted", "history_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("accepted_per_position", "drafted_per_position", "rounds_by_draft_len"):
             mine, theirs = getattr(self, name), getattr(other, name)

@@ -8,6 +8,14 @@ accepted with probability ``min(1, p(x)/q(x))``; on rejection the replacement is
 from ``normalise(max(p - q, 0))``. The emitted tokens are then distributed exactly as
 plain sampling from ``p`` (Leviathan et al. 2023; Chen et al. 2023). Greedy decoding is
 the special case of one-hot ``p`` and ``q``: accept while the draft equals the argmax.
+
+:func:`accept_exact` is a stronger rule for a draft that proposes single tokens (a
+history lookup, or a draft model's own draws): a drafted token is accepted iff it is the
+token plain sampling would draw at that position with that position's keyed uniform, and
+the first mismatch emits that drawn token. The emitted tokens are then those of
+speculation off, token for token (given equal logits), not only equal in distribution;
+the acceptance probability of a proposed ``x`` is ``p(x)``, as rejection sampling's is
+for a deterministic proposal.
 """
 
 from __future__ import annotations
@@ -33,6 +41,15 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Ve
     """Greedy verification: ``draft_tokens [B, n]``, ``target_logits [B, n+1, V]``."""
     target = target_logits.argmax(-1)  # [B, n+1]
     return _verdict_from_matches(draft_tokens == target[:, :-1], target)
+
+
+def accept_exact(draft_tokens: torch.Tensor, p_probs: torch.Tensor, u_next: torch.Tensor) -> Verdict:
+    """Exact verification: ``draft_tokens [B, n]``, ``p_probs [B, n+1, V]`` the actor's
+    sampling distributions, ``u_next [B, n+1]`` the uniforms plain sampling draws each
+    position's token with. Accept drafts while each equals the token drawn at its position;
+    emit the drawn token at the first mismatch (or the bonus after all ``n``)."""
+    drawn = draw(p_probs, u_next)  # [B, n+1]: plain sampling's tokens at these positions
+    return _verdict_from_matches(draft_tokens == drawn[:, :-1], drawn)
 
 
 def _verdict_from_matches(ok: torch.Tensor, replacement: torch.Tensor) -> Verdict:

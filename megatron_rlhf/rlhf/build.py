@@ -116,8 +116,9 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                          "function: it needs --reward-fn (a reward model is not evaluated)")
     if reward_fn is not None:
         get_reward_fn(reward_fn)
-    if not spec.auto and spec.num_draft_tokens and not paths.draft:
-        raise ValueError("--num-draft-tokens > 0 needs --draft-load")
+    spec.check_sources(bool(paths.draft))
+    if not spec.auto and spec.num_draft_tokens and not paths.draft and not spec.uses_history:
+        raise ValueError("--num-draft-tokens > 0 needs a draft: --draft-load, or --draft-source history")
     if loop.draft_distill and not paths.draft:
         raise ValueError("--draft-distill needs a draft model (--draft-load)")
     resume, state = None, {}
@@ -393,7 +394,7 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     """Models, optimizers, generator and experience maker on this rank; resumes if asked.
     ``pg``: the train layout's process groups; ``gen_pg``: the generation layout's (None or
     ``pg``: the same layout, one copy of the actor)."""
-    from megatron_rlhf.generation.engine import Generator
+    from megatron_rlhf.generation.engine import Generator, history_drafter
     from megatron_rlhf.rlhf.experience import ExperienceMaker, recomputes
     from megatron_rlhf.rlhf.state import load_trainer_states
     from megatron_rlhf.parallel.groups import build_process_groups
@@ -471,7 +472,7 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     tok = plan.tokenizer
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
     eos = plan.infos["actor"].config.eos_token_id
-    generator = Generator(models.generating_actor, models.draft, pad_id=pad)
+    generator = Generator(models.generating_actor, models.draft, pad_id=pad, history=history_drafter(plan.spec))
     from megatron_rlhf.rlhf.placement import Elsewhere
 
     def here(model, name):  # what the experience maker calls: the model, or where it is not

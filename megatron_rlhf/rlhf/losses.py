@@ -125,9 +125,15 @@ def policy_logprobs_and_entropy(logits: Tensor, tokens: Tensor, policy: Generati
     (:func:`policy_logits`, computed once). ``entropy_grad`` False: the entropy is a metric
     only, computed outside autograd (no ``[..., V]`` tensors kept for a backward)."""
     z = policy_logits(logits, tokens, policy)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = entropy_from_logits(z if entropy_grad else z.detach(), truncated=z is not logits)
-    return logprobs_from_logits(z, tokens), entropy
+    truncated = z is not logits and bool(policy.top_k or policy.top_p < 1.0)  # -inf outside the set
+    if entropy_grad:
+        return logprobs_from_logits(z, tokens), entropy_from_logits(z, truncated=truncated)
+    z = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+    logp = torch.log_softmax(z, dim=-1)  # [..., V], shared by the log-probs and the entropy
+    with torch.no_grad():
+        inside = torch.where(torch.isfinite(logp), logp, 0.0) if truncated else logp
+        entropy = -(logp.exp() * inside).sum(-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float,

@@ -363,10 +363,11 @@ class RLHFTrainer:
                          mask.sum().double()]),
             torch.tensor([exp.batch_size, sum(r == "eos" for r in rollout.finish_reasons)],
                          dtype=torch.float64, device=dev)])
-        gen = torch.tensor([s.new_tokens, s.verifications, s.accepted_tokens], dtype=torch.float64,
-                           device=dev)
+        gen = torch.tensor([s.new_tokens, s.verifications, s.accepted_tokens, s.history_verifications,
+                            s.history_drafted, s.history_accepted, s.actor_steps,
+                            sum(s.rounds_by_draft_len[1:])], dtype=torch.float64, device=dev)
         slowest = torch.tensor([s.elapsed_s, s.idle_s, s.idle_s / max(s.elapsed_s, 1e-9),
-                                s.migration_s, s.graph_capture_s], dtype=torch.float64, device=dev)
+                                s.migration_s, s.graph_capture_s, s.history_s], dtype=torch.float64, device=dev)
         hist = torch.tensor(s.rounds_by_draft_len + [s.migrated_out, s.migration_bytes],
                             dtype=torch.float64, device=dev)
         local = platform.all_reduce(local, group=self.pg.dp)
@@ -374,8 +375,8 @@ class RLHFTrainer:
         slowest = platform.all_reduce(slowest, dist.ReduceOp.MAX, self.gen_pg.dp)
         hist = platform.all_reduce(hist, group=self.gen_pg.dp).tolist()
         rsum, rsq, kl, tokens, n, eos = local.tolist()
-        new, ver, acc = gen.tolist()
-        elapsed, idle, idle_frac, mig_s, capture_s = slowest.tolist()
+        new, ver, acc, h_ver, h_drafted, h_acc, steps, drafting = gen.tolist()
+        elapsed, idle, idle_frac, mig_s, capture_s, history_s = slowest.tolist()
         mean = rsum / n
         return {
             "gen_rounds_by_draft_len": [int(x) for x in hist[:-2]],
@@ -393,6 +394,10 @@ class RLHFTrainer:
             "eos_fraction": eos / n,
             "gen_tokens_per_s": new / max(elapsed, 1e-9),
             "accepted_length": 1.0 + acc / ver if ver else 1.0,
+            "gen_draft_round_frac": drafting / max(steps, 1),
+            **({"gen_history_accepted_length": 1.0 + h_acc / max(h_ver, 1),
+                "gen_history_acceptance": h_acc / max(h_drafted, 1),
+                "gen_history_s_max": history_s} if self.spec.uses_history else {}),
         }
 
     # ------------------------------------------------------------------ checkpoints

@@ -94,6 +94,24 @@ def test_resume_repeats_the_uninterrupted_run(tiny, tmp_path, uninterrupted):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
 
+def test_history_drafts_change_no_sample_and_need_no_restoring(tiny, tmp_path, uninterrupted):
+    """Rollouts drafted from the rollout history (3 drafts every round, verified exactly)
+    give the run without drafts its metrics: rewards, KL, losses and gradient norms, so the
+    samples and the updates are the same. Stopped after 2 iterations and resumed, the run's
+    history starts empty (it is not checkpointed): only the drafting statistics differ."""
+    args = F.train_args(tiny.actor, tiny.prompts, tmp_path, train_iters=None, **RESUME,
+                        draft_source="history", num_draft_tokens=3)
+    F.check_ok(F.run_train(args + ["--train-iters", "2"]))
+    F.check_ok(F.run_train(args + ["--train-iters", "4", "--load", str(tmp_path / "save")]))
+    rows = F.read_metrics(tmp_path / "log")
+    assert _iterations(rows) == [1, 2, 3, 4]
+    drafting = ("gen_", "accepted_length")
+    assert sum(m["gen_history_accepted_length"] > 1.0 for m in rows) >= 3, rows  # drafts were taken
+    for m in rows:
+        F.assert_metrics_equal({k: v for k, v in m.items() if not k.startswith(drafting)},
+                               {k: v for k, v in uninterrupted[m["iteration"]].items() if not k.startswith(drafting)})
+
+
 def _as_legacy_checkpoint(src, dst):
     """A copy of ``src`` as the hand-written optimizer wrote it: optim_tp000.pt, and a
     state.json without LR schedules."""

@@ -63,7 +63,7 @@ def test_generates(tiny_ckpt):
         (["--pipeline-model-parallel-size", "2"], 2, "generation runs unpipelined: use --pipeline-model-parallel-size 1"),
         (["--max-new-tokens", "13"], 1, "prompt 0 has 3 tokens: with max_new_tokens 13 (+1 for verification) it exceeds the cache of 16 positions"),
         (["--num-draft-tokens", "-1"], 1, "--num-draft-tokens must be an integer >= 0 or 'auto', got -1"),
-        (["--num-draft-tokens", "2"], 1, "needs a draft model (--draft-load)"),
+        (["--num-draft-tokens", "2"], 1, "needs a draft: a draft model (--draft-load)"),
         (["--top-p", "1.5"], 1, "top_p must be in (0, 1]"),
     ],
 )
@@ -93,3 +93,27 @@ def test_missing_and_truncated_checkpoint(tiny_ckpt, tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     r = run_cli(["--load", str(broken), "--prompt", "abc"])
     assert r.returncode == 2 and "is truncated or corrupt" in r.stderr and "BOMB" not in r.stderr
+
+
+def _generate_json(ckpt, prompts, nproc, *extra):
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    r = subprocess.run([sys.executable, *launcher, "-m", "megatron_rlhf.generate", "--load", str(ckpt),
+                        "--prompts", str(prompts), "--max-new-tokens", "6", "--temperature", "1",
+                        "--batch-size", "3", "--seed", "5", "--json", *extra],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+    return {row["index"]: row["output_ids"] for row in map(json.loads, r.stdout.splitlines())}
+
+
+def test_replicas_with_migration_and_history_drafts_sample_what_one_process_does(tiny_ckpt, tmp_path):
+    """``generate`` at DP=2 with ``--sample-migration on`` (eager: every round) and history
+    drafts gives, prompt by prompt, the tokens of one process without either."""
+    import json
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "abcdefg"[: 1 + i % 6]}) + "\n" for i in range(7)))
+    alone = _generate_json(tiny_ckpt, prompts, 1)
+    both = _generate_json(tiny_ckpt, prompts, 2, "--sample-migration", "on", "--migration-interval", "1",
+                          "--migration-threshold", "0", "--draft-source", "history", "--num-draft-tokens", "2")
+    assert sorted(alone) == list(range(7)) and both == alone

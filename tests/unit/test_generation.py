@@ -340,7 +340,7 @@ def test_bad_requests(pair):
         gen.generate([[1, 2], [3] * 250], GREEDY)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         gen.generate([[]], GREEDY)
-    with pytest.raises(ValueError, match="needs a draft model"):
+    with pytest.raises(ValueError, match="needs a draft: a draft model"):
         Generator(actor).generate(PROMPTS, GREEDY, SpecConfig(2))
 
 

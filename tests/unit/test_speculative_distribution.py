@@ -225,7 +225,7 @@ def sample(actor, draft, setting: str, n, rule_name: str, seed: int, samples: in
         selector = RandomSelector(MAX_N, seed + c) if n == "auto" else None
         ids = list(range(c * samples // calls, (c + 1) * samples // calls))
         r = Generator(actor, draft if n else None, selector=selector).generate(
-            [PROMPT] * len(ids), cfg, SpecConfig(n, max_draft_tokens=MAX_N), seed=seed,
+            [PROMPT] * len(ids), cfg, SpecConfig(n, max_draft_tokens=MAX_N, verify="rejection"), seed=seed,
             sample_ids=ids, accept_rule=rule)
         assert (r.lengths == T).all()
         index = (r.response_ids[:, :T] * V ** torch.arange(T - 1, -1, -1)).sum(-1)

@@ -69,6 +69,21 @@ def test_greedy_and_untempered_train_the_actor_itself(policy):
     assert torch.equal(ent, losses.entropy_from_logits(logits))
 
 
+@pytest.mark.parametrize("policy", [None, *POLICIES], ids=_name)
+def test_an_entropy_kept_as_a_metric_is_the_same_entropy(policy):
+    """``entropy_grad=False`` (the entropy only logged) shares the log-softmax of the
+    log-probs; values and log-prob gradients equal the differentiable path's."""
+    logits, tokens, _ = _logits_and_tokens(policy or TEMPERED, seed=2)
+    a, b = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    lp, ent = losses.policy_logprobs_and_entropy(a, tokens, policy)
+    lp2, ent2 = losses.policy_logprobs_and_entropy(b, tokens, policy, entropy_grad=False)
+    assert not ent2.requires_grad and torch.isfinite(ent2).all()
+    assert torch.allclose(lp, lp2, atol=1e-6) and torch.allclose(ent.detach(), ent2, atol=1e-5)
+    lp.sum().backward()
+    lp2.sum().backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
 @pytest.mark.parametrize("policy", POLICIES, ids=_name)
 def test_entropy_and_gradients_of_the_truncated_policy(policy):
     logits, tokens, _ = _logits_and_tokens(policy, seed=1)

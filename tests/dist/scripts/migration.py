@@ -20,7 +20,7 @@ import torch.distributed as dist
 from gen_fixtures import actor_and_draft, feature_draft_for
 from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, MigrationConfig, SpecConfig
-from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation.engine import Generator, history_drafter
 from megatron_rlhf.generation.migration import MigrationError, Migrator
 from megatron_rlhf.parallel.groups import build_process_groups
 from megatron_rlhf.parallel.layout import Layout
@@ -43,8 +43,8 @@ def dp_run(pg, actor, draft, cfg, spec, split, migrate, seed=5, graphs="auto"):
     mig = Migrator(pg.dp, EAGER, torch.device("cpu"), tp_group=pg.tp) if migrate else None
     local, out, into = {}, 0, 0
     if mine or migrate:  # without migration a rank with no samples has nothing to do
-        r = Generator(actor, draft, graphs=graphs).generate([PROMPTS[i] for i in mine], cfg, spec, seed=seed,
-                                             sample_ids=mine, migrator=mig)
+        r = Generator(actor, draft, graphs=graphs, history=history_drafter(spec)).generate(
+            [PROMPTS[i] for i in mine], cfg, spec, seed=seed, sample_ids=mine, migrator=mig)
         assert len(r.finish_reasons) == len(mine) and all(r.finish_reasons)
         local = {s: (r.responses()[i], r.response_logprobs[i, : int(r.lengths[i])].tolist())
                  for i, s in enumerate(mine)}
@@ -62,7 +62,7 @@ def dp_run(pg, actor, draft, cfg, spec, split, migrate, seed=5, graphs="auto"):
 
 
 def reference(actor, draft, cfg, spec, n, seed=5):
-    r = Generator(actor, draft).generate(PROMPTS[:n], cfg, spec, seed=seed)
+    r = Generator(actor, draft, history=history_drafter(spec)).generate(PROMPTS[:n], cfg, spec, seed=seed)
     return {i: (r.responses()[i], r.response_logprobs[i, : int(r.lengths[i])].tolist()) for i in range(n)}
 
 
@@ -79,7 +79,9 @@ def check_all(pg, eos):
     greedy = GenerationConfig(max_new_tokens=24, temperature=0)
     sampled = GenerationConfig(max_new_tokens=24, temperature=1.0)
     cases = [("plain", None, SpecConfig(0)), ("standalone n=2", draft, SpecConfig(2)),
-             ("feature n=2", feature, SpecConfig(2))]
+             ("feature n=2", feature, SpecConfig(2)),
+             ("history n=2", None, SpecConfig(2, draft_source="history")),
+             ("both n=2", draft, SpecConfig(2, draft_source="both"))]
     moved_by_kind = {}
     for name, d, spec in cases:
         for cfg in (greedy, sampled):
@@ -93,11 +95,13 @@ def check_all(pg, eos):
                     else:
                         assert moved == 0
     assert all(v > 0 for v in moved_by_kind.values()), moved_by_kind
-    # auto: the draft length follows each rank's batch, greedy tokens do not
-    for d in (draft, feature):
-        spec = SpecConfig("auto", max_draft_tokens=3)
-        got, _ = dp_run(pg, actor, d, greedy, spec, [9, 3], True)
-        same(reference(actor, None, greedy, SpecConfig(0), 12), got, "auto greedy")
+    # auto: the draft length follows each rank's batch (and timings), the tokens do not:
+    # under exact verification they are plain decoding's, greedy or sampled
+    for d, source in ((draft, None), (feature, None), (None, "history"), (draft, "both")):
+        spec = SpecConfig("auto", max_draft_tokens=3, draft_source=source)
+        for cfg in (greedy, sampled):
+            got, _ = dp_run(pg, actor, d, cfg, spec, [9, 3], True)
+            same(reference(actor, None, cfg, SpecConfig(0), 12), got, f"auto {source or 'model'} T={cfg.temperature}")
     # samples that finish at once (prefill) or right after a transfer
     for new in (1, 2):
         cfg = GenerationConfig(max_new_tokens=new, temperature=1.0)

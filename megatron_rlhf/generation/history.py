@@ -1,0 +1,210 @@
+"""Model-free drafts from the rollout's own history (SuffixDecoding, DAS, SPEC-RL).
+
+RL rollouts repeat themselves: the ``--rollout-n`` samples of a group answer one prompt,
+the same prompts come back every epoch, and answers restate the question, follow one
+format and close with one phrase. A :class:`HistoryDrafter` proposes the continuation of
+a sample's latest tokens as it occurred before, in
+
+- the sample's own prompt and response so far (prompt lookup);
+- its group's siblings in this rollout, finished or not;
+- earlier responses to the same prompt (previous iterations and epochs: the newest
+  ``max_responses`` per prompt, at most ``max_prompts`` prompts, least recently used
+  evicted), in host memory beside the generator.
+
+All of a prompt's documents share one :class:`NgramIndex`: for every n-gram of 1 to
+``max_match`` tokens, how often each token followed it. A proposal follows the longest
+n-gram ending the sample's context that the index holds, takes its most frequent
+continuation, appends it and repeats (a chain). Its confidence is the product of the
+continuations' frequencies; drafting stops below ``min_confidence``, so a long, certain
+match drafts far and an uncertain one drafts little (SuffixDecoding's adaptive length).
+Samples that run long draft up to ``long_boost`` times more (DAS: the long tail of a
+rollout is where drafting pays).
+
+The drafter changes no sample under exact verification
+(:func:`~megatron_rlhf.generation.speculative.accept_exact`): it only decides how many
+positions a verification covers. So its contents may differ between runs, ranks and
+resumptions without changing a token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+
+class NgramIndex:
+    """Continuation counts of the n-grams (1..``max_match`` tokens) of a set of documents.
+
+    ``table[ngram] = [total, {token: count}]``: the tokens that followed ``ngram``.
+    """
+
+    def __init__(self, max_match: int):
+        if max_match < 1:
+            raise ValueError(f"max_match must be >= 1, got {max_match}")
+        self.max_match = max_match
+        self.table: dict[tuple, list] = {}
+
+    def add(self, doc: list[int], start: int = 0, sign: int = 1) -> None:
+        """Count the continuations ``doc[i]`` for ``i >= start`` (``sign`` -1: forget them)."""
+        k_max, table = self.max_match, self.table
+        for i in range(max(start, 1), len(doc)):
+            tok = doc[i]
+            for k in range(1, min(k_max, i) + 1):
+                key = tuple(doc[i - k:i])
+                entry = table.get(key)
+                if entry is None:
+                    if sign < 0:
+                        continue
+                    entry = table[key] = [0, {}]
+                counts = entry[1]
+                c = counts.get(tok, 0) + sign
+                if c > 0:
+                    counts[tok] = c
+                else:
+                    counts.pop(tok, None)
+                entry[0] += sign
+                if entry[0] <= 0:
+                    del table[key]
+
+    def next_token(self, context: list[int]) -> tuple[int, float, int] | None:
+        """``(token, frequency, match length)`` of the most frequent continuation of the
+        longest n-gram ending ``context`` that the index holds (ties: the smaller token),
+        or None."""
+        table = self.table
+        for k in range(min(self.max_match, len(context)), 0, -1):
+            entry = table.get(tuple(context[-k:]))
+            if entry is not None:
+                total, counts = entry
+                tok, c = min(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+                return tok, c / total, k
+        return None
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+
+@dataclass
+class _Live:
+    """A sample being generated: its prompt's history and its document (prompt, then the
+    response so far), indexed up to ``indexed`` tokens."""
+
+    history: "_PromptHistory"
+    doc: list[int]
+    indexed: int
+
+
+class _PromptHistory:
+    """One prompt's index: the prompt, its earlier responses and this rollout's."""
+
+    def __init__(self, prompt: tuple[int, ...], max_match: int):
+        self.prompt = prompt
+        self.index = NgramIndex(max_match)
+        self.index.add(list(prompt))
+        self.responses: deque[list[int]] = deque()
+        """Finished responses kept (prompt + response documents), oldest first."""
+
+
+class HistoryDrafter:
+    """Drafts for the live samples of a generator from the history of their prompts.
+
+    Protocol (what :class:`~megatron_rlhf.generation.engine.Generator` calls):
+    :meth:`begin` a sample with its prompt, :meth:`propose` drafts for a list of samples
+    given their responses so far, :meth:`finish` a sample when it is done (its response
+    joins its prompt's history).
+    """
+
+    def __init__(self, max_match: int = 8, max_responses: int = 16, max_prompts: int = 4096,
+                 min_confidence: float = 0.3, long_boost: float = 2.0, long_after: int = 256):
+        for name, v in (("max_match", max_match), ("max_responses", max_responses),
+                        ("max_prompts", max_prompts)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if not 0 <= min_confidence <= 1:
+            raise ValueError(f"min_confidence must lie in [0, 1], got {min_confidence}")
+        self.max_match, self.max_responses, self.max_prompts = max_match, max_responses, max_prompts
+        self.min_confidence, self.long_boost, self.long_after = min_confidence, long_boost, long_after
+        self.prompts: OrderedDict[tuple, _PromptHistory] = OrderedDict()
+        self.live: dict[int, _Live] = {}
+
+    # ------------------------------------------------------------------ samples
+    def begin(self, sample: int, prompt: list[int], response: list[int] = ()) -> None:
+        """Start drafting for ``sample`` (a global sample index) answering ``prompt``; a
+        migrated sample arrives with its ``response`` so far."""
+        key = tuple(prompt)
+        history = self.prompts.get(key)
+        if history is None:
+            history = self.prompts[key] = _PromptHistory(key, self.max_match)
+        else:
+            self.prompts.move_to_end(key)
+        doc = list(prompt) + list(response)
+        self.live[sample] = _Live(history, doc, len(prompt))
+        self._index(self.live[sample])
+        self._trim_prompts()
+
+    def _index(self, live: _Live) -> None:
+        if live.indexed < len(live.doc):
+            live.history.index.add(live.doc, start=live.indexed)
+            live.indexed = len(live.doc)
+
+    def extend(self, sample: int, tokens: list[int]) -> None:
+        """``sample`` emitted ``tokens`` (indexed now: its siblings draft from them)."""
+        live = self.live.get(sample)
+        if live is not None:
+            live.doc.extend(tokens)
+            self._index(live)
+
+    def finish(self, sample: int) -> None:
+        """``sample`` is done: its response stays in its prompt's history (the oldest
+        response beyond ``max_responses`` is forgotten)."""
+        live = self.live.pop(sample, None)
+        if live is None:
+            return
+        self._index(live)
+        history = live.history
+        history.responses.append(live.doc)
+        while len(history.responses) > self.max_responses:  # forget what the oldest added
+            history.index.add(history.responses.popleft(), start=len(history.prompt), sign=-1)
+        self._trim_prompts()
+
+    def _trim_prompts(self) -> None:
+        """Forget the least recently used prompts beyond ``max_prompts`` (not one in use)."""
+        in_use = {id(live.history) for live in self.live.values()}
+        for key in list(self.prompts):
+            if len(self.prompts) <= self.max_prompts:
+                break
+            if id(self.prompts[key]) not in in_use:
+                del self.prompts[key]
+
+    # ------------------------------------------------------------------ drafting
+    def max_tokens(self, sample: int, n: int) -> int:
+        """The most tokens ``sample`` may draft in a round of width ``n``: more for a long-running sample."""
+        live = self.live[sample]
+        emitted = len(live.doc) - len(live.history.prompt)
+        return int(n * self.long_boost) if emitted >= self.long_after else n
+
+    def propose(self, sample: int, n: int) -> list[int]:
+        """Up to ``n`` draft tokens continuing ``sample``'s document (fewer, or none, where
+        the history is not confident)."""
+        live = self.live[sample]
+        self._index(live)
+        index = live.history.index
+        context = live.doc[-self.max_match:]
+        out: list[int] = []
+        confidence = 1.0
+        while len(out) < n:
+            found = index.next_token(context)
+            if found is None:
+                break
+            tok, freq, _ = found
+            confidence *= freq
+            if confidence < self.min_confidence:
+                break
+            out.append(tok)
+            context = (context + [tok])[-self.max_match:]
+        return out
+
+    def stats(self) -> dict:
+        """Prompts held, responses kept and n-grams indexed (the history's size)."""
+        return {"prompts": len(self.prompts),
+                "responses": sum(len(h.responses) for h in self.prompts.values()),
+                "ngrams": sum(len(h.index) for h in self.prompts.values())}

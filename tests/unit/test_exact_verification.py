@@ -1,0 +1,155 @@
+"""Exact verification (``--spec-verify exact``): whatever is drafted (the history, a draft
+model, both) and however many tokens a round verifies, the emitted tokens are those of
+speculation off, token for token.
+
+What makes these comparisons deterministic rather than lucky: the uniforms are keyed by
+(seed, sample, position), so plain and speculative runs draw position ``m``'s token with
+the same uniform; what could still differ is the actor's logits at a position (a
+verification over ``n + 1`` tokens runs GEMMs of other shapes than a one-token step) when
+the uniform falls within that rounding of a CDF boundary. The models here are fp32, their
+distributions over 512 tokens are peaked (:func:`gen_fixtures.actor_and_draft`), and the
+seeds are fixed: each comparison is one fixed computation that either matches or not on
+a given machine, and ``tools/bench_flips.py`` measures how rare a flip is (none in
+fp32 in its run: docs/benchmarks.md).
+"""
+
+import pytest
+import torch
+
+from megatron_rlhf.config import GenerationConfig, SpecConfig
+from megatron_rlhf.generation import speculative
+from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation.history import HistoryDrafter
+from megatron_rlhf.generation.sampling import draw
+
+from gen_fixtures import PROMPTS, actor_and_draft
+
+GROUP = 3
+SETTINGS = {
+    "T1": GenerationConfig(max_new_tokens=24, temperature=1.0, stop_on_eos=False),
+    "T0.7-top-p": GenerationConfig(max_new_tokens=24, temperature=0.7, top_p=0.9, stop_on_eos=False),
+    "greedy": GenerationConfig(max_new_tokens=24, temperature=0.0, stop_on_eos=False),
+}
+SEED = 11
+
+
+@pytest.fixture(scope="module")
+def models(world1):
+    """A sharpened tiny actor (its samples repeat: the history has something to find) and a
+    draft near it."""
+    return actor_and_draft(world1, sharpness=20.0, noise=0.5)
+
+
+def _prompts():
+    return [p for p in PROMPTS for _ in range(GROUP)]
+
+
+def _generate(actor, draft=None, history=None, spec=SpecConfig(0), cfg=SETTINGS["T1"], selector=None,
+              seed=SEED):
+    r = Generator(actor, draft, history=history, selector=selector).generate(_prompts(), cfg, spec, seed=seed)
+    return r.response_ids, r.stats
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    return {name: _generate(models[0], cfg=cfg)[0] for name, cfg in SETTINGS.items()}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("source", ["history", "model", "both"])
+def test_drafts_change_no_sample(models, plain, setting, source):
+    actor, draft = models
+    history = HistoryDrafter() if source != "model" else None
+    ids, stats = _generate(actor, draft if source != "history" else None, history,
+                           SpecConfig(4, draft_source=source), SETTINGS[setting])
+    assert torch.equal(ids, plain[setting])
+    accepted = sum(stats.accepted_per_position)
+    assert stats.verifications and 0 < accepted < 4 * stats.verifications  # drafts accepted and refused
+    if source != "model":
+        assert 0 < stats.history_accepted < stats.history_drafted
+
+
+class _RandomSelector:
+    """A selector whose choices are random (seeded): runs with different seeds draft
+    differently, as the auto selector does on different timings."""
+
+    def __init__(self, seed: int, max_n: int = 4):
+        self.g, self.max_n = torch.Generator().manual_seed(seed), max_n
+
+    def choose(self, batch: int) -> int:
+        return int(torch.randint(0, self.max_n + 1, (1,), generator=self.g))
+
+    def observe(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("source", ["model", "history"])
+def test_samples_do_not_depend_on_the_selectors_choices(models, plain, source):
+    """Under ``auto`` the drafting choices depend on timings; under exact verification the
+    samples do not depend on them. Under rejection sampling they do (the control)."""
+    actor, draft = models
+    model = draft if source == "model" else None
+    runs = [_generate(actor, model, HistoryDrafter() if source == "history" else None,
+                      SpecConfig("auto", draft_source=source), selector=_RandomSelector(s))[0]
+            for s in (1, 2)]
+    assert torch.equal(runs[0], plain["T1"]) and torch.equal(runs[1], plain["T1"])
+    if source == "model":
+        rejected = [_generate(actor, draft, spec=SpecConfig("auto", verify="rejection"),
+                              selector=_RandomSelector(s))[0] for s in (1, 2)]
+        assert not torch.equal(rejected[0], rejected[1])
+
+
+def _accepts_one_mismatch(draft_tokens, p_probs, u_next):
+    drawn = draw(p_probs, u_next)
+    ok = draft_tokens == drawn[:, :-1]
+    ok[:, 0] = True  # sabotage: the first draft token is always taken
+    return speculative._verdict_from_matches(ok, drawn)
+
+
+_EXACT = speculative.accept_exact
+
+
+def _emits_the_draft(draft_tokens, p_probs, u_next):
+    v = _EXACT(draft_tokens, p_probs, u_next)
+    n = draft_tokens.shape[1]
+    rejected = v.accepted < n
+    own = draft_tokens.gather(1, v.accepted.clamp(max=n - 1)[:, None])[:, 0]
+    return speculative.Verdict(v.accepted, torch.where(rejected, own, v.next_token))
+
+
+@pytest.mark.parametrize("saboteur", [_accepts_one_mismatch, _emits_the_draft])
+def test_a_sabotaged_exact_rule_changes_samples(models, plain, monkeypatch, saboteur):
+    monkeypatch.setattr(speculative, "accept_exact", saboteur)
+    ids, _ = _generate(models[0], history=HistoryDrafter(), spec=SpecConfig(4, draft_source="history"))
+    assert not torch.equal(ids, plain["T1"])
+
+
+def test_the_token_after_j_accepted_drafts_uses_position_m_plus_j_uniform():
+    """White box: one row, a uniform distribution over 4 tokens, uniforms that draw 0, 1, 2,
+    3 at positions m..m+3. Drafts [0, 1, 3] accept two; the emitted token is position
+    m+2's draw (2), not position m's (0) or the draft's (3)."""
+    p = torch.full((1, 4, 4), 0.25)
+    u = torch.tensor([[0.1, 0.3, 0.6, 0.9]])
+    v = speculative.accept_exact(torch.tensor([[0, 1, 3]]), p, u)
+    assert v.accepted.tolist() == [2] and v.next_token.tolist() == [2]
+    v = speculative.accept_exact(torch.tensor([[0, 1, 2]]), p, u)  # all accepted: the bonus is m+3's
+    assert v.accepted.tolist() == [3] and v.next_token.tolist() == [3]
+
+
+def test_rejection_is_refused_for_history_drafts():
+    with pytest.raises(ValueError, match="spec-verify exact"):
+        SpecConfig(4, draft_source="history", verify="rejection")
+
+
+def test_repeats_are_found(models):
+    """The same prompts a second time (the next epoch of an RL run, another seed): greedy
+    answers repeat the first epoch's, and the history's drafts are accepted for more than 4
+    of the 5 tokens a verification of 4 drafts can emit (measured 4.74); the first epoch,
+    with only the prompts and the siblings to draft from, gets far less (1.40)."""
+    cfg = GenerationConfig(max_new_tokens=32, temperature=0.0, stop_on_eos=False)
+    generator = Generator(models[0], history=HistoryDrafter())
+    lengths = []
+    for epoch in range(2):
+        r = generator.generate(_prompts(), cfg, SpecConfig(4, draft_source="history"), seed=SEED + epoch)
+        lengths.append(1 + r.stats.history_accepted / r.stats.verifications)
+    assert lengths[1] > 4.0 and lengths[0] < lengths[1], lengths

