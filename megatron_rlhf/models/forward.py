@@ -53,16 +53,23 @@ def masked_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                          "without sequence parallelism")
     length = input_ids.shape[1]
     input_ids, attention_mask = sequence_parallel.pad(model, input_ids, attention_mask)
-    hook = None
+    hooks = []
     if output_from > 0 and model.post_process and not sequence_parallel.enabled(model):
-        hook = model.output_layer.register_forward_pre_hook(
-            lambda _layer, args: (args[0][output_from:], *args[1:]))  # hidden states are [s, b, h]
+        # the output layer gets the kept columns batch-first ([s, b, h] -> [b, s', h]: its
+        # matmul and TP gather act on the last dim only) and hands back a seq-first view of
+        # its batch-first logits, which the model's closing transpose(0, 1).contiguous()
+        # then returns without copying [b, s', V]
+        layer = model.output_layer
+        hooks = [layer.register_forward_pre_hook(
+                     lambda _layer, args: (args[0][output_from:].transpose(0, 1), *args[1:])),
+                 layer.register_forward_hook(
+                     lambda _layer, _args, out: (out[0].transpose(0, 1), *out[1:]))]
     try:
         out = model(input_ids, position_ids(attention_mask), causal_padding_mask(attention_mask), **kw)
     finally:
-        if hook is not None:
-            hook.remove()
-    if hook is not None:
+        for h in hooks:
+            h.remove()
+    if hooks:
         return out
     return out[:, :length] if model.post_process and out.shape[1] != length else out
 

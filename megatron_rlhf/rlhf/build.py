@@ -453,7 +453,8 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
         models.reward_model = held("reward", layouts["reward"], pgs["reward"])
         places["reward"] = pgs["reward"]
     places["actor_train"] = pg
-    if recomputes(plan.ppo, plan.dtype, plan.gen):  # the old log-probs: a forward of the actor's training copy
+    recompute = recomputes(plan.ppo, plan.dtype, plan.gen)
+    if recompute:  # the old log-probs: a forward of the actor's training copy
         places["actor"] = pg
     models.elsewhere = {name: m for name, m in (("actor", actor), ("critic", critic)) if isinstance(m, Absent)}
     if gen_pg is not pg:
@@ -484,7 +485,7 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     maker = ExperienceMaker(plan.ppo, reference, actor=here(actor, "actor"),
                             critic=critic, reward_model=reward_model, reward_fn=plan.reward_fn,
                             tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=anchor.dp, gen=plan.gen,
-                            reward=plan.reward)
+                            reward=plan.reward, recompute=recompute)
     run_info = {"tp": train_layout.tp, "seed": plan.loop.seed,
                 "train_layout": mem.layout_text(train_layout),
                 "gen_layout": mem.layout_text(gen_layout, pipeline=False),

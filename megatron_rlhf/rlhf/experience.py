@@ -104,14 +104,16 @@ class ExperienceMaker:
     ``gen``: the settings the rollouts were sampled with; they define the policy of every
     log-prob (None: the models' own distributions at temperature 1). ``actor``: needed to
     recompute old log-probs (``cfg.recompute_logprobs``; None there: :func:`recomputes`
-    when the actor is given). ``reference``: None when no KL term reads it
+    when the actor is given; ``recompute``: decided already, e.g. where the actor is
+    elsewhere). ``reference``: None when no KL term reads it
     (``cfg.kl_coef`` 0); ``ref_logprobs`` and ``kl`` then stay 0.
     """
 
     def __init__(self, cfg: PPOConfig, reference, critic=None, reward_model=None,
                  reward_fn: str | None = None, tokenizer=None, pad_id: int = 0,
                  eos_id: int | None = None, dp_group=None, actor=None,
-                 gen: GenerationConfig | None = None, reward: RewardConfig | None = None):
+                 gen: GenerationConfig | None = None, reward: RewardConfig | None = None,
+                 recompute: bool | None = None):
         if (reward_model is None) == (reward_fn is None):
             raise ValueError("give exactly one of a reward model and a reward function")
         self.cfg, self.reference, self.critic = cfg, reference, critic
@@ -119,7 +121,7 @@ class ExperienceMaker:
         self.pad_id, self.eos_id = pad_id, eos_id
         self.dp_group = dp_group
         self.actor, self.gen = actor, gen
-        self.recompute = cfg.recompute_logprobs
+        self.recompute = cfg.recompute_logprobs if recompute is None else recompute
         if self.recompute is None:
             self.recompute = actor is not None and recomputes(cfg, next(actor.parameters()).dtype, gen)
         if self.recompute and actor is None:

@@ -95,6 +95,11 @@ def reshapes_policy(policy: GenerationConfig | None) -> bool:
             and not samples_actor(policy, vocab=float("inf")))
 
 
+def truncates(policy: GenerationConfig, vocab: int) -> bool:
+    """Sampling keeps only a top-k/top-p set of the vocabulary (``-inf`` elsewhere)."""
+    return bool(policy.top_k and policy.top_k < vocab) or policy.top_p < 1.0
+
+
 def policy_logits(logits: Tensor, tokens: Tensor, policy: GenerationConfig | None) -> Tensor:
     """Logits ``[..., V]`` of the trained policy at the positions that chose ``tokens [...]``.
 
@@ -107,6 +112,8 @@ def policy_logits(logits: Tensor, tokens: Tensor, policy: GenerationConfig | Non
     if policy is None or policy.greedy or samples_actor(policy, logits.shape[-1]):
         return logits
     z = sampling_logits(logits, policy)  # [..., V]
+    if not truncates(policy, logits.shape[-1]):
+        return z  # tempered only: every token, the sampled one too, is already in
     index = tokens.unsqueeze(-1)
     own = logits.float().gather(-1, index)
     if policy.temperature != 1.0:
@@ -125,7 +132,7 @@ def policy_logprobs_and_entropy(logits: Tensor, tokens: Tensor, policy: Generati
     (:func:`policy_logits`, computed once). ``entropy_grad`` False: the entropy is a metric
     only, computed outside autograd (no ``[..., V]`` tensors kept for a backward)."""
     z = policy_logits(logits, tokens, policy)
-    truncated = z is not logits and bool(policy.top_k or policy.top_p < 1.0)  # -inf outside the set
+    truncated = z is not logits and truncates(policy, logits.shape[-1])  # -inf outside the set
     if entropy_grad:
         return logprobs_from_logits(z, tokens), entropy_from_logits(z, truncated=truncated)
     z = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
