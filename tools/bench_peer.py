@@ -288,6 +288,14 @@ def steady(times: list[float]) -> float:
     return statistics.median(times[1:] or times)
 
 
+def ms_per_response_token(times: list[float], lengths: list[float], samples: int) -> float | None:
+    """Milliseconds per response token over the iterations after the first: a per-iteration
+    time that does not reward a policy for answering shorter (each side's own lengths)."""
+    later = list(zip(times, lengths))[1:] or list(zip(times, lengths))
+    tokens = samples * sum(n for _, n in later)
+    return 1000 * sum(t for t, _ in later) / tokens if tokens else None
+
+
 def summarise_ours(rows: list[dict]) -> dict:
     """Our ``metrics.jsonl`` rows -> the peer line's measurements."""
     iters = [r for r in rows if "time_iteration_s" in r]
@@ -304,7 +312,9 @@ def summarise_ours(rows: list[dict]) -> dict:
             "heldout_records": int(before.get("eval/responses", 0)), "eval_s_before": before.get("eval/time_s"),
             "heldout_response_length": [before.get("eval/response_length"), evals[-1].get("eval/response_length")],
             "reward_by_iter": [r.get("reward_mean") for r in iters],
-            "response_length": statistics.fmean(r.get("response_length", 0.0) for r in iters)}
+            "response_length": statistics.fmean(r.get("response_length", 0.0) for r in iters),
+            "ms_per_response_token": ms_per_response_token(
+                times, [r.get("response_length", 0.0) for r in iters], int(iters[0].get("samples", 0)))}
 
 
 def summarise_trl(result: dict) -> dict:
@@ -316,7 +326,9 @@ def summarise_trl(result: dict) -> dict:
             "eval_s_before": result["before"]["time_s"], "reward_by_iter": result["reward_by_iter"],
             "trl_step_time_s": result.get("trl_step_time_s", []),
             "heldout_response_length": [result["before"]["response_length"], result["after"]["response_length"]],
-            "response_length": statistics.fmean(result["length_by_iter"]) if result["length_by_iter"] else None}
+            "response_length": statistics.fmean(result["length_by_iter"]) if result["length_by_iter"] else None,
+            "ms_per_response_token": ms_per_response_token(times, result["length_by_iter"], result.get("samples", 0))
+            if len(result["length_by_iter"]) == len(times) else None}
 
 
 def omp_wait_policy() -> str:
@@ -474,6 +486,7 @@ def trl_worker(config_path: Path) -> int:
               "length_by_iter": [log["completions/mean_length"] for log in steps if "completions/mean_length" in log],
               "trl_step_time_s": [log["step_time"] for log in steps if "step_time" in log],
               "before": before, "after": after, "logs": timer.logs,
+              "samples": cfg["per_device_train_batch_size"] * cfg["gradient_accumulation_steps"],
               "trainer": {"per_device_train_batch_size": args.per_device_train_batch_size,
                           "gradient_accumulation_steps": args.gradient_accumulation_steps,
                           "generation_batch_size": args.generation_batch_size, "loss_type": args.loss_type}}
@@ -484,7 +497,10 @@ def trl_worker(config_path: Path) -> int:
 # ---------------------------------------------------------------------------- output
 def compare(results: dict[str, dict]) -> dict:
     ours, trl = results["megatron_rlhf"], results["trl"]
+    per_token = (trl["ms_per_response_token"] / ours["ms_per_response_token"]
+                 if trl.get("ms_per_response_token") and ours.get("ms_per_response_token") else None)
     return {"kind": "compare", "ours_faster_by": trl["s_per_iter"] / ours["s_per_iter"],
+            "ours_faster_by_per_response_token": per_token,
             "s_per_iter_megatron_rlhf": ours["s_per_iter"], "s_per_iter_trl": trl["s_per_iter"],
             "heldout_accuracy_before": {k: r["heldout_accuracy_before"] for k, r in results.items()},
             "heldout_accuracy_after": {k: r["heldout_accuracy_after"] for k, r in results.items()},
@@ -507,7 +523,8 @@ def table(results: dict[str, dict], cmp: dict | None, conf: dict) -> str:
                      f"| {r['heldout_records']} | {fmt(statistics.fmean(rewards) if rewards else None, 3)} "
                      f"| {fmt(r['response_length'], 1)} | {fmt(r['wall_s'], 0)} | {r['process']} |")
     if cmp is not None:
-        lines.append(f"\nmegatron_rlhf is {cmp['ours_faster_by']:.2f}x as fast per iteration as TRL GRPOTrainer")
+        lines.append(f"\nmegatron_rlhf is {cmp['ours_faster_by']:.2f}x as fast per iteration as TRL GRPOTrainer"
+                     f" ({fmt(cmp.get('ours_faster_by_per_response_token'))}x per response token)")
     lines.append(f"settings: {conf['prompts_per_iter']} prompts x {conf['group']} responses per iteration, "
                  f"{conf['max_new_tokens']} new tokens, lr {conf['lr']:g} ({conf['lr_schedule']}), temperature "
                  f"{conf['temperature']:g}, KL {conf['kl_coef']:g}, {conf['dtype']}, seed {conf['seed']}, "

@@ -131,3 +131,10 @@ def test_dry_run_prints_json_lines(bench, capsys):
     assert [x["kind"] for x in lines] == ["header", "command", "command"]
     assert lines[0]["iters"] == 1 and lines[0]["smoke"] is True
     assert {x["peer"] for x in lines[1:]} == {"megatron_rlhf", "trl"}
+
+
+def test_per_token_time_counts_each_sides_own_lengths(bench):
+    """After the first iteration: 4 s + 6 s over 2 samples x (20 + 30) tokens = 100 ms per token."""
+    assert bench.ms_per_response_token([10.0, 4.0, 6.0], [50.0, 20.0, 30.0], 2) == 100.0
+    assert bench.ms_per_response_token([3.0], [10.0], 3) == 100.0  # one iteration: itself
+    assert bench.ms_per_response_token([1.0, 2.0], [5.0, 0.0], 4) is None  # no tokens to divide by

@@ -6,11 +6,12 @@ What makes these comparisons deterministic rather than lucky: the uniforms are k
 (seed, sample, position), so plain and speculative runs draw position ``m``'s token with
 the same uniform; what could still differ is the actor's logits at a position (a
 verification over ``n + 1`` tokens runs GEMMs of other shapes than a one-token step) when
-the uniform falls within that rounding of a CDF boundary. The models here are fp32, their
-distributions over 512 tokens are peaked (:func:`gen_fixtures.actor_and_draft`), and the
-seeds are fixed: each comparison is one fixed computation that either matches or not on
-a given machine, and ``tools/bench_flips.py`` measures how rare a flip is (none in
-fp32 in its run: docs/benchmarks.md).
+the uniform falls within that rounding of a CDF boundary. Each comparison here is one
+fixed computation (fixed seeds, fp32, a CPU's deterministic kernels): on a given machine
+it matches or not every time. How likely a mismatch is elsewhere: ``tools/bench_flips.py``
+measured about 600 flips per million tokens on SmolLM2 in fp32 (1 in ~1,700; bf16 is far
+worse, docs/benchmarks.md); these tiny models sample a few hundred tokens per comparison
+from sharpened distributions over 512 tokens, where near-ties are rarer still.
 """
 
 import pytest

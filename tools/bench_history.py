@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""History drafts on the RL workload: the same prompts rolled out epoch after epoch (JSON lines).
+
+    python tools/bench_history.py [--load CKPT] [--draft-load DRAFT] [--nproc 2] [--prompts 16]
+        [--rollout-n 4] [--epochs 3] [--max-new-tokens 128] [--temperature 0.8]
+        [--variants off,history,history-auto,model-auto,both-auto] [--dtype fp32] [--seed 0]
+
+Relaunches itself under ``torchrun --standalone --nproc_per_node NPROC`` (one thread per
+rank). The workload is an RL rollout of the shipped arithmetic task: ``--prompts``
+problems from ``megatron_rlhf/data/math_train.jsonl`` (chat template), each sampled
+``--rollout-n`` times, split in contiguous halves over the data-parallel ranks as the
+trainer does, with sample migration on; every epoch the same problems again with a new
+seed (as a run over a small dataset sees them). Each variant has a ``Generator`` of its
+own that lives across the epochs, so its history holds the earlier epochs' answers:
+
+- ``off``: plain decoding;
+- ``history``: history drafts, 3 per round (``--num-draft-tokens 3``);
+- ``history-auto``: history drafts, the selector choosing plain or 1..4 per round;
+- ``model-auto`` / ``both-auto`` (with ``--draft-load``): the draft model, or both sources.
+
+All verification is exact, so every variant emits the same tokens (checked: a variant
+whose samples differ from ``off``'s is reported, ``same_tokens`` false). Per variant and
+epoch one line: makespan (max over ranks of the wall time of ``generate``), new tokens,
+tokens per second, accepted tokens per verification (all, and from the history), rounds
+that drafted, history lookup time; then the speedup over ``off`` per epoch and a table
+on stderr. Variants run one after the other within an epoch, the order rotated by epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = ("off", "history", "history-auto", "model-auto", "both-auto")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", type=Path, default=ROOT / "out" / "peer" / "smollm2-mcore",
+                   help="converted SmolLM2 checkpoint (tools/bench_peer.py or tools/bench_flips.py make one)")
+    p.add_argument("--draft-load", type=Path, default=None, help="a draft model (model-auto, both-auto)")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--rollout-n", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--variants", default="off,history,history-auto")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad or "off" not in args.variants:
+        p.error(f"--variants: choose among {', '.join(VARIANTS)}, off included (got {args.variants})")
+    if any(v.startswith(("model", "both")) for v in args.variants) and args.draft_load is None:
+        p.error("model-auto and both-auto need --draft-load")
+    if not (args.load / "latest_checkpointed_iteration.txt").is_file():
+        p.error(f"--load {args.load} is not a converted checkpoint: run tools/bench_flips.py once "
+                "(it converts the shipped GGUF to out/flips/smollm2-mcore) and pass that")
+    if (args.prompts * args.rollout_n) % args.nproc:
+        p.error("--prompts x --rollout-n must split evenly over --nproc ranks")
+    return args
+
+
+def spec_of(variant: str):
+    from megatron_rlhf.config import SpecConfig
+
+    return {"off": SpecConfig(0), "history": SpecConfig(3, draft_source="history"),
+            "history-auto": SpecConfig("auto", draft_source="history"),
+            "model-auto": SpecConfig("auto", draft_source="model"),
+            "both-auto": SpecConfig("auto", draft_source="both")}[variant]
+
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rlhf import platform
+    from megatron_rlhf.config import GenerationConfig, MigrationConfig
+    from megatron_rlhf.data.prompts import MATH_TRAIN, load_prompts
+    from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
+    from megatron_rlhf.generation.engine import Generator, history_drafter
+    from megatron_rlhf.generation.migration import Migrator
+    from megatron_rlhf.models.builder import build_model
+    from megatron_rlhf.models.checkpoint import load_checkpoint, read_checkpoint
+    from megatron_rlhf.parallel.groups import build_process_groups
+    from megatron_rlhf.parallel.layout import Layout
+
+    platform.quiet_third_party_warnings()
+    rank, world = platform.init_distributed(seed=args.seed)
+    pg = build_process_groups(Layout.for_world(world, tp=1))
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    info = read_checkpoint(args.load)
+    tok = load_tokenizer(info.tokenizer_dir)
+    actor = build_model(info.config, "actor", pg, dtype=dtype)
+    load_checkpoint(actor, pg, info.path)
+    draft = None
+    if args.draft_load is not None:
+        d = read_checkpoint(args.draft_load)
+        draft = build_model(d.config, "draft", pg, dtype=dtype)
+        load_checkpoint(draft, pg, d.path)
+    pad = tok.pad_token_id or 0
+    records = load_prompts(str(MATH_TRAIN))[:args.prompts]
+    prompts = [encode_prompt(tok, r.prompt, chat=True) for r in records for _ in range(args.rollout_n)]
+    per = len(prompts) // world
+    mine = list(range(rank * per, (rank + 1) * per))
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    engines = {v: Generator(actor, draft if v.startswith(("model", "both")) else None, pad_id=pad,
+                            history=history_drafter(spec_of(v))) for v in args.variants}
+    migrator = Migrator(pg.dp, MigrationConfig(), platform.device(), tp_group=pg.tp)
+    header = {"kind": "header", "checkpoint": str(args.load), "dtype": args.dtype, "ranks": world,
+              "prompts": args.prompts, "rollout_n": args.rollout_n, "epochs": args.epochs,
+              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "variants": args.variants, "torch": torch.__version__, "seed": args.seed}
+    if rank == 0:
+        print(json.dumps(header), flush=True)
+    rows = []
+    for epoch in range(args.epochs):
+        order = args.variants[epoch % len(args.variants):] + args.variants[:epoch % len(args.variants)]
+        tokens_by_variant = {}
+        for v in order:
+            dist.barrier()
+            start = time.perf_counter()
+            r = engines[v].generate([prompts[i] for i in mine], cfg, spec_of(v), seed=args.seed * 1000 + epoch,
+                                    sample_ids=mine, migrator=migrator)
+            wall = time.perf_counter() - start
+            s = r.stats
+            local = [r.responses(), wall, s.new_tokens, s.verifications, s.accepted_tokens,
+                     s.history_verifications, s.history_accepted, sum(s.rounds_by_draft_len[1:]),
+                     s.actor_steps, s.history_s]
+            everything = [None] * world
+            dist.all_gather_object(everything, local)
+            if rank:
+                continue
+            tokens_by_variant[v] = [x for part in everything for x in part[0]]
+            sums = [sum(part[i] for part in everything) for i in range(2, 10)]
+            new, ver, acc, h_ver, h_acc, drafting, steps, _ = sums
+            row = {"kind": "run", "epoch": epoch + 1, "variant": v,
+                   "makespan_s": max(part[1] for part in everything), "new_tokens": new,
+                   "accepted_length": 1 + acc / ver if ver else 1.0,
+                   "history_accepted_length": 1 + h_acc / h_ver if h_ver else None,
+                   "draft_round_frac": drafting / max(steps, 1),
+                   "history_s_max": max(part[9] for part in everything)}
+            row["tokens_per_s"] = new / row["makespan_s"]
+            rows.append(row)
+        if rank == 0:
+            off = next(r for r in rows if r["epoch"] == epoch + 1 and r["variant"] == "off")
+            for row in rows:
+                if row["epoch"] == epoch + 1:
+                    row["speedup"] = off["makespan_s"] / row["makespan_s"]
+                    row["same_tokens"] = tokens_by_variant[row["variant"]] == tokens_by_variant["off"]
+                    print(json.dumps(row), flush=True)
+    if rank == 0:
+        print("| epoch | variant | makespan s | tokens/s | speedup vs off | accepted length (history) | "
+              "rounds drafting | same tokens |", file=sys.stderr)
+        print("|---|---|---|---|---|---|---|---|", file=sys.stderr)
+        for r in rows:
+            h = r["history_accepted_length"]
+            print(f"| {r['epoch']} | {r['variant']} | {r['makespan_s']:.1f} | {r['tokens_per_s']:.1f} | "
+                  f"{r['speedup']:.2f}x | {r['accepted_length']:.2f} ({'-' if h is None else f'{h:.2f}'}) | "
+                  f"{r['draft_round_frac']:.2f} | {r['same_tokens']} |", file=sys.stderr)
+    platform.shutdown()
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if "RANK" in os.environ:
+        return worker(args)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           str(Path(__file__).resolve()), *argv]
+    return subprocess.call(cmd, cwd=ROOT, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
