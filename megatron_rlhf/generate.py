@@ -157,7 +157,8 @@ def _report(args, tokenizer, gathered) -> None:
     for _, t in gathered[1:]:
         total.add(t)
     tokens = total.new_tokens
-    line = f"[{len(rows)} prompts, {tokens} tokens in {slowest:.2f}s: {tokens / max(slowest, 1e-9):.1f} tok/s"
+    line = (f"[{len(rows)} prompts, {tokens} tokens in {slowest:.2f}s: {tokens / max(slowest, 1e-9):.1f} tok/s"
+            f"; decode: {total.decode}")
     if total.verifications:
         line += (f", mean accepted length {total.mean_accepted_length:.2f}, rounds by draft "
                  f"length {total.rounds_by_draft_len} ({total.mode})")

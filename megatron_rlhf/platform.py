@@ -118,6 +118,30 @@ def cpu_shim_active() -> bool:
     return _SHIM_ACTIVE
 
 
+def reset_peak_host_memory() -> bool:
+    """Restart the process's peak resident size (Linux ``VmHWM``) from its current size, by
+    writing 5 to ``/proc/self/clear_refs``; False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_host_memory_bytes() -> int | None:
+    """The process's peak resident size since it started or since :func:`reset_peak_host_memory`
+    (Linux ``VmHWM``); None where ``/proc`` does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def serial_helper_threads() -> bool:
     """Keep torch's intra-op parallelism on the main thread only; True if applied.
 
@@ -170,7 +194,8 @@ def init_distributed(seed: int = 1234, timeout_minutes: int = 30) -> tuple[int, 
     (world size 1). Applies the CPU shim when CUDA is absent and seeds every generator.
     """
     if not dist.is_initialized():
-        serial_helper_threads()
+        if not has_cuda():  # CPU tuning: a GPU process's host threads are not its compute
+            serial_helper_threads()
         backend = "nccl" if has_cuda() else "gloo"
         timeout = timedelta(minutes=timeout_minutes)
         if has_cuda():

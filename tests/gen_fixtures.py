@@ -47,3 +47,36 @@ def feature_draft_for(actor, pg, noise: float = 0.01, seed: int = 3):
     with torch.no_grad():
         draft.feature_fusion.weight.copy_(torch.cat([torch.eye(h), noise * r], 1))
     return draft
+
+
+def decode_attention_error(model, static: bool = False, drop_mask: bool = False) -> float:
+    """Largest error, relative to the largest reference logit, of cached decoding against
+    the whole-sequence forward of each prompt: :data:`PROMPTS` (lengths 1-9, so the rows
+    of the batch are padded against each other) prefilled, then decode steps and
+    verifications of several widths, with the decode attention backend in force (the
+    caller sets it). ``static``: the step a CUDA graph captures (the attention over the
+    whole cache, positions past each row's length masked). ``drop_mask``: a control with
+    every key visible (padding and the future included), which must fail."""
+    from unittest import mock
+
+    import megatron_rlhf.generation.incremental as inc
+    from megatron_rlhf.generation.kv_cache import KVCache
+    from megatron_rlhf.models.forward import lm_logits
+
+    max_len = 32
+    cache, rope = KVCache.for_model(model, len(PROMPTS), max_len), inc.RopeTable(model, max_len)
+    g = torch.Generator().manual_seed(0)
+    seqs = [list(p) for p in PROMPTS]
+    worst = 0.0
+    real_mask = inc.attention_mask
+    visible = (lambda lengths, n, k_len: torch.ones_like(real_mask(lengths, n, k_len))) if drop_mask else real_mask
+    with torch.no_grad(), mock.patch.object(inc, "attention_mask", visible):
+        inc.prefill(model, cache, PROMPTS, rope)
+        for n in (1, 3, 1, 2):
+            toks = torch.randint(2, 200, (len(PROMPTS), n), generator=g)
+            out = inc.forward_cached(model, cache, toks, rope, static=static)
+            for b, s in enumerate(seqs):
+                s += toks[b].tolist()
+                ref = lm_logits(model, torch.tensor([s]))[0, -n:].float()
+                worst = max(worst, float((out[b].float() - ref).abs().max() / ref.abs().max()))
+    return worst

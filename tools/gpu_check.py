@@ -1,17 +1,22 @@
 #!/usr/bin/env python
-"""The GPU check (issue 12): one run on one GPU that exercises and measures the whole stack,
-and prints one summary table. Run it through ``tools/gpu_check.sh`` (which puts the
-carried megatron-core wheel on the path when the machine lacks it):
+"""The GPU check (issues 12, 28): one run on one GPU that exercises and measures the whole
+stack in a fixed time, and prints one summary table. Run it through ``tools/gpu_check.sh``
+(which installs the carried megatron-core wheel when the machine lacks it, and times that):
 
-    bash tools/gpu_check.sh [--smoke] [--out DIR]
+    bash tools/gpu_check.sh [--smoke] [--out DIR] [--budget-s S] [--no-cuda-graphs]
 
-Stages (each timed; an error fails its stage only, later stages still run):
+Stages, in this order (each timed; an error fails its stage only, later stages still run):
 
+  install      (a row) the seconds gpu_check.sh spent installing the carried wheels
   convert      a random HF ``LlamaForCausalLM`` (seeded; weights rounded to bf16 values, so
                the fp32 and bf16 models hold the same numbers) saved as HF safetensors with
                the tokenizer, converted with ``tools/convert_checkpoint.py hf-to-mcore``
+  ppo, grpo    ``torchrun -m megatron_rlhf.train`` iterations: per-stage time, peak memory
   greedy       our generator == ``transformers`` greedy, fp32 (TF32 off); a divergence
                passes only at a near-tie (HF's logit of our token within 1e-3 of its max)
+  decode_bf16  bf16 logits of the graphed decode step (``graphs.StepGraphs``: a CUDA graph of
+               ``forward_cached(static=True)``; run eagerly on CPU or with --no-cuda-graphs),
+               and of the dynamic step, == the whole-sequence forward, relative error <= 3e-2
   bench        bf16 sampling (T=1, no top-k/top-p), EOS ignored: ours vs HF ``generate``
                at several batch sizes: tok/s, ms per decode step, ratio
   verify       ms of a cached forward of 5 tokens vs 1 token per sample
@@ -20,15 +25,24 @@ Stages (each timed; an error fails its stage only, later stages still run):
                accepted length and tok/s vs plain (bf16), and what ``auto`` chooses
   padded       logits of a left-padded batch == each sequence alone (fp32 and bf16), and
                the control: without the mask they differ
-  ppo, grpo    ``torchrun -m megatron_rlhf.train`` iterations: per-stage time, peak memory
+
+Time: ``--budget-s`` (default 420 on the 1b shape, counting the install; none with
+``--smoke``). The training stages run before the decode stages, so when time runs short
+it is decode stages that are left out: one with less than its minimum left is SKIPPED
+(reported in the table and ``summary.json``'s ``skipped_for_time``; the check still
+passes), and bench and speculative drop their larger batches. A setup or training stage
+that cannot start fails. A watchdog writes the summary and ends a hung run 30 s after the
+budget. ``--no-cuda-graphs``: every generating stage decodes eagerly (the header says
+which). The header also gives torch, CUDA and cuDNN versions and the decode attention
+backend (on CUDA with the SDPA kernel torch takes for a bf16 decode step of the model).
 
 ``--smoke`` runs tiny shapes (hidden 64, 2 layers) on whatever device there is (CPU here),
 so the script is tested end to end before GPU time is spent on it. Output: the table on
 stdout, and in ``--out``: ``summary.json``, ``measurements.jsonl`` (every measurement),
 ``table.txt``, ``ppo_metrics.jsonl``, ``grpo_metrics.jsonl``, ``logs.txt`` (the
 subprocesses' output). Checkpoints go to ``--work`` (not ``--out``: they are large).
-Exit status: 0 when every stage passed, 1 otherwise. Goals (speed targets) are reported
-as met / not met and do not change the exit status.
+Exit status: 0 when every stage passed (or was skipped), 1 otherwise. Goals (speed
+targets) are reported as met / not met and do not change the exit status.
 """
 
 from __future__ import annotations
@@ -72,11 +86,50 @@ from gpu_check_support import (  # noqa: E402
     _llama_config,
     _release,
     _tokenizer_from_dir,
+    _decode_attention,
     _versions,
     fmt,
 )
 
+PLAN = (
+    # (stage, group, minimum seconds left to start it), in the order they run: training
+    # before the decode stages, so a short budget leaves out decode stages (SKIP), never
+    # training (a setup or training stage that cannot start FAILs)
+    ("convert", "setup", 60),
+    ("ppo", "train", 60),
+    ("grpo", "train", 60),
+    ("greedy", "decode", 20),
+    ("decode_bf16", "decode", 10),
+    ("bench", "decode", 60),
+    ("verify", "decode", 10),
+    ("speculative", "decode", 30),
+    ("padded", "decode", 10),
+)
+STAGES = tuple(name for name, _, _ in PLAN)
+DECODE_TOLERANCE = 3e-2
+"""bf16 decode logits vs the whole-sequence forward, relative to the largest logit (as in
+tests/unit/test_decode_attention.py)."""
+OUT_FILES = ("summary.json", "measurements.jsonl", "table.txt", "logs.txt", "ppo_metrics.jsonl",
+             "grpo_metrics.jsonl")
+
 # ---------------------------------------------------------------------------- the check
+def _import_error(module: str) -> str:
+    """Why ``module`` does not import, or ''."""
+    try:
+        __import__(module)
+        return ""
+    except Exception as e:  # noqa: BLE001
+        return (f"{module} does not import ({type(e).__name__}: {e}): run tools/gpu_prepare.sh where "
+                "the package registries are reachable and carry .whl (device tool: carry "
+                "[\".whl\"])")[:400]
+
+
+def _capture_failures(gen) -> str:
+    """Why a generator's CUDA graph captures failed (it then decodes eagerly), or ''."""
+    steps = getattr(gen, "_steps", {}) or {}
+    return "; ".join(f"{name}: {g.failed}" for name, g in steps.items() if getattr(g, "failed", None))
+
+
 class Check:
     def __init__(self, args):
         self.args = args
@@ -89,7 +142,11 @@ class Check:
             tempfile.mkdtemp(prefix="gpu_check_"))
         self.work.mkdir(parents=True, exist_ok=True)
         self.hf_dir, self.ckpt = self.work / "hf", self.work / "ckpt"
-        self.deadline = time.perf_counter() + args.budget_s if args.budget_s else None
+        # the install (before this process) counts against the budget
+        self.deadline = (time.perf_counter() + args.budget_s - (args.install_s or 0.0)
+                         if args.budget_s else None)
+        self.graphs = bool(args.cuda_graphs)  # generating stages replay CUDA graphs (on CUDA)
+        self.blocked = _import_error("megatron.core")  # no stage can run without it
         self.tokenizer = None
         self.tokenizer_source = None
         self.pg = None
@@ -101,6 +158,17 @@ class Check:
     # ------------------------------------------------------------------ helpers
     def remaining(self) -> float:
         return math.inf if self.deadline is None else self.deadline - time.perf_counter()
+
+    @property
+    def graph_state(self) -> str:
+        if not self.cuda:
+            return "none (cpu)"
+        return "on" if self.graphs else "off (--no-cuda-graphs)"
+
+    def enough(self, seconds: float) -> bool:
+        """Whether ``seconds`` are left of the budget (decode stages drop their larger
+        batches when not)."""
+        return self.remaining() >= seconds
 
     def sync(self) -> None:
         if self.cuda:
@@ -233,17 +301,53 @@ class Check:
             torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ running stages
-    def stage(self, name: str, fn, min_s: float = 5.0) -> None:
+    def functions(self) -> dict:
+        """Each stage of :data:`PLAN`: a function of the stage's detail rows -> its summary."""
+        return {"convert": self.st_convert, "ppo": lambda rows: self.st_train(rows, "ppo"),
+                "grpo": lambda rows: self.st_train(rows, "grpo"), "greedy": self.st_greedy,
+                "decode_bf16": self.st_decode_bf16, "bench": self.st_bench, "verify": self.st_verify,
+                "speculative": self.st_speculative, "padded": self.st_padded}
+
+    def record_install(self) -> None:
+        """The ``install`` row: what ``gpu_check.sh`` installed and how long it took."""
+        a = self.args
+        row = {"name": "install", "status": "PASS", "seconds": a.install_s or 0.0, "rows": [],
+               "details": (f"into .whl/site: {a.installed}" if a.installed else
+                           "nothing to install (every carried wheel imports, or no .whl/)")}
+        errors = [e for e in (a.install_error, self.blocked) if e]
+        if errors:
+            row.update(status="FAIL", details="; ".join(errors))
+        elif a.install_s is None:
+            row.update(status="SKIP", details="not measured: run through tools/gpu_check.sh")
+        self.report.stages.append(row)
+        self.report.save()
+
+    def run(self, functions: dict | None = None) -> None:
+        """Every stage of :data:`PLAN` in order (``functions``: name -> function, default
+        :meth:`functions`)."""
+        functions = functions or self.functions()
+        for name, group, min_s in PLAN:
+            self.stage(name, functions[name], min_s, group)
+
+    def stage(self, name: str, fn, min_s: float = 5.0, group: str = "decode") -> None:
         rep = self.report
         row = {"name": name, "status": "FAIL", "seconds": 0.0, "details": "", "rows": []}
         rep.stages.append(row)
+        left = self.remaining()
         if name not in self.args.stages:
             row.update(status="SKIP", details="not selected (--stages)")
+        elif self.blocked:
+            row.update(status="SKIP", details="not run: megatron.core does not import")
+        elif left < min_s:
+            why = (f"{max(left, 0):.0f} s left of the {self.args.budget_s:g} s budget, "
+                   f"the stage needs {min_s:g} s")
+            if group == "decode":  # decode stages yield the time to training: not a failure
+                row.update(status="SKIP", skipped="time", details=f"skipped for time: {why}")
+            else:
+                row.update(details=f"not run: {why}")
+        if row["details"]:
             rep.save()
-            return
-        if self.remaining() < min_s:
-            row.update(status="FAIL", details=f"not run: the time budget ({self.args.budget_s:g} s) is spent")
-            rep.save()
+            self.log(f"--- stage {name}: {row['status']}: {row['details']}")
             return
         self.current = row
         self.log(f"--- stage {name}")
@@ -263,7 +367,7 @@ class Check:
         row["seconds"] = time.perf_counter() - t0
         if self.cuda:  # this process's peak (the training stages run in their own)
             row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            if name not in ("ppo", "grpo"):
+            if group != "train":
                 row["details"] += f"; peak {row['peak_mem_gb']:.1f} GiB"
         self.current = None
         rep.save()
@@ -325,8 +429,8 @@ class Check:
         prompts = self.prompts(4, split="heldout")
         actor = self.model(torch.float32)
         r = Generator(actor, pad_id=self.pad_id).generate(
-            prompts, GenerationConfig(max_new_tokens=n, temperature=0.0, stop_on_eos=False),
-            SpecConfig(0))
+            prompts, GenerationConfig(max_new_tokens=n, temperature=0.0, stop_on_eos=False,
+                                      cuda_graphs=self.graphs), SpecConfig(0))
         ours = [r.response_ids[i, : int(r.lengths[i])].tolist() for i in range(len(prompts))]
         hf = self.hf_model(torch.float32)
         equal, ties, bad = 0, [], []
@@ -361,6 +465,66 @@ class Check:
         self.hf.pop(torch.float32, None)
         return summary
 
+    # ------------------------------------------------------------------ 2b. bf16 decode logits
+    def st_decode_bf16(self, rows) -> str:
+        """Rows of different lengths prefilled into a :class:`graphs.StepGraphs` store, then
+        decode steps and verifications of several widths replayed from its graphs (the
+        captured ``forward_cached(static=True)``; eager on CPU or with --no-cuda-graphs), and
+        the same through the dynamic step: each step's logits against ``lm_logits`` of the
+        whole sequence, bf16, error = max |diff| / max |ref|."""
+        from megatron_rlhf.generation import graphs, incremental as inc
+        from megatron_rlhf.generation.kv_cache import KVCache
+        from megatron_rlhf.models.forward import lm_logits
+
+        model = self.model(torch.bfloat16)
+        lens, widths = (5, 17, 40), (1, 5, 1, 3, 2, 1, 5, 1)  # 3 rows: a padded bucket of 4
+        max_len = max(lens) + sum(widths)
+        g = torch.Generator().manual_seed(self.args.seed)
+        vocab = len(self.load_tokenizer())
+        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+        feeds = [torch.randint(3, vocab, (len(lens), n), generator=g) for n in widths]
+        graphed = self.cuda and self.graphs and graphs.graphable(model)
+        runner = graphs.StepGraphs(model, len(lens), max_len, capture=graphed)
+        rope = inc.RopeTable(model, max_len)
+        errors, tol = {}, DECODE_TOLERANCE
+        with torch.inference_mode():
+            for way in ("graphed", "dynamic"):
+                if way == "graphed":
+                    cache, step = runner.new_cache(len(lens)), runner
+                else:
+                    cache = KVCache.for_model(model, len(lens), max_len)
+                    step = lambda t, c=cache: inc.forward_cached(model, c, t, rope)  # noqa: E731
+                inc.prefill(model, cache, prompts, rope)
+                seqs, worst = [list(p) for p in prompts], 0.0
+                for toks in feeds:
+                    toks = toks.to(self.dev)
+                    out = step(toks)
+                    for b, sq in enumerate(seqs):
+                        sq += toks[b].tolist()
+                        ref = lm_logits(model, torch.tensor([sq], device=self.dev))[0, -toks.shape[1]:].float()
+                        worst = max(worst, float((out[b].float() - ref).abs().max() / ref.abs().max()))
+                errors[way] = worst
+        capture, failed = runner.capture_s, getattr(runner, "failed", None)
+        del runner, cache, step
+        how = ("CUDA graphs" if graphed else "eager: " + ("--no-cuda-graphs" if self.cuda and not self.graphs
+                                                          else "not graphable" if self.cuda else "cpu"))
+        backend = self.report.header.get("decode_attention", "?")
+        for way, err in errors.items():
+            label = f"graphed step ({how})" if way == "graphed" else "dynamic step (forward_cached)"
+            self.report.measure("decode_bf16", way=way, graphed=graphed, rel_err=err, tolerance=tol,
+                                lengths=list(lens), widths=list(widths), backend=backend)
+            note = _capture_note(capture) if way == "graphed" and graphed else ""
+            rows.append((label, f"rel err {err:.2e} (tol {tol:g}){note}"))
+        bad = [f"{w} {e:.2e}" for w, e in errors.items() if not e <= tol]
+        if failed:
+            rows.append(("CUDA graph capture FAILED", f"{failed} (the step ran eagerly)"[:300]))
+            raise CheckFailed(f"CUDA graph capture failed: {failed}"[:300])
+        if bad:
+            raise CheckFailed(f"bf16 decode logits != whole-sequence forward beyond rel {tol:g}: "
+                              + ", ".join(bad) + f"; attention {backend}")
+        return (f"bf16, rows of {lens} tokens then steps of {widths} tokens vs lm_logits, rel tol "
+                f"{tol:g}; attention {backend}")
+
     # ------------------------------------------------------------------ 3. bench
     def st_bench(self, rows) -> str:
         from megatron_rlhf.config import GenerationConfig, SpecConfig
@@ -371,9 +535,15 @@ class Check:
         actor = self.model(dtype)
         hf = self.hf_model(dtype)
         cfg = GenerationConfig(max_new_tokens=s.bench_new, temperature=1.0, top_k=0, top_p=1.0,
-                               stop_on_eos=False)
+                               stop_on_eos=False, cuda_graphs=self.graphs)
         results = {}
+        last = 0.0  # seconds the previous batch size took (a larger one takes longer)
         for b in s.bench_batches:
+            if results and not self.enough(2 * last + 10):
+                rows.append((f"batch {b}", "not run: the time budget is short"))
+                self.report.measure("bench", batch=b, skipped="time")
+                continue
+            start = time.perf_counter()
             prompts = self.prompts(b)
             gen = Generator(actor, pad_id=self.pad_id)
             # warm-up at full length: the generator keeps its KV store and CUDA graphs for
@@ -384,6 +554,7 @@ class Check:
             r = gen.generate(prompts, cfg, SpecConfig(0), seed=1)
             self.sync()
             wall = time.perf_counter() - t0
+            failed = _capture_failures(gen)
             _release(gen)
             st = r.stats
             capture = getattr(st, "graph_capture_s", None)
@@ -405,7 +576,10 @@ class Check:
                                        f"{st.prefill_s * 1e3:.0f} ms{_capture_note(capture)}), "
                                        f"HF {hf_tok_s:.0f} tok/s, "
                                        f"ours/HF x{ratio:.2f}"))
+            if failed:
+                rows.append((f"batch {b}: CUDA graph capture FAILED", f"{failed} (decoded eagerly)"[:300]))
             self.log(f"bench batch {b}: {rows[-1][1]}")
+            last = time.perf_counter() - start
         b1 = results.get(1)
         if b1:
             self.report.goal("decode step at batch 1 (ms)", b1[1], f"<= {GOALS['decode_step_ms_b1']}",
@@ -449,8 +623,8 @@ class Check:
             graphs = None
         if graphs is None or not hasattr(graphs, "time_step"):
             return _eager_time_step(model, batch, n, context, repeats, self.sync), "eager fallback"
-        graphed = self.cuda and getattr(graphs, "graphable", lambda m: False)(model)
-        ms = float(graphs.time_step(model, batch, n, context, repeats=repeats))
+        graphed = self.cuda and self.graphs and getattr(graphs, "graphable", lambda m: False)(model)
+        ms = float(graphs.time_step(model, batch, n, context, repeats=repeats, graphs=self.graphs))
         return ms, f"graphs.time_step, {'CUDA graph' if graphed else 'no graph'}"
 
     # ------------------------------------------------------------------ 4. speculative
@@ -459,7 +633,8 @@ class Check:
         from megatron_rlhf.generation.engine import Generator
 
         s = self.shape
-        greedy = GenerationConfig(max_new_tokens=s.spec_new, temperature=0.0, stop_on_eos=False)
+        greedy = GenerationConfig(max_new_tokens=s.spec_new, temperature=0.0, stop_on_eos=False,
+                                  cuda_graphs=self.graphs)
         # equality, fp32: the actor is its own draft, so every draft token should be accepted
         a32, d32 = self.model(torch.float32), self.model(torch.float32, "draft")
         problems, notes = [], []
@@ -491,6 +666,9 @@ class Check:
         # speed, bf16 greedy
         a16, d16 = self.model(torch.bfloat16), self.model(torch.bfloat16, "draft")
         for b in s.spec_batches:
+            if b != s.spec_batches[0] and not self.enough(20):
+                rows.append((f"bf16 greedy, batch {b}", "not run: the time budget is short"))
+                continue
             prompts = self.prompts(b)
             out = {}
             for name, draft, spec in (("plain", None, SpecConfig(0)), ("spec4", d16, SpecConfig(4))):
@@ -514,7 +692,7 @@ class Check:
                          f"{out['plain'][1]:.0f}: x{speedup:.2f}, accepted length {acc:.2f}, "
                          f"tokens {'equal' if same else 'differ (bf16 rounding)'}"))
         # auto
-        b = s.spec_batches[-1]
+        b = s.spec_batches[-1] if self.enough(20) else s.spec_batches[0]
         prompts = self.prompts(b)
         gen = Generator(a16, d16, pad_id=self.pad_id)
         auto = SpecConfig("auto", max_draft_tokens=4)
@@ -606,6 +784,8 @@ class Check:
                 "--seed", str(self.args.seed), "--bf16"]
         if name == "grpo":
             args += ["--advantage-estimator", "grpo"]
+        if not self.graphs:
+            args += ["--no-cuda-graphs"]
         if not getattr(self.load_tokenizer(), "chat_template", None):
             # a tokenizer without a chat template (the char tokenizer): short plain prompts
             prompts = self.work / "prompts.jsonl"
@@ -645,7 +825,7 @@ class Check:
             raise CheckFailed(f"non-finite metrics: {nan}")
         est = "GAE with a critic" if name == "ppo" else "GRPO (group-normalised, no critic)"
         return (f"{iters} iterations, {est}, {flags['global_batch_size']} prompts x {flags['rollout_n']}, "
-                f"{flags['max_new_tokens']} new tokens, bf16; "
+                f"{flags['max_new_tokens']} new tokens, bf16, cuda graphs {self.graph_state}; "
                 f"wall {wall:.0f} s incl. startup")
 
 
@@ -666,10 +846,7 @@ def _watchdog(check: Check, seconds: float) -> None:
     t.start()
 
 
-STAGES = ("convert", "greedy", "bench", "verify", "speculative", "padded", "ppo", "grpo")
-
-
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU is fine): test the script")
     p.add_argument("--out", default=os.environ.get("OUT") or "out/gpu_check",
@@ -679,8 +856,17 @@ def main(argv=None) -> int:
     p.add_argument("--stages", default=",".join(STAGES),
                    help=f"comma-separated subset of {','.join(STAGES)} (convert is needed by the rest)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="stop starting stages after this many seconds (default: 540 on the 1b "
-                        "shape, none with --smoke); a watchdog ends a hung run 30 s later")
+                   help="seconds for the whole check, the install included (default: 420 on the 1b "
+                        "shape, none with --smoke): decode stages that no longer fit are skipped; "
+                        "a watchdog ends a hung run 30 s after it")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="every generating stage (and the training runs) decodes eagerly")
+    p.add_argument("--install-s", type=float, default=None,
+                   help="seconds gpu_check.sh spent installing (the install row; counted in the budget)")
+    p.add_argument("--installed", default="", help="what gpu_check.sh installed (the install row)")
+    p.add_argument("--install-error", default="",
+                   help="why gpu_check.sh's install failed (the install row FAILs; the stages run "
+                        "when megatron.core imports)")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -688,8 +874,37 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown stages {sorted(unknown)}; choose from {','.join(STAGES)}")
     if args.budget_s is None and not args.smoke:
-        args.budget_s = 540.0
+        args.budget_s = 420.0
+    return args
 
+
+def prepare(args: argparse.Namespace) -> Check:
+    """The check with its report (the header written, old outputs removed), the install row
+    recorded; no stage run yet."""
+    check = Check(args)
+    s = check.shape
+    header = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "mode": "smoke" if args.smoke else "1b",
+        "device": torch.cuda.get_device_name(0) if check.cuda else "cpu",
+        "python": sys.version.split()[0], **_versions(),
+        "decode_attention": _decode_attention(s, check.dev),
+        "cuda_graphs": check.graph_state,
+        "model": f"Llama {s.layers}x{s.hidden} h{s.heads}/{s.kv_heads} ffn {s.ffn}",
+        "budget": f"{args.budget_s:g} s" if args.budget_s else "none",
+        "install_s": args.install_s,
+        "work": str(check.work), "argv": sys.argv[1:],
+    }
+    if check.out.exists():
+        for name in OUT_FILES:
+            (check.out / name).unlink(missing_ok=True)
+    check.report = Report(check.out, header)
+    check.record_install()
+    return check
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -701,36 +916,15 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
 
-    check = Check(args)
-    versions = _versions()
-    s = check.shape
-    header = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "mode": "smoke" if args.smoke else "1b",
-        "device": torch.cuda.get_device_name(0) if check.cuda else "cpu",
-        "python": sys.version.split()[0], **versions,
-        "model": f"Llama {s.layers}x{s.hidden} h{s.heads}/{s.kv_heads} ffn {s.ffn}",
-        "work": str(check.work), "argv": sys.argv[1:],
-    }
-    if check.out.exists():
-        for name in ("summary.json", "measurements.jsonl", "table.txt", "logs.txt",
-                     "ppo_metrics.jsonl", "grpo_metrics.jsonl"):
-            (check.out / name).unlink(missing_ok=True)
-    check.report = Report(check.out, header)
+    check = prepare(args)
+    h = check.report.header
     if args.budget_s:
-        _watchdog(check, args.budget_s + 30)
-    print(f"GPU check: {header['device']}, torch {versions['torch']}, megatron-core "
-          f"{versions['megatron_core']}, transformers {versions['transformers']}; out {check.out}, "
-          f"work {check.work}", file=sys.stderr, flush=True)
-
-    check.stage("convert", check.st_convert, min_s=60)
-    check.stage("greedy", check.st_greedy, min_s=20)
-    check.stage("bench", check.st_bench, min_s=60)
-    check.stage("verify", check.st_verify, min_s=10)
-    check.stage("speculative", check.st_speculative, min_s=30)
-    check.stage("padded", check.st_padded, min_s=10)
-    check.stage("ppo", lambda rows: check.st_train(rows, "ppo"), min_s=60)
-    check.stage("grpo", lambda rows: check.st_train(rows, "grpo"), min_s=60)
+        _watchdog(check, check.remaining() + 30)
+    print(f"GPU check: {h['device']}, torch {h['torch']} (CUDA {h['cuda']}, cuDNN {h['cudnn']}), "
+          f"megatron-core {h['megatron_core']}, transformers {h['transformers']}, decode attention "
+          f"{h['decode_attention']}, cuda graphs {h['cuda_graphs']}, budget {h['budget']}; "
+          f"out {check.out}, work {check.work}", file=sys.stderr, flush=True)
+    check.run()
     check.free()
     check.report.save()
     print(check.report.table(), flush=True)

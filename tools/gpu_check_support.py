@@ -115,8 +115,10 @@ class Report:
         h = self.header
         lines = [
             f"GPU check {h['date']}  mode {h['mode']}  device {h['device']}",
-            f"python {h['python']}  torch {h['torch']}  megatron-core {h['megatron_core']}  "
-            f"transformers {h['transformers']}  model {h['model']}",
+            f"python {h['python']}  torch {h['torch']}  CUDA {h.get('cuda')}  cuDNN {h.get('cudnn')}  "
+            f"megatron-core {h['megatron_core']}  transformers {h['transformers']}",
+            f"model {h['model']}  decode attention {h.get('decode_attention', '?')}  "
+            f"cuda graphs {h.get('cuda_graphs', '?')}  budget {h.get('budget', '?')}",
             "",
             f"{'stage':<26}{'status':<8}{'seconds':<9}details",
         ]
@@ -131,20 +133,32 @@ class Report:
                 met = {True: "met", False: "NOT MET", None: "n/a"}[g["met"]]
                 lines.append(f"  {g['goal']:<44}{fmt(g['value']):<10}{g['target']:<14}{met}")
         failed = [s["name"] for s in self.stages if s["status"] == "FAIL"]
+        short = self.skipped_for_time()
+        install = h.get("install_s") or 0.0
         lines.append("")
-        lines.append(f"total wall time {time.perf_counter() - self.t0:.1f} s; "
-                     + ("all stages passed" if not failed else f"FAILED: {', '.join(failed)}"))
+        lines.append(f"total wall time {install + self.elapsed():.1f} s (install {install:.1f} s + check "
+                     f"{self.elapsed():.1f} s); "
+                     + ("all stages run passed" if not failed else f"FAILED: {', '.join(failed)}")
+                     + (f"; SKIPPED for time (not a failure): {', '.join(short)}" if short else ""))
         return "\n".join(lines)
 
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def skipped_for_time(self) -> list[str]:
+        """The decode stages the time budget left out."""
+        return [s["name"] for s in self.stages if s.get("skipped") == "time"]
+
     def passed(self) -> bool:
-        """Every selected stage passed (SKIP: not selected with --stages)."""
+        """Every stage passed or was skipped: not selected with --stages, or a decode stage
+        the time budget left out (reported as such; a training stage that cannot start FAILs)."""
         return all(s["status"] in ("PASS", "SKIP") for s in self.stages)
 
     def save(self) -> None:
         with self.lock:
             summary = {"header": self.header, "stages": self.stages, "goals": self.goals,
-                       "total_s": time.perf_counter() - self.t0,
-                       "passed": self.passed()}
+                       "total_s": (self.header.get("install_s") or 0.0) + self.elapsed(),
+                       "skipped_for_time": self.skipped_for_time(), "passed": self.passed()}
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             (self.out / "table.txt").write_text(self.table() + "\n")
 
@@ -287,4 +301,31 @@ def _versions() -> dict:
             mc = package_info.__version__
         except Exception:  # noqa: BLE001
             pass
-    return {"torch": torch.__version__, "megatron_core": mc, "transformers": v("transformers")}
+    try:
+        cudnn = torch.backends.cudnn.version()
+    except Exception as e:  # noqa: BLE001
+        cudnn = f"? ({type(e).__name__})"
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": cudnn,
+            "megatron_core": mc, "transformers": v("transformers")}
+
+
+def _decode_attention(shape: Shape, dev: torch.device) -> str:
+    """The decode attention backend on ``dev`` and, on CUDA, the SDPA kernel torch takes
+    for a folded bf16 decode step of ``shape`` (batch 16, ``verify_context`` keys, rows of
+    different lengths); never raises (the header must be written whatever is broken)."""
+    try:
+        from megatron_rlhf.generation import incremental as inc
+
+        name = inc.attention_backend(dev)
+        if dev.type != "cuda" or name != "sdpa":
+            return name
+        b, length, d = 16, shape.verify_context, shape.hidden // shape.heads
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(b, shape.heads, 1, d, device=dev, generator=g, dtype=torch.bfloat16)
+        k, v = (torch.randn(b, shape.kv_heads, length, d, device=dev, generator=g, dtype=torch.bfloat16)
+                for _ in range(2))
+        lengths = torch.randint(1, length, (b,), device=dev, generator=g)
+        kernel = inc.sdpa_kernel_name(q, k, v, inc.attention_mask(lengths, 1, length))
+        return f"{name} ({kernel} kernel)"
+    except Exception as e:  # noqa: BLE001
+        return f"unknown ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"

@@ -224,10 +224,12 @@ class Generator:
 
         if migrator is not None:
             migrator.start()
+        live = None  # rows alive, when the host knows it without reading the device
         while True:
             if migrator is not None and migrator.poll(rows, out, stats):
                 break
-            live = int(rows["alive"].sum())
+            if live is None or migrator is not None:  # migration moves rows in and out
+                live = int(rows["alive"].sum())
             if live == 0:
                 if migrator is None:
                     break
@@ -242,13 +244,15 @@ class Generator:
                 n = 0  # no sample's history matched: a plain step
             if n:
                 k = self._spec_round(rows, out, cfg, n, key, rope, d_rope, stats, looked_up)
+                after = None
             else:
-                self._plain_step(rows, out, cfg, key, rope, d_rope, big_n > 0 and self.draft is not None)
+                after = self._plain_step(rows, out, cfg, key, rope, d_rope, big_n > 0 and self.draft is not None)
                 k = None
             stats.actor_steps += 1
             stats.rounds_by_draft_len[n] += 1
             if selector is not None:  # the draft's upkeep is no round's own cost
                 selector.observe(live, n, time.perf_counter() - start - self._upkeep_s, k)
+            live = after
         if self.history is not None:  # what is left unfinished here (migrated away) joins too
             for s in sids:
                 self.history.finish(s)
@@ -256,6 +260,7 @@ class Generator:
             migrator.return_results(out, sids)
         stats.elapsed_s = time.perf_counter() - t0
         stats.graph_capture_s = sum(g.capture_s for g in self._steps.values()) - capture_before
+        stats.decode = self._decode_mode(dev)
         return self._rollout(prompts, sids, out, stats, dev)
 
     # ------------------------------------------------------------------ graphed steps
@@ -265,6 +270,19 @@ class Generator:
         if self.graphs == "auto" and cfg.cuda_graphs and dev.type == "cuda":
             return "cuda"
         return None
+
+    def _decode_mode(self, dev) -> str:
+        """:attr:`GenerationStats.decode` for this call."""
+        from megatron_rlhf.generation.incremental import attention_backend
+
+        runner = self._steps.get("actor") if self._mode is not None else None
+        if runner is None:
+            how = "dynamic"
+        elif runner.failed:
+            how = f"eager graph code (capture failed: {runner.failed})"
+        else:
+            how = "cuda graphs" if runner.capture else "eager graph code"
+        return f"{attention_backend(dev)} attention, {how}"
 
     def release(self) -> None:
         """Free the KV cache stores and graphs kept for the next call (between rollouts,
@@ -363,9 +381,13 @@ class Generator:
             fields["catch_tokens"], fields["catch_count"] = first[:, None], torch.ones_like(first)
         return Rows(fields, caches)
 
-    def _plain_step(self, rows: Rows, out: Outputs, cfg, key, rope, d_rope, drafting: bool):
+    def _plain_step(self, rows: Rows, out: Outputs, cfg, key, rope, d_rope, drafting: bool) -> int:
+        """One plain decode step; returns how many rows are still alive."""
         cache, alive = rows.caches["actor"], rows["alive"]
-        cache.lengths[~alive] = 0  # dead rows compute garbage at position 0
+        runner = self._steps.get("actor") if self._mode is not None else None
+        if runner is not None and not drafting and runner.serves(cache, 1):
+            return self._sampled_step(runner, rows, out, cfg, key)
+        cache.lengths.mul_(alive)  # dead rows compute garbage at position 0
         feed = torch.where(alive, rows["pending"], self.pad_id)[:, None]
         feature = drafting and self.feature_draft
         logits = self._forward("actor", self.actor, cache, feed, rope, return_features=feature)
@@ -377,12 +399,31 @@ class Generator:
         tok, probs = sample(logits, cfg, rng.uniform(key, rows["sid"], rows["emitted"], rng.NEXT))
         lp, slp = _logprob_pair(logits, probs, tok, cfg)
         toks, sid = tok.tolist(), rows["sid"].tolist()
+        live = 0
         for r in alive.nonzero()[:, 0].tolist():
             if self._emit(out, sid[r], [toks[r]], [lp[r]], [slp[r]]):
                 alive[r] = False
+            else:
+                live += 1
         rows["pending"], rows["emitted"] = tok, rows["emitted"] + 1
         if drafting:
             self._buffer(rows, tok, hidden, d_rope)
+        return live
+
+    def _sampled_step(self, runner, rows: Rows, out: Outputs, cfg, key) -> int:
+        """A plain step as one graph (:meth:`~megatron_rlhf.generation.graphs.StepGraphs.
+        sample_step`): the rows' state advances on the device; the host reads one packed
+        result and keeps the outputs (no other host read, no other device op)."""
+        runner.bind(rows, key)
+        eos = self.eos if out.stop_on_eos else None
+        live = 0
+        for sid, tok, lp, slp, was_alive, done in runner.sample_step(rows, cfg, out.max_new, eos, self.pad_id):
+            if was_alive:
+                if self._emit(out, int(sid), [int(tok)], [lp], [slp]) != bool(done):
+                    raise RuntimeError(f"sample {int(sid)}: the step graph and the host disagree on "
+                                       "whether it finished")
+                live += not done
+        return live
 
     def _emit(self, out: Outputs, sid: int, tokens: list[int], lps: list[float], slps: list[float]) -> bool:
         """Emit a sample's tokens (the history drafter reads them); True when it finished."""

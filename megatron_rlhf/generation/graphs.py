@@ -14,8 +14,18 @@ for a verification. The captured code is :func:`~megatron_rlhf.generation.increm
 forward_cached` with ``static=True``: no host reads, the attention over the whole cache
 with each sample's positions masked. On the CPU (and in tests) the same object runs that
 code eagerly (``capture=False``): this is how the CPU checks that the graphed step equals
-the dynamic one. Sampling and acceptance run after the replay on the device, outside the
-graph; the host reads the tokens once per step (the engine needs them for EOS and output).
+the dynamic one.
+
+A plain decode step is one graph from the fed token to the finished flags
+(:meth:`StepGraphs.sample_step`): the forward, the keyed uniforms, the draw, the log-probs,
+EOS and length checks, and the advance of each row's state (``pending``, ``emitted``,
+``alive``, held in static buffers that the engine's rows are views of). Outside it the
+engine does one device-to-host copy of a small packed result per step (pinned memory,
+non-blocking, then one stream sync) and its per-sample bookkeeping in Python. A
+verification's acceptance runs after its replay, outside the graph.
+
+If a capture fails, the reason is logged and that store's steps run the same code eagerly
+(:attr:`StepGraphs.failed`); ``--no-cuda-graphs`` turns capture off.
 
 Graphs are bound to the model's weights where they lie: :meth:`StepGraphs.fits` refuses
 a model whose parameters moved (offloaded and restored), and the generator then builds a
@@ -24,12 +34,20 @@ new one. A store that had to grow past its capacity (migration) is served eagerl
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
+from megatron_rlhf.generation import rng
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, plain_layers
 from megatron_rlhf.generation.kv_cache import KVCache
+from megatron_rlhf.generation.sampling import STEP_COLUMNS, step_outputs
+
+log = logging.getLogger(__name__)
+
+ROW_STATE = ("sid", "pending", "emitted", "alive")
+"""Per-row fields of the engine's rows that a sampled step reads and advances in place."""
 
 MAX_TOKENS = 8
 """Most tokens per sample one graph feeds (a verification of up to 7 draft tokens)."""
@@ -66,18 +84,25 @@ class _Eager:
 
 
 class _Captured:
-    def __init__(self, fn, pool, lengths: torch.Tensor):
-        saved = lengths.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP):  # writes keys/values past each row's length: garbage there anyway
-                fn()
-                lengths.copy_(saved)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = fn()
+    def __init__(self, fn, pool, state: tuple[torch.Tensor, ...]):
+        """``state``: tensors the step advances in place, restored after the warm-up runs
+        (and after a failed capture, whose step then runs eagerly from where it was)."""
+        saved = [t.clone() for t in state]
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP):  # writes keys/values past each row's length: garbage there anyway
+                    fn()
+                    for t, v in zip(state, saved):
+                        t.copy_(v)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.out = fn()
+        finally:  # a capture records without running: the state is as saved either way
+            for t, v in zip(state, saved):
+                t.copy_(v)
 
     def run(self):
         self.graph.replay()
@@ -99,7 +124,15 @@ class StepGraphs:
             weight = model.embedding.word_embeddings.weight
             self.features = torch.zeros(cap, MAX_TOKENS, model.mrlhf_config.hidden_size,
                                         dtype=weight.dtype, device=dev)
+        # the rows' state for sampled steps (ROW_STATE; the engine's rows are views of these)
+        self.sid, self.pending, self.emitted = (torch.zeros(cap, dtype=torch.long, device=dev) for _ in range(3))
+        self.alive = torch.zeros(cap, dtype=torch.bool, device=dev)
+        self.key = torch.zeros((), dtype=torch.long, device=dev)  # the generation seed's key
+        self._key_value: int | None = None
+        # where the host reads a step's packed result (pinned: the copy runs asynchronously)
+        self.host = torch.zeros(cap, len(STEP_COLUMNS), dtype=torch.float64, pin_memory=capture)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.failed: str | None = None  # why a capture failed (every step then runs eagerly)
         self.graphs: dict[tuple, object] = {}
         self.weights = _weights(model)
         self._store = self.cache.store_keys[0]
@@ -147,6 +180,61 @@ class StepGraphs:
             return out[0][:r].clone(), out[1][:r].clone()
         return out[:r].clone()  # the graph's output is overwritten by its next replay
 
+    def bound(self, rows) -> bool:
+        """Whether ``rows``' state fields (:data:`ROW_STATE`) are views of this store's buffers."""
+        r = len(rows)
+        return all(rows[f].data_ptr() == getattr(self, f).data_ptr() and rows[f].shape[0] == r
+                   for f in ROW_STATE)
+
+    def bind(self, rows, key: int) -> None:
+        """Copy ``rows``' state into the static buffers (rows past them: not alive) and make
+        the fields views of them, so sampled steps advance the rows in place. ``key``: the
+        seed's key (:func:`~megatron_rlhf.generation.rng.seed_key`)."""
+        if key != self._key_value:
+            self.key.fill_(key)
+            self._key_value = key
+        if self.bound(rows):
+            return
+        r = len(rows)
+        self.alive[r:].zero_()
+        for f in ROW_STATE:
+            buf = getattr(self, f)
+            buf[:r].copy_(rows[f])
+            rows[f] = buf[:r]
+
+    def sample_step(self, rows, params, max_new: int, eos: int | None, pad_id: int) -> list[list[float]]:
+        """One plain decode step of ``rows`` (bound: :meth:`bind`) from one graph: feed each
+        live row's pending token, draw the next with its keyed uniform, advance the rows'
+        state on the device. Returns per row the :data:`~megatron_rlhf.generation.sampling.
+        STEP_COLUMNS` (the step's one device-to-host copy)."""
+        r = len(rows)
+        b = bucket(r)
+        sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
+        key = (b, 1, "sample", sampling, max_new, eos, pad_id)
+        graph = self.graphs.get(key)
+        if graph is None:
+            start = time.perf_counter()
+
+            def step():
+                alive, emitted, lengths = self.alive[:b], self.emitted[:b], self.cache.store_lengths[:b]
+                lengths.mul_(alive)  # finished and padding rows compute garbage at position 0
+                feed = torch.where(alive, self.pending[:b], pad_id)[:, None]
+                logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True)[:, 0]
+                u = None if params.greedy else rng.uniform(self.key, self.sid[:b], emitted, rng.NEXT)
+                tok, done, packed = step_outputs(logits, params, u, self.sid[:b], alive, emitted, max_new, eos)
+                self.pending[:b].copy_(tok)
+                emitted.add_(1)
+                alive.logical_and_(done.logical_not())
+                return packed
+
+            graph = self.graphs[key] = self._graph(step, (self.pending, self.emitted, self.alive))
+            self.capture_s += time.perf_counter() - start
+        packed, host = graph.run(), self.host[:r]
+        host.copy_(packed[:r], non_blocking=True)
+        if packed.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        return host.tolist()
+
     def _make(self, b: int, n: int, return_features: bool):
         feats = None if self.features is None else self.features[:b, :n]
 
@@ -154,9 +242,20 @@ class StepGraphs:
             return forward_cached(self.model, self._rows(b), self.tokens[:b, :n], self.rope,
                                   features=feats, return_features=return_features, static=True)
 
+        return self._graph(step)
+
+    def _graph(self, step, state: tuple[torch.Tensor, ...] = ()):
+        """``step`` captured (its own state and the cache lengths restored after warm-up),
+        or run eagerly without capture, or after a failed capture (logged once per store)."""
         if not self.capture:
             return _Eager(step)
-        return _Captured(step, self.pool, self.cache.store_lengths)
+        try:
+            return _Captured(step, self.pool, (self.cache.store_lengths, *state))
+        except Exception as e:  # noqa: BLE001 (any capture failure: decode eagerly instead)
+            self.capture, self.failed = False, f"{type(e).__name__}: {e}"
+            log.warning("CUDA graph capture failed (%s); decoding runs eagerly from here on "
+                        "(--no-cuda-graphs skips capture)", self.failed)
+            return _Eager(step)
 
     def _rows(self, b: int) -> KVCache:
         """The store's first ``b`` rows as a cache, lengths included (a graph advances them)."""

@@ -7,7 +7,7 @@ directly. For the plain Llama layers of the local spec (:func:`plain_layers`) th
 weights go through the same ops without the modules' wrappers (:func:`_plain_layer_step`:
 bit-identical, a quarter faster at batch 1 on CPU). What is ours: RoPE at each sample's
 own positions, the cache, the masks and the attention (:func:`attention`: torch SDPA on
-GPU, batched matmuls on CPU).
+GPU, batched matmuls on CPU, grouped query heads folded into rows for both).
 
 Every sample feeds the same number of tokens ``n`` per call, each at its own offset
 (``cache.lengths``): prefill of right-padded prompts, a 1-token decode step, or an
@@ -64,25 +64,86 @@ def attention_mask(lengths: torch.Tensor, n: int, k_len: int) -> torch.Tensor:
     return (keys[None, None, :] <= q_pos[:, :, None])[:, None]
 
 
+BACKENDS = ("matmul", "sdpa")
+"""Decode attention implementations (:func:`attention`): ``matmul``, two batched matmuls
+and an fp32 softmax (the CPU default); ``sdpa``, torch's fused attention (the GPU default).
+Both take grouped-query attention with a KV group's query heads folded into rows."""
+
+_backend_override: str | None = None
+
+
+def set_attention_backend(name: str | None) -> None:
+    """Force the decode attention backend (one of :data:`BACKENDS`; None: per device).
+    Also ``MRLHF_DECODE_ATTENTION`` in the environment."""
+    global _backend_override
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown decode attention backend {name!r}: use one of {', '.join(BACKENDS)}")
+    _backend_override = name
+
+
+def attention_backend(device) -> str:
+    """The decode attention backend for tensors on ``device``: the forced one
+    (:func:`set_attention_backend`, ``MRLHF_DECODE_ATTENTION``), else ``sdpa`` on CUDA and
+    ``matmul`` elsewhere."""
+    name = _backend_override or os.environ.get("MRLHF_DECODE_ATTENTION") or None
+    if name is not None:
+        if name not in BACKENDS:
+            raise ValueError(f"MRLHF_DECODE_ATTENTION={name!r}: use one of {', '.join(BACKENDS)}")
+        return name
+    return "sdpa" if torch.device(device).type == "cuda" else "matmul"
+
+
+def sdpa_kernel_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> str:
+    """Which fused kernel torch's SDPA takes for :func:`attention`'s folded call on these
+    inputs (``flash``, ``efficient``, ``cudnn`` or ``math``): each is tried alone, in
+    torch's own order of preference. For the GPU check's table and the generator's log."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qg, mask_rows = _fold(q, k, mask)
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):
+        try:
+            with sdpa_kernel([backend]):
+                F.scaled_dot_product_attention(qg, k, v, attn_mask=mask_rows)
+            return name
+        except RuntimeError:
+            continue
+    return "none"
+
+
+def _fold(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [B, H, n, d]`` with each KV group's ``g`` query heads stacked as rows:
+    ``[B, KV, g*n, d]`` (plain multi-head attention against ``k [B, KV, L, d]``), and
+    ``mask [B, 1, n, L]`` repeated for those rows: ``[B, 1, g*n, L]``."""
+    b, h, n, d = q.shape
+    g = h // k.shape[1]
+    return q.reshape(b, k.shape[1], g * n, d), mask.repeat(1, 1, g, 1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention: ``q [B, H, n, d]``, ``k, v [B, KV, L, d]``, ``mask [B, 1, n, L]``.
 
-    On GPU, torch SDPA (flash / memory-efficient kernels). On CPU, two batched matmuls
-    per KV group: at decode and verification shapes this is ~5x faster than the CPU SDPA
-    kernel (measured at batch 64, fp32). With a bf16 cache (large batches, see
-    :func:`~megatron_rlhf.generation.kv_cache.cache_dtype`) the scores come from
-    ``k @ q^T`` (the shape bf16 kernels handle best) and the softmax runs in fp32.
-    ``bias`` is :func:`group_bias` of ``mask`` in fp32 (made once per forward and shared by
-    the layers; built here when not given).
+    A KV group's query heads are adjacent: they are stacked as rows (:func:`_fold`), so k
+    and v are used as they lie in the cache, with no copy per query head, and the call is
+    plain multi-head attention. Backend (:func:`attention_backend`):
+
+    * ``sdpa`` (GPU): torch SDPA on the folded rows with the repeated boolean mask. Given
+      grouped heads (``enable_gqa``) and a mask, torch 2.11 has only its math kernel (fp32
+      upcast, K/V repeated per head); folded, the memory-efficient kernel takes it.
+    * ``matmul`` (CPU): two batched matmuls, at decode and verification shapes ~5x faster
+      than the CPU SDPA kernel (measured at batch 64, fp32). With a bf16 cache (large
+      batches, see :func:`~megatron_rlhf.generation.kv_cache.cache_dtype`) the scores come
+      from ``k @ q^T`` (the shape bf16 kernels handle best) and the softmax runs in fp32.
+      ``bias`` is :func:`group_bias` of ``mask`` in fp32 (made once per forward and shared
+      by the layers; built here when not given).
     """
-    if q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     b, h, n, d = q.shape
+    if attention_backend(q.device) == "sdpa":
+        qg, mask_rows = _fold(q, k, mask)
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask_rows).reshape(b, h, n, d)
     kv = k.shape[1]
     g = h // kv
-    # a KV group's query heads are adjacent: stack them as rows, so k and v are used as
-    # they lie in the cache (no broadcast copies of the cache per query head)
     qg = (q * d ** -0.5).reshape(b, kv, g * n, d)
     bias = group_bias(mask, g, torch.float32) if bias is None else bias
     if k.dtype == torch.float32 or k.is_contiguous():
@@ -335,8 +396,8 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     mask = attention_mask(cache.lengths, n, k_len)
     x = model.embedding(input_ids=tokens, position_ids=pos)  # [n, B, h]
     cfg = model.mrlhf_config
-    bias = None if x.is_cuda else group_bias(mask, cfg.num_attention_heads // cfg.num_query_groups,
-                                             torch.float32)
+    bias = None if attention_backend(x.device) == "sdpa" else group_bias(
+        mask, cfg.num_attention_heads // cfg.num_query_groups, torch.float32)
     tp = model.pg_collection.tp
     packing = None
     if valid is not None and int(valid.min()) < n:
@@ -375,13 +436,24 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     return (logits, hidden) if return_features else logits
 
 
+PREFILL_CHUNK_TOKENS = {"cpu": 2048, "cuda": 8192}
+"""Real tokens per run of rows in :func:`prefill`, by device: on a CPU a run's matmuls are
+compute-bound from a few hundred tokens on and larger runs only hold more memory; a GPU
+needs thousands of tokens per forward to amortise its launches and fill its SMs."""
+
+
+def prefill_chunk_tokens(device) -> int:
+    """:data:`PREFILL_CHUNK_TOKENS` for ``device`` (the CPU's value for any non-CUDA device)."""
+    return PREFILL_CHUNK_TOKENS["cuda" if torch.device(device).type == "cuda" else "cpu"]
+
+
 # A prefix shared by all distinct prompts of a batch (a chat template's system turn: 24
 # tokens of SmolLM2's) is computed once when it is at least this long.
 MIN_SHARED_PREFIX = 8
 
 
 def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int = 0,
-            return_features: bool = False, chunk_tokens: int = 2048, share_prefix: bool = True):
+            return_features: bool = False, chunk_tokens: int | None = None, share_prefix: bool = True):
     """Fill an empty cache with the prompts; returns next-token logits ``[B, V]`` (and, with
     ``return_features``, the final-norm hidden states ``[B, longest, h]``; positions past a
     prompt's end hold padding).
@@ -391,11 +463,12 @@ def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int
     and the longest prefix all distinct prompts share (at least :data:`MIN_SHARED_PREFIX`
     tokens, each prompt keeping one token of its own) is computed once and copied into
     every row before the rest is prefilled. Runs of consecutive rows are prefilled
-    together, each run holding about ``chunk_tokens`` real tokens (and at most twice that
-    padded: the attention works on each run right-padded to its longest, the rest of the
-    layers on real tokens only).
+    together, each run holding about ``chunk_tokens`` real tokens (default: the device's
+    :func:`prefill_chunk_tokens`) and at most twice that padded: the attention works on each
+    run right-padded to its longest, the rest of the layers on real tokens only.
     """
     dev = cache.lengths.device
+    chunk_tokens = chunk_tokens or prefill_chunk_tokens(dev)
     if bool(cache.lengths.any()):
         raise ValueError("prefill fills an empty cache")
     index: dict[tuple, int] = {}

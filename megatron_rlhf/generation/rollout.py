@@ -41,6 +41,10 @@ class GenerationStats:
     """Wall time of the whole call, prefill included."""
     prefill_s: float = 0.0
     """Wall time of the prefill (actor and draft)."""
+    decode: str = ""
+    """How decode steps ran: the attention backend (:func:`~megatron_rlhf.generation.
+    incremental.attention_backend`) and ``cuda graphs``, ``eager graph code`` or ``dynamic``
+    (with the reason when a capture failed)."""
     graph_capture_s: float = 0.0
     """Wall time spent capturing CUDA graphs of decode steps in this call (included in
     ``elapsed_s``; graphs are kept for the next call unless the generator released them)."""
@@ -91,6 +95,7 @@ class GenerationStats:
         self.num_draft_tokens = max(self.num_draft_tokens, other.num_draft_tokens)
         if other.mode != "plain":
             self.mode = other.mode
+        self.decode = self.decode or other.decode
 
     @property
     def acceptance_per_position(self) -> list[float]:

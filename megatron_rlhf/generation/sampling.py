@@ -45,9 +45,8 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """
     flat = probs.reshape(-1, probs.shape[-1]).float()
     idx = inverse_cdf(flat, u.reshape(-1, 1).to(flat.device, torch.float32))
-    bad = flat.gather(-1, idx) <= 0
-    if bool(bad.any()):
-        idx = torch.where(bad, flat.argmax(-1, keepdim=True), idx)
+    bad = flat.gather(-1, idx) <= 0  # no host read (``bad.any()``): a graphed step draws too
+    idx = torch.where(bad, flat.argmax(-1, keepdim=True), idx)
     return idx.reshape(probs.shape[:-1])
 
 
@@ -121,3 +120,27 @@ def sampling_logits(logits: torch.Tensor, params: GenerationConfig) -> torch.Ten
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+STEP_COLUMNS = ("sample", "token", "logprob", "sampling_logprob", "alive", "done")
+"""The columns of :func:`step_outputs`' packed result, the one thing the host reads of a step."""
+
+
+def step_outputs(logits: torch.Tensor, params: GenerationConfig, u: torch.Tensor | None,
+                 sid: torch.Tensor, alive: torch.Tensor, emitted: torch.Tensor, max_new: int,
+                 eos: int | None):
+    """Everything a plain decode step decides, on the device with no host read (so a CUDA
+    graph captures it): per row of ``logits [R, V]`` the token drawn with the uniforms
+    ``u [R]``, its log-probs (:func:`logprob_pair`) and whether the sample finishes (it
+    was ``alive`` and the token is ``eos`` (None: no stop) or its ``emitted + 1``-th,
+    reaching ``max_new``). Returns ``(tokens [R], done [R] bool, packed [R, 6] float64)``,
+    ``packed`` holding :data:`STEP_COLUMNS` (each row's sample index ``sid``, then token ids
+    and fp32 log-probs, all exactly)."""
+    tok, probs = sample(logits, params, u)
+    lp, slp = logprob_pair(logits, probs, tok, params)
+    done = emitted + 1 >= max_new
+    if eos is not None:
+        done = done | (tok == eos)
+    done = done & alive
+    packed = torch.stack([t.double() for t in (sid, tok, lp, slp, alive, done)], 1)
+    return tok, done, packed

@@ -206,17 +206,20 @@ def profile_batches(max_batch: int) -> list[int]:
 
 
 def describe(actor, draft, graphs: bool = False) -> str:
-    """What a profile depends on: the models' shapes, TP size, dtype and device, and
-    whether steps replay CUDA graphs."""
+    """What a profile depends on: the models' shapes, TP size, dtype and device, the decode
+    attention backend and whether steps replay CUDA graphs."""
     def one(m):
         c = m.mrlhf_config
         w = m.embedding.word_embeddings.weight
         return (f"{c.num_layers}x{c.hidden_size}/{c.ffn_hidden_size} h{c.num_attention_heads}"
                 f"/{c.num_query_groups} v{c.head_vocab_size or c.vocab_size}"
                 f"{' feature' if c.feature_draft else ''} {w.dtype} {w.device.type}")
+    from megatron_rlhf.generation.incremental import attention_backend
+
     tp = actor.pg_collection.tp.size()
+    dev = actor.embedding.word_embeddings.weight.device
     return (f"actor {one(actor)}; draft {one(draft) if draft is not None else None}; tp {tp}"
-            + ("; cuda graphs" if graphs else ""))
+            f"; {attention_backend(dev)} attention" + ("; cuda graphs" if graphs else ""))
 
 
 @torch.inference_mode()

@@ -140,20 +140,26 @@ def _move_tensor(t: torch.Tensor, host: bool) -> torch.Tensor:
 
 
 class StageMemory:
-    """Times each stage and, on GPU, records its peak device memory."""
+    """Times each stage and records the peak memory of this process during it
+    (``peak_mem_<stage>_gb``, GiB): on a GPU CUDA's peak allocated memory, on the CPU the
+    peak resident size (:func:`~megatron_rlhf.platform.peak_host_memory_bytes`)."""
 
     def __init__(self):
         self.metrics: dict[str, float] = {}
 
     @contextlib.contextmanager
     def stage(self, name: str):
-        if platform.has_cuda():
+        cuda = platform.has_cuda()
+        if cuda:
             torch.cuda.reset_peak_memory_stats()
+        host = not cuda and platform.reset_peak_host_memory()
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            if platform.has_cuda():
+            if cuda:
                 torch.cuda.synchronize()
                 self.metrics[f"peak_mem_{name}_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            elif host and (peak := platform.peak_host_memory_bytes()) is not None:
+                self.metrics[f"peak_mem_{name}_gb"] = peak / 2**30
             self.metrics[f"time_{name}_s"] = time.perf_counter() - t0

