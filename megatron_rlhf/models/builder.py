@@ -98,7 +98,8 @@ would be attended silently."""
 
 
 def layer_spec(use_te: bool | None = None):
-    """Transformer-Engine spec when available (or requested), local spec otherwise, with
+    """Transformer-Engine spec when available (or requested), local spec otherwise (its core
+    attention through torch SDPA: :class:`~megatron_rlhf.models.attention.SDPAttention`), with
     self-attention under the ``arbitrary`` mask type: whole-sequence forwards pass a mask
     that combines causality and padding, and every backend honours it."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -109,7 +110,11 @@ def layer_spec(use_te: bool | None = None):
     if use_te:
         spec = specs.get_gpt_layer_with_transformer_engine_spec()
     else:
+        from megatron_rlhf.models.attention import SDPAttention
+
         spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        # torch SDPA in place of the local spec's materialised scores (models/attention.py)
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
     return spec
 

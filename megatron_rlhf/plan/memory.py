@@ -147,6 +147,10 @@ class MemoryOptions:
     cross entropy); False: logits gathered over TP, as ``models.forward.lm_logits`` does today."""
     reserve_gb: float | None = None
     """GB per GPU kept free; None: ``DEFAULT_RESERVE_FRACTION`` of the GPU's memory."""
+    park_on_host: bool = True
+    """Between training stages the trainees' gradient buffers and optimizer states wait in
+    host memory (``rlhf.offload.park_trainee``, a GPU run); False: they stay where they are
+    and count in generation and inference too (a CPU run, whose host is its device)."""
 
     def __post_init__(self) -> None:
         if self.param_bytes not in (2, 4):
@@ -493,6 +497,8 @@ def generation_parts(models: dict[str, ModelConfig], gen: Layout, train: Layout,
     if "critic" in models:
         parts["critic_weights"] = max(weight_bytes(models["critic"], "critic", train, i, o)
                                       for i in range(train.pp))
+    if not o.park_on_host:
+        parts.update(trainee_state_parts(models, train, o))
     samples = workload.rollout_batch // gen.dp
     parts["kv_cache"] = kv_cache_bytes(actor, samples, workload.seq_length, gen.tp, o.param_bytes)
     step_tokens = 1
@@ -519,6 +525,8 @@ def inference_parts(models: dict[str, ModelConfig], infer: Layout, gen: Layout, 
             parts[f"{role}_weights"] = weight_bytes(models[role], role, infer, stage, o)
     if "draft" in models:  # stays on the GPU, in the gen layout
         parts["draft_weights"] = weight_bytes(models["draft"], "draft", gen, 0, o)
+    if not o.park_on_host:
+        parts.update(trainee_state_parts(models, infer, o))
     work = []
     for role in ("actor", "reference", "critic", "reward"):  # one model at a time
         if role in models:
@@ -536,21 +544,31 @@ def training_parts(models: dict[str, ModelConfig], train: Layout, gen: Layout, s
     """Training on pipeline stage ``stage``: weights, gradient buffers and Adam states of
     actor and critic; the larger of their activations (they train one after the other)."""
     o = options
-    grad_bytes = 4 if o.fp32_grads else 2
     parts, acts = {}, []
     for role in ("actor", "critic"):
         if role not in models:
             continue
         cfg = models[role]
-        n = stage_params(cfg, role, train.pp, stage).per_gpu(train.tp)
-        parts[f"{role}_weights"] = n * o.param_bytes
-        parts[f"{role}_grads"] = n * grad_bytes
-        shard = train.dp if o.distributed_optimizer else 1
-        parts[f"{role}_optimizer"] = -(-n * ADAM_BYTES_PER_PARAM // shard)
+        parts[f"{role}_weights"] = stage_params(cfg, role, train.pp, stage).per_gpu(train.tp) * o.param_bytes
+        parts.update(trainee_state_parts({role: cfg}, train, o, stage))
         acts.append(training_activation_bytes(cfg, role, workload, train, stage, o))
     if "draft" in models:  # stays on the GPU, in the gen layout; its optimizer on the host
         parts["draft_weights"] = weight_bytes(models["draft"], "draft", gen, 0, o)
     parts["activations"] = max(acts)
+    return parts
+
+
+def trainee_state_parts(models: dict[str, ModelConfig], train: Layout, options: MemoryOptions,
+                        stage: int = 0) -> dict[str, int]:
+    """Gradient buffers and Adam states (with fp32 masters) of actor and critic on pipeline
+    stage ``stage`` of their train layout: ``<role>_grads``, ``<role>_optimizer``."""
+    parts = {}
+    for role in ("actor", "critic"):
+        if role in models:
+            n = stage_params(models[role], role, train.pp, stage).per_gpu(train.tp)
+            parts[f"{role}_grads"] = n * (4 if options.fp32_grads else 2)
+            shard = train.dp if options.distributed_optimizer else 1
+            parts[f"{role}_optimizer"] = -(-n * ADAM_BYTES_PER_PARAM // shard)
     return parts
 
 

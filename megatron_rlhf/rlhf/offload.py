@@ -60,6 +60,25 @@ def optimizer_tensors(t):
     return out
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen = {}
+    for t in tensors:
+        if t is not None and t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def trainee_bytes(t) -> dict[str, int]:
+    """What trainee ``t`` holds, by component: ``weights`` (the model's parameters and DDP's
+    parameter buffers), ``grads`` (DDP's gradient buffers) and ``optimizer`` (Adam states and
+    the fp32 masters of a half-precision model: :func:`optimizer_tensors`), in bytes."""
+    grads = [b.grad_data for b in getattr(t.ddp, "buffers", []) + getattr(t.ddp, "expert_parallel_buffers", [])]
+    return {"weights": storage_bytes(t.model.parameters()), "grads": storage_bytes(grads),
+            "optimizer": storage_bytes(h.p.data if isinstance(h, _Data) else h[k] for h, k in optimizer_tensors(t))}
+
+
 class _Data:
     """A parameter seen as a holder of its ``.data`` (moved in place: its identity, which
     the optimizer's state is keyed by, stays)."""

@@ -320,7 +320,21 @@ class RLHFTrainer:
                 metrics.update(self._distil(batch, m.generating_actor))
         metrics.update(stages.metrics)
         metrics["time_iteration_s"] = sum(v for k, v in stages.metrics.items() if k.startswith("time_"))
+        metrics.update(self._memory_components())
         return metrics
+
+    def _memory_components(self) -> dict:
+        """``mem_<model>_<component>_gb`` (GiB) of this rank: each trainee's weights, gradient
+        buffers and optimizer states (:func:`~megatron_rlhf.rlhf.offload.trainee_bytes`), the
+        other models' weights (what ``tools/memory_plan.py --measure`` sets beside the estimate)."""
+        m, out = self.m, {}
+        for name, t in (("actor", m.actor), ("critic", m.critic)):
+            if t is not None:
+                out.update({f"mem_{name}_{k}_gb": v / 2**30 for k, v in offload.trainee_bytes(t).items()})
+        for name, model in (("reference", m.reference), ("reward", m.reward_model), ("draft", m.draft)):
+            if model is not None:
+                out[f"mem_{name}_weights_gb"] = offload.storage_bytes(model.parameters()) / 2**30
+        return out
 
     def _train(self, exp, sample_ids: list[int], it: int) -> dict:
         """PPO for the actor and the critic, each on its layout's data-parallel ranks (the

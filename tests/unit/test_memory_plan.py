@@ -211,3 +211,57 @@ def test_the_trainer_validation_asks_the_estimator(world1, tmp_path):
     assert memory_warning(apart, gpu_memory_gb=80.0, gpus_per_node=8) is None
     warning = memory_warning(apart, gpu_memory_gb=1e-4, gpus_per_node=8)
     assert "training on layout 1x1x2 needs" in warning, warning
+
+
+def test_measure_runs_the_demos_workload():
+    """``memory_plan.py --measure`` runs the flags of examples/cpu_demo.sh's GRPO job (one
+    iteration, the prompt limit the estimate takes): the two stay in step."""
+    import re
+    import shlex
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "tools"))
+    import memory_plan
+
+    script = (root / "examples/cpu_demo.sh").read_text()
+    grpo = script[script.index("megatron_rlhf.train --bf16"):]
+    grpo = grpo[:grpo.index('"${RESUME[@]}"')].replace("\\\n", " ")
+    demo = shlex.split(re.sub(r'"\$[A-Z_]+[^"]*"', "VAR", grpo))[1:]
+
+    def flags(args):
+        out, i = {}, 0
+        while i < len(args):
+            takes = i + 1 < len(args) and not args[i + 1].startswith("--")
+            out[args[i]] = args[i + 1] if takes else True
+            i += 2 if takes else 1
+        return out
+
+    ours, theirs = flags(memory_plan.DEMO_TRAIN_ARGS), flags(demo)
+    own = {"--max-prompt-length", "--train-iters", "--prompts"}  # (the demo's files and length)
+    assert {k: v for k, v in ours.items() if k not in own} == \
+        {k: v for k, v in theirs.items() if k not in own | {"--actor-load", "--draft-load", "--eval-prompts",
+                                                           "--eval-interval", "--save", "--save-interval",
+                                                           "--keep-last-checkpoints", "--log-dir"}}
+
+
+def test_a_cpu_run_keeps_the_trainee_state_in_every_stage():
+    """park_on_host=False (a CPU run): gradient buffers and Adam states stay resident in
+    generation and inference; training is unchanged."""
+    from megatron_rlhf.config import PRESETS
+    from megatron_rlhf.parallel.layout import Layout
+    from megatron_rlhf.plan import memory
+
+    models = {"actor": PRESETS["smollm2-135m"]}
+    lay = memory.StageLayouts(train=Layout.parse("1x1x2"), gen=Layout.parse("1x2", pipeline=False))
+    cluster = memory.Cluster(nodes=1, gpus_per_node=2, gpu_memory_gb=100)
+    gpu = memory.estimate(models, cluster, lay, options=memory.MemoryOptions())
+    cpu = memory.estimate(models, cluster, lay, options=memory.MemoryOptions(park_on_host=False))
+    train = cpu.stage("training").parts
+    state = train["actor_grads"] + train["actor_optimizer"]
+    assert state > 0
+    for name in ("generation", "inference"):
+        assert cpu.stage(name).total - gpu.stage(name).total == state
+        assert "actor_optimizer" not in gpu.stage(name).parts
+    assert cpu.stage("training").total == gpu.stage("training").total
