@@ -97,11 +97,21 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
             "keep the training copy on the device during generation")
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("runtime")
     g.add_argument("--load", default=None, help="checkpoint to load (root or iter_* directory)")
     g.add_argument("--save", default=None, help="checkpoint root to save to")
     g.add_argument("--seed", type=int, default=1234, help="random seed (same on all ranks)")
+    g.add_argument("--distributed-timeout-minutes", type=_positive_float, default=30.0,
+                   help="how long a collective waits for its peers before failing (a lost node "
+                        "then ends the job with the lost ranks named)")
     g.add_argument("--micro-batch-size", type=int, default=1, help="samples per forward")
     g.add_argument("--seq-length", type=int, default=None, help="maximum sequence length")
     d = g.add_mutually_exclusive_group()

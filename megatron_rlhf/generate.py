@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     from megatron_rlhf.parallel.layout import Layout
 
     tp = args.tensor_model_parallel_size
-    rank, world = platform.init_distributed(seed=args.seed)
+    rank, world = platform.init_distributed(seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
     layout = Layout.for_world(world, tp=tp)
     pg = build_process_groups(layout)
     dtype = arguments.dtype_from_args(args)

@@ -187,7 +187,77 @@ def serial_helper_threads() -> bool:
     return True
 
 
-def init_distributed(seed: int = 1234, timeout_minutes: int = 30) -> tuple[int, int]:
+_HOST_KEY, _ALIVE_KEY = "mrlhf/host/", "mrlhf/alive/"
+
+
+def _where() -> str:
+    import socket
+
+    node = os.environ.get("GROUP_RANK")
+    return socket.gethostname() + (f", node {node}" if node is not None else "")
+
+
+def _store_set(key: str, value: str) -> bool:
+    try:
+        dist.distributed_c10d._get_default_store().set(key, value)
+        return True
+    except Exception:  # noqa: BLE001 (no store, or it is gone)
+        return False
+
+
+def lost_peers(wait_s: float = 10.0) -> tuple[list[int], dict[int, str]] | None:
+    """After a collective failed: the ranks that are gone. Every surviving rank checks in at
+    the job's rendezvous store (torchrun's c10d store) and waits up to ``wait_s`` for the
+    others; those that never do are returned, with where each ran (host, node) as recorded
+    at start-up. None when the store itself is unreachable (its host is among the lost)."""
+    import time
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not _store_set(f"{_ALIVE_KEY}{rank}", "1"):
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    deadline = time.monotonic() + wait_s
+    missing = list(range(world))
+    while missing and time.monotonic() < deadline:
+        missing = [r for r in missing if not store.check([f"{_ALIVE_KEY}{r}"])]
+        time.sleep(0.2)
+    where = {}
+    for r in missing:
+        try:
+            where[r] = store.get(f"{_HOST_KEY}{r}").decode() if store.check([f"{_HOST_KEY}{r}"]) else "?"
+        except Exception:  # noqa: BLE001
+            where[r] = "?"
+    return missing, where
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed because a peer is gone (a closed or reset
+    connection, a timed-out collective), not an error of this rank's own."""
+    text = str(e)
+    return (isinstance(e, getattr(dist, "DistBackendError", ())) or "Connection reset" in text
+            or "Connection closed" in text or "Timed out" in text or "timed out" in text)
+
+
+def lost_peers_message(e: BaseException, wait_s: float = 10.0) -> str | None:
+    """A message naming the lost ranks when ``e`` is a collective that a lost peer broke
+    (:func:`is_peer_failure`, :func:`lost_peers`); None otherwise (the error is this rank's)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not is_peer_failure(e):
+        return None
+    found = lost_peers(wait_s)
+    if found is None:
+        return (f"a collective failed ({str(e).splitlines()[0][:200]}) and the job's rendezvous "
+                "store is unreachable: the node hosting it (the first node) is lost. "
+                "Resubmit the job to resume from its last checkpoint.")
+    missing, where = found
+    if not missing:
+        return None
+    names = ", ".join(f"{r} ({where[r]})" for r in missing)
+    return (f"lost rank{'s' if len(missing) > 1 else ''} {names}: a collective with "
+            f"{'them' if len(missing) > 1 else 'it'} failed ({str(e).splitlines()[0][:200]}). "
+            "The iteration in progress is lost; resubmit the job to resume from the last checkpoint.")
+
+
+def init_distributed(seed: int = 1234, timeout_minutes: float = 30) -> tuple[int, int]:
     """Initialise torch.distributed from the torchrun environment; returns (rank, world size).
 
     NCCL with CUDA, gloo without. Works as a single process without torchrun too
@@ -203,6 +273,7 @@ def init_distributed(seed: int = 1234, timeout_minutes: int = 30) -> tuple[int, 
             torch.cuda.set_device(local % torch.cuda.device_count())
         if "RANK" in os.environ:  # launched by torchrun / srun: env:// rendezvous
             dist.init_process_group(backend=backend, timeout=timeout)
+            _store_set(f"{_HOST_KEY}{dist.get_rank()}", _where())
         else:  # a plain single process (tools, tests): no environment is modified
             dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{_free_port()}")

@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     from megatron_rlhf.rlhf.build import build_trainer, one_layout
     from megatron_rlhf.rlhf.rewards import RewardError
 
-    rank, world = platform.init_distributed(seed=plan.loop.seed)
+    rank, world = platform.init_distributed(seed=plan.loop.seed,
+                                            timeout_minutes=args.distributed_timeout_minutes)
     train_layout, gen_layout = plan.par.layouts(world)
     pg = build_process_groups(train_layout)
     gen_pg = pg if one_layout(train_layout, gen_layout) else build_process_groups(gen_layout)
@@ -87,6 +88,12 @@ def main(argv=None) -> int:
         print(f"error: rank {rank}: {e}", file=sys.stderr)
         platform.shutdown()
         return 3
+    except RuntimeError as e:  # a lost node: name its ranks (the process group is broken)
+        message = platform.lost_peers_message(e)
+        if message is None:
+            raise
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+        return 4
     if rank == 0 and history:
         last = history[-1]
         print(f"done: {len(history)} iterations, last reward {last['reward_mean']:.4f}",

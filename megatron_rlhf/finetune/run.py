@@ -93,7 +93,7 @@ def validate(args: argparse.Namespace) -> FinetunePlan:
                         train, held_out, tp, world, args.save, args.log_dir, resume, state)
 
 
-def run(plan: FinetunePlan) -> list[dict]:
+def run(plan: FinetunePlan, timeout_minutes: float = 30) -> list[dict]:
     """Build on this rank and train (collectives from here on)."""
     from megatron_rlhf import platform
     from megatron_rlhf.finetune.loop import FinetuneTrainer
@@ -106,7 +106,7 @@ def run(plan: FinetunePlan) -> list[dict]:
     from megatron_rlhf.rlhf.state import load_trainer_states, save_training
 
     cfg = plan.cfg
-    platform.init_distributed(seed=cfg.seed)
+    platform.init_distributed(seed=cfg.seed, timeout_minutes=timeout_minutes)
     pg = build_process_groups(Layout(tp=plan.tp, dp=plan.world_size // plan.tp))
     role = "reward" if plan.name == "reward" else "actor"
     model = build_model(plan.info.config, role, pg, dtype=plan.dtype, seed=cfg.seed)
@@ -155,7 +155,14 @@ def main(argv, stage: str, prog: str, doc: str) -> int:
 
     platform.quiet_third_party_warnings()
     plan = arguments.validated(validate, args)
-    history = run(plan)
+    try:
+        history = run(plan, timeout_minutes=args.distributed_timeout_minutes)
+    except RuntimeError as e:  # a lost node: name its ranks (the process group is broken)
+        message = platform.lost_peers_message(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return 4
     if platform.is_rank0() and history:
         last = {k: round(v, 4) for k, v in history[-1].items() if isinstance(v, float)}
         print(f"done: {len(history)} steps, last {last}", file=sys.stderr)

@@ -88,3 +88,13 @@ def test_stage_memory_records_each_stage_peak_on_the_cpu():
     big, small = stages.metrics["peak_mem_big_gb"], stages.metrics["peak_mem_small_gb"]
     assert big - small > 0.2, (big, small)  # the first stage's 0.25 GiB is not the second's
     assert stages.metrics["time_big_s"] >= 0
+
+
+def test_peer_failures_are_told_from_a_ranks_own_errors():
+    from megatron_rlhf import platform
+
+    assert platform.is_peer_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5"))
+    assert platform.is_peer_failure(RuntimeError("Connection reset by peer"))
+    assert not platform.is_peer_failure(RuntimeError("shape mismatch"))
+    # one process: no peer to lose, whatever the error says
+    assert platform.lost_peers_message(RuntimeError("Connection reset by peer")) is None

@@ -131,6 +131,8 @@ CASES = [
     ("eval_samples_greedy",
      lambda f: dict(eval_prompts=f["prompts"], eval_samples=4), 1,
      "--eval-samples 4 greedy responses would all be the same"),
+    ("distributed_timeout_not_positive",
+     dict(distributed_timeout_minutes=0), 1, "--distributed-timeout-minutes: must be > 0, got 0"),
     ("valid", {}, 2, None),  # the control: good flags get as far as the first collective
     ("valid_plan", lambda f: dict(plan=f["plans"]["ok"]), 2, None),
     ("valid_plan_reference_apart", lambda f: dict(plan=f["plans"]["ref_apart"]), 2, None),
