@@ -187,7 +187,11 @@ def serial_helper_threads() -> bool:
     return True
 
 
-_HOST_KEY, _ALIVE_KEY = "mrlhf/host/", "mrlhf/alive/"
+_HOST_KEY, _BEAT_KEY = "mrlhf/host/", "mrlhf/beat/"
+HEARTBEAT_S = 1.0
+"""Every rank of a multi-rank job adds 1 to its counter in the rendezvous store this often
+(a daemon thread): after a failed collective, ranks whose counter stopped are the lost ones,
+whatever the living ones are doing (blocked in another collective, or failing too)."""
 
 
 def _where() -> str:
@@ -197,36 +201,50 @@ def _where() -> str:
     return socket.gethostname() + (f", node {node}" if node is not None else "")
 
 
-def _store_set(key: str, value: str) -> bool:
-    try:
-        dist.distributed_c10d._get_default_store().set(key, value)
-        return True
-    except Exception:  # noqa: BLE001 (no store, or it is gone)
-        return False
+def _store():
+    return dist.distributed_c10d._get_default_store()
 
 
-def lost_peers(wait_s: float = 10.0) -> tuple[list[int], dict[int, str]] | None:
-    """After a collective failed: the ranks that are gone. Every surviving rank checks in at
-    the job's rendezvous store (torchrun's c10d store) and waits up to ``wait_s`` for the
-    others; those that never do are returned, with where each ran (host, node) as recorded
-    at start-up. None when the store itself is unreachable (its host is among the lost)."""
+def _start_heartbeat() -> None:
+    """Record where this rank runs and start its heartbeat (:data:`HEARTBEAT_S`)."""
+    import threading
     import time
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if not _store_set(f"{_ALIVE_KEY}{rank}", "1"):
+    try:
+        store, rank = _store(), dist.get_rank()
+        store.set(f"{_HOST_KEY}{rank}", _where())
+        store.add(f"{_BEAT_KEY}{rank}", 1)
+    except Exception:  # noqa: BLE001 (no store: nothing to name lost ranks with)
+        return
+
+    def beat():
+        while True:
+            time.sleep(HEARTBEAT_S)
+            try:
+                store.add(f"{_BEAT_KEY}{rank}", 1)
+            except Exception:  # noqa: BLE001 (the store is gone: so is the job)
+                return
+
+    threading.Thread(target=beat, daemon=True, name="mrlhf-heartbeat").start()
+
+
+def lost_peers(wait_s: float = 4 * HEARTBEAT_S) -> tuple[list[int], dict[int, str]] | None:
+    """After a collective failed: the ranks that are gone, those whose heartbeat counter does
+    not move over ``wait_s``, with where each ran (host, node) as recorded at start-up. None
+    when the rendezvous store itself is unreachable (its host is among the lost)."""
+    import time
+
+    world = dist.get_world_size()
+    try:
+        store = _store()
+        before = [store.add(f"{_BEAT_KEY}{r}", 0) for r in range(world)]
+        time.sleep(wait_s)
+        after = [store.add(f"{_BEAT_KEY}{r}", 0) for r in range(world)]
+        missing = [r for r in range(world) if after[r] == before[r]]
+        where = {r: (store.get(f"{_HOST_KEY}{r}").decode() if store.check([f"{_HOST_KEY}{r}"]) else "?")
+                 for r in missing}
+    except Exception:  # noqa: BLE001
         return None
-    store = dist.distributed_c10d._get_default_store()
-    deadline = time.monotonic() + wait_s
-    missing = list(range(world))
-    while missing and time.monotonic() < deadline:
-        missing = [r for r in missing if not store.check([f"{_ALIVE_KEY}{r}"])]
-        time.sleep(0.2)
-    where = {}
-    for r in missing:
-        try:
-            where[r] = store.get(f"{_HOST_KEY}{r}").decode() if store.check([f"{_HOST_KEY}{r}"]) else "?"
-        except Exception:  # noqa: BLE001
-            where[r] = "?"
     return missing, where
 
 
@@ -238,8 +256,8 @@ def is_peer_failure(e: BaseException) -> bool:
             or "Connection closed" in text or "Timed out" in text or "timed out" in text)
 
 
-def lost_peers_message(e: BaseException, wait_s: float = 10.0) -> str | None:
-    """A message naming the lost ranks when ``e`` is a collective that a lost peer broke
+def lost_peers_message(e: BaseException, wait_s: float = 4 * HEARTBEAT_S) -> str | None:
+    """A message naming the lost ranks (their heartbeats stopped) when ``e`` is a collective that a lost peer broke
     (:func:`is_peer_failure`, :func:`lost_peers`); None otherwise (the error is this rank's)."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or not is_peer_failure(e):
         return None
@@ -273,7 +291,8 @@ def init_distributed(seed: int = 1234, timeout_minutes: float = 30) -> tuple[int
             torch.cuda.set_device(local % torch.cuda.device_count())
         if "RANK" in os.environ:  # launched by torchrun / srun: env:// rendezvous
             dist.init_process_group(backend=backend, timeout=timeout)
-            _store_set(f"{_HOST_KEY}{dist.get_rank()}", _where())
+            if dist.get_world_size() > 1:
+                _start_heartbeat()
         else:  # a plain single process (tools, tests): no environment is modified
             dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{_free_port()}")
