@@ -275,6 +275,19 @@ def lost_peers_message(e: BaseException, wait_s: float = 4 * HEARTBEAT_S) -> str
             "The iteration in progress is lost; resubmit the job to resume from the last checkpoint.")
 
 
+def exit_on_lost_peers(e: BaseException, label: str = "") -> int:
+    """For an entry point's ``except RuntimeError``: print the message naming the lost ranks
+    (:func:`lost_peers_message`) and return the exit code 4; re-raise ``e`` when no peer was
+    lost (the error is this rank's own)."""
+    import sys
+
+    message = lost_peers_message(e)
+    if message is None:
+        raise e
+    print(f"error: {label}{message}", file=sys.stderr, flush=True)
+    return 4
+
+
 def init_distributed(seed: int = 1234, timeout_minutes: float = 30) -> tuple[int, int]:
     """Initialise torch.distributed from the torchrun environment; returns (rank, world size).
 

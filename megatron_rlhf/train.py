@@ -89,11 +89,7 @@ def main(argv=None) -> int:
         platform.shutdown()
         return 3
     except RuntimeError as e:  # a lost node: name its ranks (the process group is broken)
-        message = platform.lost_peers_message(e)
-        if message is None:
-            raise
-        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
-        return 4
+        return platform.exit_on_lost_peers(e, f"rank {rank}: ")
     if rank == 0 and history:
         last = history[-1]
         print(f"done: {len(history)} iterations, last reward {last['reward_mean']:.4f}",

@@ -158,11 +158,7 @@ def main(argv, stage: str, prog: str, doc: str) -> int:
     try:
         history = run(plan, timeout_minutes=args.distributed_timeout_minutes)
     except RuntimeError as e:  # a lost node: name its ranks (the process group is broken)
-        message = platform.lost_peers_message(e)
-        if message is None:
-            raise
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        return 4
+        return platform.exit_on_lost_peers(e)
     if platform.is_rank0() and history:
         last = {k: round(v, 4) for k, v in history[-1].items() if isinstance(v, float)}
         print(f"done: {len(history)} steps, last {last}", file=sys.stderr)
