@@ -51,7 +51,7 @@ from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import rng, speculative
 from megatron_rlhf.generation.history import HistoryDrafter
-from megatron_rlhf.generation.incremental import RopeTable, forward_cached, pad_right, prefill
+from megatron_rlhf.generation.incremental import RopeTable, attention_backend, forward_cached, pad_right, prefill
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.rollout import GenerationStats, Rollout
 from megatron_rlhf.generation.sampling import logprob_pair, probs_for_sampling, sample
@@ -273,8 +273,6 @@ class Generator:
 
     def _decode_mode(self, dev) -> str:
         """:attr:`GenerationStats.decode` for this call."""
-        from megatron_rlhf.generation.incremental import attention_backend
-
         runner = self._steps.get("actor") if self._mode is not None else None
         if runner is None:
             how = "dynamic"

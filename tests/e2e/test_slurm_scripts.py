@@ -114,20 +114,22 @@ def converted(work):
     return SimpleNamespace(result=r.check(), ckpt=work / "ckpt")
 
 
+def finetune(work: Path, stage: str, model: Path, data: str, role: str) -> SimpleNamespace:
+    """``{stage}.sbatch`` on 2 nodes from ``model`` with ``data``; its last checkpoint's ``role``."""
+    run = work / stage
+    r = sbatch(f"{SCRIPTS}/{stage}.sbatch", model, DATA / data, run, nodes=2,
+               workdir=work / "jobs", **FINETUNE).check()
+    return SimpleNamespace(result=r, run=run, **{role: run / "iter_0000002" / role})
+
+
 @pytest.fixture(scope="module")
 def sft(work, converted):
-    run = work / "sft"
-    r = sbatch(f"{SCRIPTS}/sft.sbatch", converted.ckpt, DATA / "sft.jsonl", run, nodes=2,
-               workdir=work / "jobs", **FINETUNE).check()
-    return SimpleNamespace(result=r, run=run, actor=run / "iter_0000002" / "actor")
+    return finetune(work, "sft", converted.ckpt, "sft.jsonl", "actor")
 
 
 @pytest.fixture(scope="module")
 def rm(work, sft):
-    run = work / "rm"
-    r = sbatch(f"{SCRIPTS}/rm.sbatch", sft.actor, DATA / "preferences.jsonl", run, nodes=2,
-               workdir=work / "jobs", **FINETUNE).check()
-    return SimpleNamespace(result=r, run=run, reward=run / "iter_0000002" / "reward")
+    return finetune(work, "rm", sft.actor, "preferences.jsonl", "reward")
 
 
 def submit_ppo(sft, rm, run: Path, work: Path, nodes: int | None = None, **env) -> Job:
