@@ -205,10 +205,15 @@ def _store():
     return dist.distributed_c10d._get_default_store()
 
 
+_heartbeat: dict = {}
+"""The running heartbeat: its thread and the event that stops it (:func:`stop_heartbeat`)."""
+
+
 def _start_heartbeat() -> None:
-    """Record where this rank runs and start its heartbeat (:data:`HEARTBEAT_S`)."""
+    """Record where this rank runs and start its heartbeat (:data:`HEARTBEAT_S`), stopped by
+    :func:`stop_heartbeat` (at :func:`shutdown` and at exit)."""
+    import atexit
     import threading
-    import time
 
     try:
         store, rank = _store(), dist.get_rank()
@@ -216,16 +221,31 @@ def _start_heartbeat() -> None:
         store.add(f"{_BEAT_KEY}{rank}", 1)
     except Exception:  # noqa: BLE001 (no store: nothing to name lost ranks with)
         return
+    stop = threading.Event()
 
     def beat():
-        while True:
-            time.sleep(HEARTBEAT_S)
+        while not stop.wait(HEARTBEAT_S):
             try:
                 store.add(f"{_BEAT_KEY}{rank}", 1)
             except Exception:  # noqa: BLE001 (the store is gone: so is the job)
                 return
 
-    threading.Thread(target=beat, daemon=True, name="mrlhf-heartbeat").start()
+    thread = threading.Thread(target=beat, daemon=True, name="mrlhf-heartbeat")
+    _heartbeat.update(thread=thread, stop=stop)
+    thread.start()
+    atexit.register(stop_heartbeat)
+
+
+def stop_heartbeat(timeout_s: float = 10.0) -> None:
+    """Stop the heartbeat thread and wait for it. A daemon thread still inside a store call
+    (C++, GIL released) when the interpreter finalises is unwound through C++ frames, and the
+    process aborts ("terminate called without an active exception") after a job that
+    succeeded; so every clean exit stops it first."""
+    if not _heartbeat:
+        return
+    _heartbeat["stop"].set()
+    _heartbeat["thread"].join(timeout_s)
+    _heartbeat.clear()
 
 
 def lost_peers(wait_s: float = 4 * HEARTBEAT_S) -> tuple[list[int], dict[int, str]] | None:
@@ -363,6 +383,7 @@ def shutdown() -> None:
     """Tear the process group down cleanly (entry points call it before exiting)."""
     if dist.is_initialized():
         dist.barrier()
+        stop_heartbeat()
         dist.destroy_process_group()
 
 
