@@ -288,14 +288,26 @@ class SpecConfig:
     def auto(self) -> bool:
         return self.num_draft_tokens == "auto"
 
-    def max_tokens(self, has_draft: bool) -> int:
-        """The most draft tokens one verification can take (0: plain decoding only);
-        ``has_draft``: a draft model is loaded (the history is a draft too)."""
+    def base_tokens(self, has_draft: bool) -> int:
+        """Draft tokens per verification as asked (the fixed ``n``, or ``auto``'s largest;
+        0: plain decoding only); ``has_draft``: a draft model is loaded."""
         if not (has_draft or self.uses_history):
             return 0 if self.auto else self.num_draft_tokens
         return self.max_draft_tokens if self.auto else self.num_draft_tokens
 
+    def max_tokens(self, has_draft: bool) -> int:
+        """The most draft tokens one verification can take: :meth:`base_tokens`, times
+        :data:`HISTORY_LONG_BOOST` when only the history drafts (a long-running sample's
+        history drafts run further, as in DAS, where its cache row has the room; the cache
+        keeps room for :meth:`base_tokens`)."""
+        n = self.base_tokens(has_draft)
+        return n * HISTORY_LONG_BOOST if self.draft_source == "history" else n
 
+
+HISTORY_LONG_BOOST = 2
+"""History drafts of a sample that has run long (``long_after`` tokens,
+:class:`~megatron_rlhf.generation.history.HistoryDrafter`) may be this many times longer
+than ``n``: the long tail of a rollout is where drafting pays (DAS)."""
 SPEC_VERIFY = ("exact", "rejection")
 DRAFT_SOURCES = ("model", "history", "both")
 

@@ -100,7 +100,7 @@ def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecCon
     limit = actor_cfg.max_position_embeddings
     if draft_cfg is not None:
         limit = min(limit, draft_cfg.max_position_embeddings)
-    extra = spec.max_tokens(draft_cfg is not None or history) + 1
+    extra = spec.base_tokens(draft_cfg is not None or history) + 1  # longer drafts fit where room is left
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty")
@@ -172,9 +172,14 @@ class Generator:
         if self.selector is None or self.selector.max_n != spec.max_draft_tokens:
             costs = strategy.load_or_profile(self.actor, self.draft, spec, batch, max_len,
                                              graphs=self._mode == "cuda")
+            widest = spec.max_tokens(self.draft is not None)
+
+            def acceptance():
+                return strategy.Acceptance(widest, spec.acceptance_decay)
+
             self.selector = strategy.Selector(costs, spec.max_draft_tokens,
-                                              strategy.Acceptance(spec.max_draft_tokens,
-                                                                  spec.acceptance_decay))
+                                              acceptance() if self.draft is not None else None,
+                                              acceptance() if self.history is not None else None)
         return self.selector
 
     # ------------------------------------------------------------------ main loop
@@ -191,7 +196,8 @@ class Generator:
         spec = spec or SpecConfig()
         max_len = self.check(prompts, cfg, spec, allow_empty=migrator is not None)
         t0 = time.perf_counter()
-        big_n = spec.max_tokens(self.draft is not None or self.history is not None)
+        big_n = spec.max_tokens(self.draft is not None or self.history is not None)  # the widest round
+        base_n = spec.base_tokens(self.draft is not None or self.history is not None)
         if accept_rule is not None and spec.verify != "rejection":
             raise ValueError("accept_rule replaces rejection sampling: pass a SpecConfig with verify='rejection'")
         self._verify = spec.verify
@@ -237,11 +243,9 @@ class Generator:
             dead = len(rows) - live
             if dead and dead * 4 >= len(rows):
                 rows.compact()
-            n = self._choose(selector, live, big_n)
             start, self._upkeep_s = time.perf_counter(), 0.0
-            looked_up = self._look_up(rows, out, n, stats) if n and self.history is not None else None
-            if looked_up is not None and self.draft is None and not looked_up[1].any():
-                n = 0  # no sample's history matched: a plain step
+            looked_up = self._look_up(rows, out, base_n, big_n, stats) if big_n and self.history is not None else None
+            n = self._choose(selector, live, base_n, looked_up)
             if n:
                 k = self._spec_round(rows, out, cfg, n, key, rope, d_rope, stats, looked_up)
                 after = None
@@ -251,7 +255,10 @@ class Generator:
             stats.actor_steps += 1
             stats.rounds_by_draft_len[n] += 1
             if selector is not None:  # the draft's upkeep is no round's own cost
-                selector.observe(live, n, time.perf_counter() - start - self._upkeep_s, k)
+                found = None  # per live row, the drafts that came from the history
+                if looked_up is not None and n:
+                    found = torch.tensor(looked_up[2], device=k.device).clamp(max=n)
+                selector.observe(live, n, time.perf_counter() - start - self._upkeep_s, k, found)
             live = after
         if self.history is not None:  # what is left unfinished here (migrated away) joins too
             for s in sids:
@@ -315,11 +322,18 @@ class Generator:
             return runner(tokens, kw.get("features"), kw.get("return_features", False))
         return forward_cached(model, cache, tokens, rope, **kw)
 
-    def _choose(self, selector, live: int, big_n: int) -> int:
-        """This round's draft length: fixed, or the selector's (the same on every TP rank)."""
+    def _choose(self, selector, live: int, base_n: int, looked_up=None) -> int:
+        """This round's draft length (the same on every TP rank): fixed, or the selector's.
+        With history drafts (``looked_up``: :meth:`_look_up`) it is known before the round
+        what each sample's history proposes: a round without a model draft is no wider than
+        the longest proposal (none: a plain step), and the selector weighs each sample's
+        proposal with the history's acceptance."""
+        found = looked_up[2] if looked_up is not None else None
+        history_only = found is not None and self.draft is None
+        widest = max(found, default=0) if history_only else None
         if selector is None:
-            return big_n
-        n = selector.choose(live)
+            return widest if history_only else base_n
+        n = selector.choose(live, found, widest)
         tp = self.actor.pg_collection.tp
         if tp.size() > 1:
             t = torch.tensor([n], device=self.actor.embedding.word_embeddings.weight.device)
@@ -432,33 +446,36 @@ class Generator:
                 self.history.finish(sid)
         return done
 
-    def _look_up(self, rows: Rows, out: Outputs, n: int, stats) -> tuple[torch.Tensor, torch.Tensor]:
-        """History drafts for a round of width ``n``: ``(tokens [R, n], found [R])``, rows
-        whose history proposes fewer than ``n`` tokens padded (the pad is verified like any
-        draft token, and almost never accepted)."""
+    def _look_up(self, rows: Rows, out: Outputs, n: int, width: int, stats):
+        """History drafts for this round, before its width is chosen: ``(tokens [R, width],
+        found [R], found_live)``: each row's proposal of up to ``n`` tokens (a long-running
+        sample's up to ``width``: :meth:`HistoryDrafter.max_tokens`) padded to ``width``,
+        how many tokens it holds (0 for a finished row), and that count for the live rows
+        (host ints). A round narrower than ``width`` verifies each proposal's head; the pad
+        is verified like any draft token (and almost never accepted)."""
         start = time.perf_counter()
         history, alive = self.history, rows["alive"].tolist()
-        sids = rows["sid"].tolist()
-        proposals = []
+        sids, cache = rows["sid"].tolist(), rows.caches["actor"]
+        # the cache keeps room for n drafts (check_request); a longer one must fit every row
+        filled = max((length for length, a in zip(cache.lengths.tolist(), alive) if a), default=0)
+        cap = max(min(width, cache.max_len - filled - 1), n)
+        tokens = torch.full((len(sids), width), self.pad_id, dtype=torch.long)
+        found = torch.zeros(len(sids), dtype=torch.long)
+        found_live = []
         for r, s in enumerate(sids):
             if not alive[r]:
-                proposals.append([])
                 continue
             if s not in history.live:  # arrived by migration: rebuild its drafting state
                 plen = int(rows["prompt_len"][r])
                 history.begin(s, rows["prompt"][r, :plen].tolist(), out.tokens.get(s, []))
-            proposals.append(history.propose(s, history.max_tokens(s, n)))
-        width = n
-        tokens = torch.full((len(sids), width), self.pad_id, dtype=torch.long)
-        found = torch.zeros(len(sids), dtype=torch.long)
-        for r, prop in enumerate(proposals):
-            prop = prop[:width]
+            prop = history.propose(s, min(history.max_tokens(s, n), cap))
             if prop:
                 tokens[r, :len(prop)] = torch.tensor(prop, dtype=torch.long)
                 found[r] = len(prop)
+            found_live.append(len(prop))
         stats.history_s += time.perf_counter() - start
         dev = rows["sid"].device
-        return tokens.to(dev), found.to(dev)
+        return tokens.to(dev), found.to(dev), found_live
 
     def _buffer(self, rows: Rows, tok: torch.Tensor, hidden: torch.Tensor | None, d_rope) -> None:
         """Append ``tok [R]`` (and its actor hidden state ``[R, h]``) to the draft's catch-up
@@ -524,7 +541,7 @@ class Generator:
             stats.draft_steps += n
             drafts_t = torch.stack(drafts, 1)  # [R, n]
         if looked_up is not None:
-            hist, found = looked_up
+            hist, found, _ = looked_up
             hist, found = hist[:, :n], found.clamp(max=n)
             from_history = torch.arange(n, device=found.device)[None, :] < found[:, None]
             drafts_t = torch.where(from_history, hist, drafts_t) if self.draft is not None else hist

@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from megatron_rlhf.config import HISTORY_LONG_BOOST
+
 
 class NgramIndex:
     """Continuation counts of the n-grams (1..``max_match`` tokens) of a set of documents.
@@ -114,7 +116,7 @@ class HistoryDrafter:
     """
 
     def __init__(self, max_match: int = 8, max_responses: int = 16, max_prompts: int = 4096,
-                 min_confidence: float = 0.3, long_boost: float = 2.0, long_after: int = 256):
+                 min_confidence: float = 0.3, long_boost: int = HISTORY_LONG_BOOST, long_after: int = 256):
         for name, v in (("max_match", max_match), ("max_responses", max_responses),
                         ("max_prompts", max_prompts)):
             if v < 1:
@@ -180,7 +182,7 @@ class HistoryDrafter:
         """The most tokens ``sample`` may draft in a round of width ``n``: more for a long-running sample."""
         live = self.live[sample]
         emitted = len(live.doc) - len(live.history.prompt)
-        return int(n * self.long_boost) if emitted >= self.long_after else n
+        return n * self.long_boost if emitted >= self.long_after else n
 
     def propose(self, sample: int, n: int) -> list[int]:
         """Up to ``n`` draft tokens continuing ``sample``'s document (fewer, or none, where

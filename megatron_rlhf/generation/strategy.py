@@ -126,15 +126,23 @@ class Acceptance:
         self.tried = [prior_weight] * max_n
         self.passed = [prior * prior_weight] * max_n
 
-    def observe(self, accepted: torch.Tensor | None, n: int) -> None:
-        """A round: ``accepted [live]`` draft tokens accepted per sample (None: a plain step)."""
+    def observe(self, accepted: torch.Tensor | None, n: int, lo: torch.Tensor | None = None,
+                hi: torch.Tensor | None = None) -> None:
+        """A round: ``accepted [live]`` draft tokens accepted per sample (None: a plain step).
+        ``lo``/``hi [live]``: the positions ``lo <= i < hi`` of each sample that this source
+        drafted (default: all ``n``); the others came from another source, or were padding."""
         self.tried = [t * self.decay for t in self.tried]
         self.passed = [p * self.decay for p in self.passed]
         if accepted is None or not n:
             return
-        for i in range(n):
-            self.tried[i] += float((accepted >= i).sum())
-            self.passed[i] += float((accepted > i).sum())
+        for i in range(min(n, len(self.tried))):
+            mine = accepted >= i
+            if lo is not None:
+                mine = mine & (lo <= i)
+            if hi is not None:
+                mine = mine & (hi > i)
+            self.tried[i] += float(mine.sum())
+            self.passed[i] += float((mine & (accepted > i)).sum())
 
     def rates(self, explore: bool = True) -> list[float]:
         out = []
@@ -152,11 +160,41 @@ class Acceptance:
         return total
 
 
-class Selector:
-    """Chooses each round's draft length from a :class:`CostTable` and an :class:`Acceptance`."""
+def expected_tokens_mixed(n: int, found: list[int], history: list[float],
+                          model: list[float] | None) -> float:
+    """Mean tokens a round of width ``n`` emits per sample when sample ``r``'s first
+    ``found[r]`` drafts come from the history (acceptance ``history[i]`` at position ``i``)
+    and the rest from the draft model (``model``; None: no model, the rest is padding that
+    is never counted on)."""
+    if not found:
+        return 1.0
+    by_found: dict[int, int] = {}
+    for f in found:
+        f = min(f, n)
+        by_found[f] = by_found.get(f, 0) + 1
+    total = 0.0
+    for f, count in by_found.items():
+        tokens, reach = 1.0, 1.0
+        for i in range(n):
+            rates = history if i < f else model
+            if rates is None:
+                break
+            reach *= rates[min(i, len(rates) - 1)]
+            tokens += reach
+        total += count * tokens
+    return total / len(found)
 
-    def __init__(self, costs: CostTable, max_n: int, acceptance: Acceptance):
-        self.costs, self.max_n, self.acceptance = costs, max_n, acceptance
+
+class Selector:
+    """Chooses each round's draft length from a :class:`CostTable` and the acceptance of
+    each draft source: ``acceptance`` the draft model's (None: no draft model), ``history``
+    the history drafter's (None: no history drafts)."""
+
+    def __init__(self, costs: CostTable, max_n: int, acceptance: Acceptance | None,
+                 history: Acceptance | None = None):
+        if acceptance is None and history is None:
+            raise ValueError("a selector needs a draft source: a draft model's acceptance or the history's")
+        self.costs, self.max_n, self.acceptance, self.history = costs, max_n, acceptance, history
         self.correction: dict[tuple[int, int], float] = {}
 
     @staticmethod
@@ -180,19 +218,37 @@ class Selector:
         kind = [f for (m, o), f in self.correction.items() if o == octave and (m > 0) == (n > 0)]
         return sum(kind) / len(kind) if kind else 1.0
 
-    def choose(self, batch: int) -> int:
-        return best_draft_length([self.round_s(batch, n) for n in range(self.max_n + 1)],
-                                 [self.acceptance.expected_tokens(n) for n in range(self.max_n + 1)])
+    def expected_tokens(self, n: int, found: list[int] | None = None) -> float:
+        """Tokens per sample a round of ``n`` drafts is expected to emit. ``found``: per
+        live sample, the drafts its history proposes (known before the round: the history
+        drafts first, the model fills the rest when there is one)."""
+        if found is None or self.history is None:
+            return self.acceptance.expected_tokens(n)
+        model = self.acceptance.rates() if self.acceptance is not None else None
+        return expected_tokens_mixed(n, found, self.history.rates(), model)
 
-    def observe(self, batch: int, n: int, seconds: float, accepted: torch.Tensor | None) -> None:
-        """A measured round: refresh the latency correction and the acceptance estimate."""
+    def choose(self, batch: int, found: list[int] | None = None, widest: int | None = None) -> int:
+        """The draft length (0: a plain step) with the most expected tokens per second for
+        ``batch`` live samples; ``found`` as in :meth:`expected_tokens`; ``widest``: the
+        largest length to consider (default ``max_n``)."""
+        widths = range((self.max_n if widest is None else widest) + 1)
+        return best_draft_length([self.round_s(batch, n) for n in widths],
+                                 [self.expected_tokens(n, found) for n in widths])
+
+    def observe(self, batch: int, n: int, seconds: float, accepted: torch.Tensor | None,
+                found: torch.Tensor | None = None) -> None:
+        """A measured round: refresh the latency correction and each source's acceptance
+        (``found [live]``: the drafts of each sample that came from the history)."""
         predicted = self.costs.round_s(batch, n)
         if predicted > 0:
             key = (n, self._octave(batch))
             ratio = seconds / predicted
             old = self.correction.get(key)
             self.correction[key] = ratio if old is None else 0.7 * old + 0.3 * ratio
-        self.acceptance.observe(accepted, n)
+        if self.history is not None:
+            self.history.observe(accepted if found is not None else None, n, hi=found)
+        if self.acceptance is not None:
+            self.acceptance.observe(accepted, n, lo=found)
 
 
 # ---------------------------------------------------------------------------- profiling

@@ -186,12 +186,12 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                              f"stages (it has PP={train_layout.pp}): the draft trains unpipelined; "
                              "use --draft-train-layout gen")
         _check_layout(infos["draft"], "draft", "train", train_layout.tp)
-    _check_lengths(prompts, prompt_ids, loop, gen, spec.max_tokens(bool(paths.draft)), infos)
+    _check_lengths(prompts, prompt_ids, loop, gen, spec.base_tokens(bool(paths.draft)), infos)
     if heldout is not None:
         if len(heldout.records) < gen_layout.dp:
             raise ValueError(f"--eval-prompts {eval_prompts}: {len(heldout.records)} records are fewer "
                              f"than the generation layout's {gen_layout.dp} data-parallel ranks")
-        _check_lengths(heldout.records, heldout.prompt_ids, loop, gen, spec.max_tokens(bool(paths.draft)), infos)
+        _check_lengths(heldout.records, heldout.prompt_ids, loop, gen, spec.base_tokens(bool(paths.draft)), infos)
     plan = TrainPlan(ppo=ppo, optim=optim, loop=loop, gen=gen, spec=spec, par=par, dtype=dtype,
                      paths=paths, reward_fn=reward_fn, infos=infos, tokenizer=tokenizer,
                      prompts=prompts, prompt_ids=prompt_ids, world_size=world_size,
@@ -228,7 +228,7 @@ def execution_plan(par: ParallelConfig, infos: dict, ppo: PPOConfig, loop: LoopC
               else hw.gpu_memory_gb)
     spec_model = None
     if "draft" in models and (spec.auto or spec.num_draft_tokens):
-        spec_model = cost.Speculation(models["draft"], max_draft_tokens=spec.max_tokens(True))
+        spec_model = cost.Speculation(models["draft"], max_draft_tokens=spec.base_tokens(True))
     est = cost.Estimator(models, dataclasses.replace(hw, gpus_per_node=local, gpu_memory_gb=gpu_gb),
                          profiles, cost.Options(param_bytes=dtype.itemsize,
                                                 micro_batch_size=ppo.micro_batch_size,
@@ -300,7 +300,7 @@ def memory_warning(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int) ->
                          max_new_tokens=plan.gen.max_new_tokens,
                          micro_batch_size=plan.ppo.micro_batch_size,
                          num_mini_batches=plan.ppo.num_mini_batches,
-                         num_draft_tokens=plan.spec.max_tokens("draft" in plan.infos)),
+                         num_draft_tokens=plan.spec.base_tokens("draft" in plan.infos)),
             mem.MemoryOptions(param_bytes=plan.dtype.itemsize,
                               distributed_optimizer=plan.optim.use_distributed_optimizer,
                               recompute=plan.par.recompute_granularity or "none",

@@ -77,8 +77,8 @@ class _RandomSelector:
     def __init__(self, seed: int, max_n: int = 4):
         self.g, self.max_n = torch.Generator().manual_seed(seed), max_n
 
-    def choose(self, batch: int) -> int:
-        return int(torch.randint(0, self.max_n + 1, (1,), generator=self.g))
+    def choose(self, batch: int, found=None, widest: int | None = None) -> int:
+        return int(torch.randint(0, (self.max_n if widest is None else widest) + 1, (1,), generator=self.g))
 
     def observe(self, *args) -> None:
         pass
@@ -154,3 +154,26 @@ def test_repeats_are_found(models):
         r = generator.generate(_prompts(), cfg, SpecConfig(4, draft_source="history"), seed=SEED + epoch)
         lengths.append(1 + r.stats.history_accepted / r.stats.verifications)
     assert lengths[1] > 4.0 and lengths[0] < lengths[1], lengths
+
+
+def test_a_history_round_is_as_wide_as_the_longest_proposal(models):
+    """Without a draft model a round verifies no more than the longest proposal among the
+    live samples (none: a plain step); with a model the model fills the width."""
+    history, actor, draft = HistoryDrafter(), *models
+    looked_up = (None, None, [0, 2, 1])
+    assert Generator(actor, history=history)._choose(None, 3, 4, looked_up) == 2
+    assert Generator(actor, history=history)._choose(None, 3, 4, (None, None, [0, 0, 0])) == 0
+    assert Generator(actor, draft, history=history)._choose(None, 3, 4, looked_up) == 4
+
+
+def test_long_running_samples_draft_further_and_change_nothing(models, plain):
+    """DAS: samples past ``long_after`` tokens draft up to twice ``n``. With a history of
+    the same answers (a second epoch, greedy) rounds wider than n=2 happen, and the tokens
+    are still plain decoding's."""
+    cfg = SETTINGS["greedy"]
+    generator = Generator(models[0], history=HistoryDrafter(long_after=6))
+    spec = SpecConfig(2, draft_source="history")
+    generator.generate(_prompts(), cfg, spec, seed=SEED + 1)
+    r = generator.generate(_prompts(), cfg, spec, seed=SEED)
+    assert torch.equal(r.response_ids, plain["greedy"])
+    assert spec.max_tokens(False) == 4 and sum(r.stats.rounds_by_draft_len[3:]) > 0, r.stats.rounds_by_draft_len

@@ -13,7 +13,7 @@ from megatron_rlhf.generation import rng
 from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.generation.migration import plan_transfers
 from megatron_rlhf.generation.strategy import (
-    Acceptance, CostTable, Selector, best_draft_length, load_or_profile, profile,
+    Acceptance, CostTable, Selector, best_draft_length, expected_tokens_mixed, load_or_profile, profile,
 )
 
 
@@ -94,6 +94,49 @@ def test_a_length_whose_overhead_was_never_measured_gets_tried():
     assert sel.choose(1) == 0
 
 
+def test_each_source_counts_only_the_positions_it_drafted():
+    """History rows drafted ``found`` tokens and the model the rest (or padding): a
+    source's acceptance at position i counts only the rows whose position i it drafted."""
+    accepted, found = torch.tensor([2, 0, 3, 1]), torch.tensor([2, 0, 1, 3])
+    hist, model = Acceptance(3, decay=1.0, prior_weight=0.0), Acceptance(3, decay=1.0, prior_weight=0.0)
+    hist.observe(accepted, 3, hi=found)
+    model.observe(accepted, 3, lo=found)
+    # position 0: history rows 0, 2, 3 (all passed); model row 1 (refused)
+    # position 1: history rows 0 (passed) and 3 (refused); model row 2 (passed)
+    # position 2: history row 3 never reached it; model rows 0 (refused) and 2 (passed)
+    assert hist.tried == [3, 2, 0] and hist.passed == [3, 1, 0]
+    assert model.tried == [1, 1, 2] and model.passed == [0, 1, 1]
+
+
+def test_expected_tokens_mix_the_sources_row_by_row():
+    h, m = [0.9, 0.8, 0.5], [0.4, 0.3, 0.2]
+    # history only: a row with 2 found stops after them, a row with 0 emits one token
+    assert expected_tokens_mixed(3, [2, 0], h, None) == pytest.approx(((1 + 0.9 + 0.72) + 1) / 2)
+    # with the model: the row of 2 found continues with the model's position-2 rate;
+    # the row of 0 found is the model's throughout
+    row2 = 1 + 0.9 + 0.72 + 0.72 * 0.2
+    row0 = 1 + 0.4 + 0.4 * 0.3 + 0.4 * 0.3 * 0.2
+    assert expected_tokens_mixed(3, [2, 0], h, m) == pytest.approx((row2 + row0) / 2)
+    assert expected_tokens_mixed(1, [2, 0], h, None) == pytest.approx((1.9 + 1) / 2)  # narrower
+    assert expected_tokens_mixed(3, [], h, m) == 1.0
+
+
+def test_the_selector_weighs_what_the_history_found(monkeypatch):
+    """A verification of n tokens costs 1 + 0.3 n plain steps. History drafts are
+    accepted at 0.9: when most samples' history found 3 tokens it drafts 3; when one
+    sample in eight found any, drafting does not pay and it decodes plainly."""
+    from megatron_rlhf.generation import strategy
+
+    monkeypatch.setattr(strategy, "EXPLORATION", 0.0)
+    costs = CostTable(batches=[1, 64], actor={t: [1.0 + 0.3 * (t - 1)] * 2 for t in range(1, 6)})
+    sel = Selector(costs, 4, None, Acceptance(8, decay=1.0, prior=0.9, prior_weight=10.0))
+    assert sel.choose(8, [3] * 7 + [0], widest=3) == 3
+    assert sel.choose(8, [3] + [0] * 7, widest=3) == 0
+    assert sel.choose(8, [0] * 8, widest=0) == 0
+    with pytest.raises(ValueError, match="draft source"):
+        Selector(costs, 4, None, None)
+
+
 def test_cost_table_interpolates_and_round_trips(tmp_path):
     t = table(0.01, 0.05, 0.002)
     assert t.actor_s(8, 2) == pytest.approx((0.05 + 0.02) * (1 + 8 / 64))
@@ -157,7 +200,7 @@ def test_auto_with_a_profiled_table_keeps_greedy_tokens(world1, kind, tmp_path):
     # alternate plain and drafting rounds: the draft's catch-up buffer spans several steps
     sel = gen.selector
     turn = itertools.cycle([0, 0, 3, 1, 0, 2, 0, 0, 0, 3])
-    sel.choose = lambda batch: next(turn)
+    sel.choose = lambda batch, *_: next(turn)
     r = gen.generate(PROMPTS, cfg, spec)
     assert r.responses() == plain and r.stats.rounds_by_draft_len[0] > 0 and r.stats.verifications > 0
 
