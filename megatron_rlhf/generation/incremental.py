@@ -154,6 +154,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(b, h, n, d)
 
 
+WIDTH_INVARIANT_MAX_TOKENS = 17
+"""Widest forward (tokens per row) whose attention runs one query position at a time in
+half precision on the CPU (:func:`width_invariant`): verifications (``n + 1`` tokens,
+``n`` up to 8 drafts doubled for long samples) and short catch-ups, never a prefill chunk."""
+
+
+def width_invariant(dtype: torch.dtype, device, n: int) -> bool:
+    """Whether a cached forward of ``n`` tokens per row computes its attention one query
+    position at a time, each exactly as a one-token step computes it.
+
+    In bf16 on the CPU a verification over ``n + 1`` positions and ``n + 1`` one-token
+    steps gave logits up to 0.75 apart (SmolLM2, 12 rows): the attention's fp32 matmuls
+    sum in another order for ``n`` query rows than for one, and rounding the context to
+    bf16 turns those last-bit differences into bf16 ulps that 30 layers amplify. Computed
+    per position, the verification's logits equal the steps' bit for bit (measured: max
+    difference 0; the bf16 linears there are row-invariant), so exact verification keeps
+    the tokens of plain decoding in bf16 too. It costs ``n`` attention calls per layer
+    instead of one: small beside the linears on a CPU. fp32 is left as is (its
+    differences, ~3e-5 in the logits, come from the fp32 GEMMs); so is the GPU (SDPA)."""
+    return (1 < n <= WIDTH_INVARIANT_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
+            and attention_backend(device) == "matmul")
+
+
 def attended_length(cache, needed: int) -> int:
     """How many cache positions the attention reads when ``needed`` hold tokens: ``needed``,
     or on CPU with a half-precision cache the whole cache once ``needed`` reaches half of it.
@@ -206,6 +229,7 @@ class _Step:
     k_len: int
     tp: object = None  # the TP group when its size > 1 (for the plain layer path's all-reduce)
     packing: _Packing | None = None  # the layers' activations hold real tokens only
+    position_biases: list | None = None  # per query position (width_invariant): its mask's bias
 
 
 def _layer_step(layer, idx: int, x, cache, s: _Step):
@@ -230,11 +254,17 @@ def _cached_attention(idx: int, q, k, v, cache, s: _Step):
     if s.packing is not None:
         q, k, v = (s.packing.unpack(t) for t in (q, k, v))
     q, k = rotate(q, s.cos, s.sin), rotate(k, s.cos, s.sin)
+    dtype = q.dtype
     cache.write(idx, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), s.slots)
     keys, values = cache.keys[idx][:, :, :s.k_len], cache.values[idx][:, :, :s.k_len]
-    ctx = attention(q.permute(1, 2, 0, 3).to(keys.dtype), keys, values, s.mask, s.bias)  # [B, heads, n, d]
-    n, b = q.shape[0], q.shape[1]
-    ctx = ctx.permute(2, 0, 1, 3).reshape(n, b, -1).to(q.dtype)
+    q = q.permute(1, 2, 0, 3).to(keys.dtype)
+    if s.position_biases is not None:  # each position as a one-token step computes it
+        ctx = torch.cat([attention(q[:, :, j:j + 1], keys, values, s.mask[:, :, j:j + 1], bias)
+                         for j, bias in enumerate(s.position_biases)], 2)
+    else:
+        ctx = attention(q, keys, values, s.mask, s.bias)  # [B, heads, n, d]
+    b, n = q.shape[0], q.shape[2]
+    ctx = ctx.permute(2, 0, 1, 3).reshape(n, b, -1).to(dtype)
     return ctx if s.packing is None else s.packing.pack(ctx)
 
 
@@ -396,14 +426,16 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     mask = attention_mask(cache.lengths, n, k_len)
     x = model.embedding(input_ids=tokens, position_ids=pos)  # [n, B, h]
     cfg = model.mrlhf_config
-    bias = None if attention_backend(x.device) == "sdpa" else group_bias(
-        mask, cfg.num_attention_heads // cfg.num_query_groups, torch.float32)
+    groups = cfg.num_attention_heads // cfg.num_query_groups
+    biases = ([group_bias(mask[:, :, j:j + 1], groups, torch.float32) for j in range(n)]
+              if width_invariant(x.dtype, x.device, n) else None)
+    bias = None if biases or attention_backend(x.device) == "sdpa" else group_bias(mask, groups, torch.float32)
     tp = model.pg_collection.tp
     packing = None
     if valid is not None and int(valid.min()) < n:
         packing = _Packing(valid, n, b)
     step = _Step(*rope.angles(pos, x.dtype), mask, bias, cache.slots(n), k_len,
-                 tp if tp.size() > 1 else None, packing)
+                 tp if tp.size() > 1 else None, packing, biases)
     layer_step = _plain_layer_step if plain_layers(model) else _layer_step
     if getattr(model, "feature_fusion", None) is not None:
         if features is None:

@@ -82,3 +82,56 @@ def test_gpu_defaults():
 
     assert inc.prefill_chunk_tokens("cpu") == 2048
     assert inc.prefill_chunk_tokens("cuda") == memory.PREFILL_CHUNK_TOKENS == 8192
+
+
+def _row_by_row(x, weight):
+    """A linear computed one row at a time: the same kernel for every row, whatever the
+    number of rows (the test isolates the attention's width invariance from the GEMMs')."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.cat([torch.nn.functional.linear(flat[i:i + 1], weight) for i in range(flat.shape[0])])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _verify_vs_steps(model, n: int, prompt_lengths=(40, 57, 71, 90, 100)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of ``n`` tokens fed after random prompts as one verification forward, and as
+    ``n`` one-token steps."""
+    from megatron_rlhf.generation.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 200, (length,), generator=g).tolist() for length in prompt_lengths]
+    toks = torch.randint(2, 200, (len(prompts), n), generator=g)
+    max_len = max(prompt_lengths) + n
+    out = []
+    for width in (n, 1):
+        cache, rope = KVCache.for_model(model, len(prompts), max_len), inc.RopeTable(model, max_len)
+        with torch.no_grad():
+            inc.prefill(model, cache, prompts, rope)
+            out.append(torch.cat([inc.forward_cached(model, cache, toks[:, i:i + width], rope)
+                                  for i in range(0, n, width)], 1))
+    return out[0], out[1]
+
+
+@pytest.fixture(scope="module")
+def smollm2_shaped(world1):
+    """SmolLM2-135M's shape (9 heads in 3 KV groups of 64, vocabulary 49152), 2 layers,
+    random bf16 weights: where one attention call over 5 positions was seen to differ."""
+    return build_model(preset("smollm2-135m", num_layers=2), "actor", world1, dtype=torch.bfloat16, seed=2).eval()
+
+
+LENGTHS = tuple(range(60, 120, 5))  # 12 prompts
+
+
+def test_bf16_verification_equals_one_token_steps_bit_for_bit(smollm2_shaped, monkeypatch):
+    """In bf16 on the CPU a verification's attention runs one query position at a time
+    (``width_invariant``), so its logits are the one-token steps' bit for bit: exact
+    verification then keeps plain decoding's tokens in bf16 too. The linears run row by
+    row here, so that only the attention is on trial (bf16 GEMMs were row-invariant on the
+    CPUs measured, but that is the kernel library's business). Sabotaged (one attention
+    call over the 5 positions), this fails on the 2-core EPYC: logits up to 0.0078 apart
+    on this model, 0.75 on SmolLM2's 30 trained layers; whether it fails elsewhere depends
+    on how a CPU's fp32 matmuls order their sums for 15 query rows against 3."""
+    monkeypatch.setattr(inc, "_linear", _row_by_row)
+    assert inc.width_invariant(torch.bfloat16, "cpu", 5) and not inc.width_invariant(torch.float32, "cpu", 5)
+    assert not inc.width_invariant(torch.bfloat16, "cpu", inc.WIDTH_INVARIANT_MAX_TOKENS + 1)  # prefill
+    wide, steps = _verify_vs_steps(smollm2_shaped, 5, LENGTHS)
+    assert torch.equal(wide, steps)
