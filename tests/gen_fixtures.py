@@ -80,3 +80,20 @@ def decode_attention_error(model, static: bool = False, drop_mask: bool = False)
                 ref = lm_logits(model, torch.tensor([s]))[0, -n:].float()
                 worst = max(worst, float((out[b].float() - ref).abs().max() / ref.abs().max()))
     return worst
+
+
+class RandomSelector:
+    """An ``auto`` selector that picks plain decoding or ``1..max_n`` drafts uniformly at
+    random every round (seeded), to mix plain steps and every draft length in one run."""
+
+    def __init__(self, max_n: int, seed: int):
+        self.max_n, self.choices = max_n, []
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def choose(self, batch: int, found=None, widest: int | None = None) -> int:
+        top = self.max_n if widest is None else widest
+        self.choices.append(int(torch.randint(0, top + 1, (1,), generator=self.gen)))
+        return self.choices[-1]
+
+    def observe(self, *args) -> None:
+        pass

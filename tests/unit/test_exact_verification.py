@@ -23,7 +23,7 @@ from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.generation.history import HistoryDrafter
 from megatron_rlhf.generation.sampling import draw
 
-from gen_fixtures import PROMPTS, actor_and_draft
+from gen_fixtures import PROMPTS, RandomSelector, actor_and_draft
 
 GROUP = 3
 SETTINGS = {
@@ -70,20 +70,6 @@ def test_drafts_change_no_sample(models, plain, setting, source):
         assert 0 < stats.history_accepted < stats.history_drafted
 
 
-class _RandomSelector:
-    """A selector whose choices are random (seeded): runs with different seeds draft
-    differently, as the auto selector does on different timings."""
-
-    def __init__(self, seed: int, max_n: int = 4):
-        self.g, self.max_n = torch.Generator().manual_seed(seed), max_n
-
-    def choose(self, batch: int, found=None, widest: int | None = None) -> int:
-        return int(torch.randint(0, (self.max_n if widest is None else widest) + 1, (1,), generator=self.g))
-
-    def observe(self, *args) -> None:
-        pass
-
-
 @pytest.mark.parametrize("source", ["model", "history"])
 def test_samples_do_not_depend_on_the_selectors_choices(models, plain, source):
     """Under ``auto`` the drafting choices depend on timings; under exact verification the
@@ -91,12 +77,12 @@ def test_samples_do_not_depend_on_the_selectors_choices(models, plain, source):
     actor, draft = models
     model = draft if source == "model" else None
     runs = [_generate(actor, model, HistoryDrafter() if source == "history" else None,
-                      SpecConfig("auto", draft_source=source), selector=_RandomSelector(s))[0]
+                      SpecConfig("auto", draft_source=source), selector=RandomSelector(4, s))[0]
             for s in (1, 2)]
     assert torch.equal(runs[0], plain["T1"]) and torch.equal(runs[1], plain["T1"])
     if source == "model":
         rejected = [_generate(actor, draft, spec=SpecConfig("auto", verify="rejection"),
-                              selector=_RandomSelector(s))[0] for s in (1, 2)]
+                              selector=RandomSelector(4, s))[0] for s in (1, 2)]
         assert not torch.equal(rejected[0], rejected[1])
 
 

@@ -35,7 +35,7 @@ import zlib
 import pytest
 import torch
 
-from gen_fixtures import actor_and_draft, feature_draft_for
+from gen_fixtures import RandomSelector, actor_and_draft, feature_draft_for
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.generation.sampling import draw, probs_for_sampling
@@ -118,22 +118,6 @@ def rule_for(name: str, cfg: GenerationConfig):
 
 
 # ------------------------------------------------------------------------ sampling
-class RandomSelector:
-    """An ``auto`` selector that picks plain decoding or ``1..max_n`` drafts uniformly at
-    random every round (seeded), to mix plain steps and every draft length in one run."""
-
-    def __init__(self, max_n: int, seed: int):
-        self.max_n, self.choices = max_n, []
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def choose(self, batch: int) -> int:
-        self.choices.append(int(torch.randint(0, self.max_n + 1, (1,), generator=self.gen)))
-        return self.choices[-1]
-
-    def observe(self, batch, n, seconds, accepted) -> None:
-        pass
-
-
 class RecordingRule:
     """An accept rule that remembers each call's draft length and per-row verdict."""
 
