@@ -165,13 +165,15 @@ class Generator:
                              history=self.history is not None)
 
     def selector_for(self, spec: SpecConfig, batch: int, max_len: int):
-        """The ``auto`` selector, built at the first call: its cost table is loaded from
-        ``spec.cost_profile`` or profiled now (and saved there)."""
+        """The ``auto`` selector, built at the first call: its costs are learned from the
+        rounds as they run (:class:`~megatron_rlhf.generation.strategy.OnlineCosts`), or,
+        with ``spec.cost_profile``, loaded from that file or profiled now (and saved there)."""
         from megatron_rlhf.generation import strategy
 
         if self.selector is None or self.selector.max_n != spec.max_draft_tokens:
-            costs = strategy.load_or_profile(self.actor, self.draft, spec, batch, max_len,
-                                             graphs=self._mode == "cuda")
+            costs = (strategy.OnlineCosts() if spec.cost_profile is None else
+                     strategy.load_or_profile(self.actor, self.draft, spec, batch, max_len,
+                                              graphs=self._mode == "cuda"))
             widest = spec.max_tokens(self.draft is not None)
 
             def acceptance():

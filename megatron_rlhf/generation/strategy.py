@@ -110,6 +110,83 @@ class CostTable:
             raise ValueError(f"cost profile {path} is unreadable ({e}); delete it to re-profile") from e
 
 
+class _Fit:
+    """A decayed least-squares line ``y = a + b x`` (``a, b >= 0``) over observations."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + x, d * self.sy + y
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+
+    def predict(self, x: float) -> float | None:
+        """None before any observation; a line through the origin while every observation
+        had about the same ``x`` (nothing tells the fixed part from the part per unit)."""
+        if self.w == 0:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        if var <= 1e-3 * mx * mx:
+            return my * x / mx if mx > 0 else my
+        slope = min(max((self.sxy / self.w - mx * my) / var, 0.0), my / mx if mx > 0 else 0.0)
+        return my + slope * (x - mx)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("w", "sx", "sy", "sxx", "sxy")}
+
+
+class OnlineCosts:
+    """Round latencies learned from the rounds as they run: no profile at the first call
+    (the profile took 19 s on SmolLM2 at batch 32 on one CPU core, as long as a rollout).
+
+    Each round's measured seconds (what the selector observes: the whole round as it ran,
+    drafting, graphs and sampling included) update two fits:
+
+    - per draft length ``n``, seconds against the live batch (a decayed line);
+    - over all rounds, seconds against the tokens the actor runs, ``batch * (n + 1)``: the
+      prior for a length not yet measured (a verification of ``n + 1`` tokens costs what
+      that many tokens cost in plain steps; while the batch has not changed, in
+      proportion to its tokens).
+
+    The first round is a plain step (nothing is known of drafting); a drafting length is
+    tried once the prior, corrected by what the batch's shrinking taught, says it pays.
+    """
+
+    models = "online"
+
+    def __init__(self, decay: float = 0.95):
+        self.decay = decay
+        self.by_n: dict[int, _Fit] = {}
+        self.tokens = _Fit(decay)
+
+    def observe(self, batch: int, n: int, seconds: float) -> None:
+        self.by_n.setdefault(n, _Fit(self.decay)).add(batch, seconds)
+        self.tokens.add(batch * (n + 1), seconds)
+
+    def round_s(self, batch: int, n: int) -> float:
+        """Predicted seconds of a round of ``n`` drafts at ``batch`` live samples (0 when
+        nothing is measured yet for a plain step, inf for drafting: measure plain first)."""
+        fit = self.by_n.get(n)
+        if fit is not None and fit.w >= 1:
+            mx = fit.sx / fit.w
+            var = fit.sxx / fit.w - mx * mx
+            if var > 1e-3 * mx * mx:  # this length measured at several batches
+                return fit.predict(batch)
+            here, there = self.tokens.predict(batch * (n + 1)), self.tokens.predict(mx * (n + 1))
+            return fit.sy / fit.w * (here / there if here and there else 1.0)
+        prior = self.tokens.predict(batch * (n + 1))
+        if prior is None:
+            return 0.0 if n == 0 else math.inf
+        return prior
+
+    def to_dict(self) -> dict:
+        return {"models": self.models, "tokens": self.tokens.to_dict(),
+                "by_n": {str(n): f.to_dict() for n, f in sorted(self.by_n.items())}}
+
+
 def best_draft_length(round_s: list[float], expected_tokens: list[float]) -> int:
     """The ``n`` with the most expected tokens per second (ties: the smaller ``n``)."""
     rates = [e / max(s, 1e-12) for e, s in zip(expected_tokens, round_s)]
@@ -202,7 +279,10 @@ class Selector:
         return int(round(math.log2(max(batch, 1))))
 
     def round_s(self, batch: int, n: int) -> float:
-        """Predicted round latency, corrected by the rounds measured most like it."""
+        """Predicted round latency: learned online (:class:`OnlineCosts`), or the profile
+        corrected by the rounds measured most like it."""
+        if isinstance(self.costs, OnlineCosts):
+            return self.costs.round_s(batch, n)
         return self.costs.round_s(batch, n) * self.factor(n, self._octave(batch))
 
     def factor(self, n: int, octave: int) -> float:
@@ -239,7 +319,11 @@ class Selector:
                 found: torch.Tensor | None = None) -> None:
         """A measured round: refresh the latency correction and each source's acceptance
         (``found [live]``: the drafts of each sample that came from the history)."""
-        predicted = self.costs.round_s(batch, n)
+        if isinstance(self.costs, OnlineCosts):
+            self.costs.observe(batch, n, seconds)
+            predicted = 0.0
+        else:
+            predicted = self.costs.round_s(batch, n)
         if predicted > 0:
             key = (n, self._octave(batch))
             ratio = seconds / predicted

@@ -13,7 +13,8 @@ from megatron_rlhf.generation import rng
 from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.generation.migration import plan_transfers
 from megatron_rlhf.generation.strategy import (
-    Acceptance, CostTable, Selector, best_draft_length, expected_tokens_mixed, load_or_profile, profile,
+    Acceptance, CostTable, OnlineCosts, Selector, best_draft_length, expected_tokens_mixed, load_or_profile,
+    profile,
 )
 
 
@@ -135,6 +136,39 @@ def test_the_selector_weighs_what_the_history_found(monkeypatch):
     assert sel.choose(8, [0] * 8, widest=0) == 0
     with pytest.raises(ValueError, match="draft source"):
         Selector(costs, 4, None, None)
+
+
+def test_online_costs_learn_the_fixed_and_per_token_parts(monkeypatch):
+    """Rounds cost 50 ms + 5 ms per token (a CPU-like line). Before anything is measured a
+    plain step is the choice; while the batch has stayed at 32, a verification is priced in
+    proportion to its tokens (4 drafts: 5 plain steps); once plain steps at shrinking
+    batches are measured, the fixed part is known, and with drafts accepted at 0.6 the
+    selector drafts at small batches and decodes plainly at large ones."""
+    from megatron_rlhf.generation import strategy
+
+    monkeypatch.setattr(strategy, "EXPLORATION", 0.0)
+    costs = OnlineCosts()
+
+    def cost(b, n):
+        return 0.05 + 0.005 * b * (n + 1)
+
+    sel = Selector(costs, 4, Acceptance(4, decay=1.0, prior=0.6, prior_weight=10.0))
+    assert sel.choose(32) == 0 and costs.round_s(32, 0) == 0 and costs.round_s(32, 2) == float("inf")
+    for _ in range(5):
+        sel.observe(32, 0, cost(32, 0), None)
+    assert costs.round_s(32, 4) == pytest.approx(5 * cost(32, 0))
+    for b in range(32, 0, -1):
+        sel.observe(b, 0, cost(b, 0), None)
+    for b in (1, 2, 8, 32):
+        for n in (0, 1, 4):
+            assert costs.round_s(b, n) == pytest.approx(cost(b, n), rel=1e-6), (b, n)
+    tokens = [sel.acceptance.expected_tokens(n) for n in range(5)]
+    for b in (1, 32):  # the choice the true costs make
+        assert sel.choose(b) == best_draft_length([cost(b, n) for n in range(5)], tokens)
+    assert sel.choose(1) == 3 and sel.choose(32) == 0
+    sel.observe(2, 3, 2 * cost(2, 3), torch.tensor([3, 3]))  # measured dearer than the prior
+    assert costs.round_s(2, 3) == pytest.approx(2 * cost(2, 3))
+    assert costs.to_dict()["by_n"]["3"]["w"] == 1
 
 
 def test_cost_table_interpolates_and_round_trips(tmp_path):
@@ -266,3 +300,23 @@ def test_keyed_uniforms_are_uniform_and_independent():
     for a, b in ((grid[:, 1:], grid[:, :-1]), (grid[1:], grid[:-1])):
         c = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
         assert abs(float(c)) < 0.01
+
+
+def test_auto_without_a_profile_learns_costs_as_it_runs(world1, monkeypatch):
+    """No --cost-profile: no profiling at the first call (it would raise here); the costs
+    are the rounds' own, and greedy tokens equal plain decoding."""
+    from megatron_rlhf.generation import strategy
+
+    def no_profile(*a, **k):
+        raise AssertionError("profiled")
+
+    monkeypatch.setattr(strategy, "profile", no_profile)
+    actor, draft = actor_and_draft(world1, noise=0.0)
+    cfg = GenerationConfig(max_new_tokens=20, temperature=0)
+    plain = Generator(actor).generate(PROMPTS, cfg).responses()
+    gen = Generator(actor, draft)
+    r = gen.generate(PROMPTS, cfg, SpecConfig("auto", max_draft_tokens=3))
+    assert r.responses() == plain
+    costs = gen.selector.costs
+    assert isinstance(costs, OnlineCosts) and costs.by_n[0].w > 0
+    assert r.stats.rounds_by_draft_len[0] >= 1  # the first round is plain: nothing was measured
