@@ -171,6 +171,20 @@ def test_online_costs_learn_the_fixed_and_per_token_parts(monkeypatch):
     assert costs.to_dict()["by_n"]["3"]["w"] == 1
 
 
+def test_drafting_must_beat_a_plain_step_by_the_margin(monkeypatch):
+    """Drafts accepted at 0.5: one draft emits 1.5 tokens. A verification that costs 1.4
+    plain steps promises 7% more tokens per second (within DRAFT_MARGIN: plain); one that
+    costs 1.2 steps promises 25% more (drafted)."""
+    from megatron_rlhf.generation import strategy
+
+    monkeypatch.setattr(strategy, "EXPLORATION", 0.0)
+    assert strategy.DRAFT_MARGIN == 0.1
+    acc = Acceptance(1, decay=1.0, prior=0.5, prior_weight=10.0)
+    for ratio, chosen in ((1.4, 0), (1.2, 1)):
+        costs = CostTable(batches=[1, 64], actor={1: [1.0, 1.0], 2: [ratio, ratio]})
+        assert Selector(costs, 1, acc).choose(8) == chosen, ratio
+
+
 def test_cost_table_interpolates_and_round_trips(tmp_path):
     t = table(0.01, 0.05, 0.002)
     assert t.actor_s(8, 2) == pytest.approx((0.05 + 0.02) * (1 + 8 / 64))
