@@ -141,7 +141,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="largest draft length auto considers (default 4)")
     g.add_argument("--cost-profile", default=None,
                    help="auto: JSON of measured step latencies, loaded if it exists, else "
-                        "profiled at the first call (a few seconds) and written there")
+                        "profiled at the first call and written there (default: no profile; "
+                        "the costs are learned from the rounds as they run)")
     g.add_argument("--draft-source", choices=DRAFT_SOURCES, default=None,
                    help="drafts from the draft model (model; the default with --draft-load), the "
                         "rollout's own history (history: prompt, group siblings and earlier "

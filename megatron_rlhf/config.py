@@ -230,7 +230,9 @@ class SpecConfig:
     """Largest ``n`` the ``auto`` selector considers."""
     cost_profile: str | None = None
     """``auto``: a JSON file of measured step latencies, loaded when it exists, else
-    written after the engine profiles itself (a few seconds at the first call)."""
+    written after the engine profiles itself at the first call. None: no profile, the
+    selector learns the costs from the rounds as they run
+    (:class:`~megatron_rlhf.generation.strategy.OnlineCosts`)."""
     acceptance_decay: float = 0.98
     """``auto``: weight the acceptance estimate keeps per generation round (plain or
     speculative); older rounds fade so the estimate follows the actor as it trains."""

@@ -10,13 +10,17 @@ how often the actor accepts the draft. So before each round the selector picks t
     E[tokens | n] = 1 + sum_{j<n} prod_{i<=j} alpha_i      (alpha_i: acceptance at position i)
     time(b, n)    = draft(b, 2) + (n - 1) draft(b, 1) + actor(b, n + 1)   (n = 0: actor(b, 1))
 
-- :class:`CostTable`: latencies of one forward of the actor and of the draft by live batch
-  and tokens per sample, profiled when the engine starts (:func:`profile`, a few seconds),
-  or loaded from a JSON file; :class:`Selector` refreshes its predictions from measured
-  rounds (a correction per draft length and batch octave).
-- :class:`Acceptance`: per draft position, the decayed fraction of drafts the actor
-  accepted (it follows the actor as it trains); a bonus for positions rarely tried keeps
-  the selector exploring them.
+- costs: by default :class:`OnlineCosts`, learned from the rounds as they run (no profile
+  at the first call); with ``--cost-profile`` a :class:`CostTable` of one forward of the
+  actor and of the draft by live batch and tokens per sample, profiled once
+  (:func:`profile`) or loaded, which :class:`Selector` corrects from measured rounds (a
+  factor per draft length and batch octave).
+- :class:`Acceptance`: per draft source (the draft model, the history) and position, the
+  decayed fraction of drafts the actor accepted (it follows the actor as it trains); a
+  bonus for positions rarely tried keeps the selector exploring them. A history proposal
+  is known before the round: each sample's expected tokens count its own proposal's
+  length (:func:`expected_tokens_mixed`).
+- A draft length must promise :data:`DRAFT_MARGIN` more tokens per second than a plain step.
 
 Whatever it picks, each round is lossless: the choice only decides how many tokens the
 draft proposes before the actor decides.
@@ -116,6 +120,13 @@ class CostTable:
             raise ValueError(f"cost profile {path} is unreadable ({e}); delete it to re-profile") from e
 
 
+SPREAD = 0.2
+"""An online cost line is trusted once its observations' ``x`` spread this much (standard
+deviation over mean); before, costs are taken in proportion to ``x`` (no fixed part: the
+pessimistic reading). A line fitted to batches of 19-24 alone once priced a verification
+of 4 drafts at batch 19 like a plain step (203 ms); it took 565."""
+
+
 class _Fit:
     """A decayed least-squares line ``y = a + b x`` (``a, b >= 0``) over observations."""
 
@@ -128,14 +139,20 @@ class _Fit:
         self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + x, d * self.sy + y
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
 
+    def spread(self) -> bool:
+        """Whether the observations' ``x`` spread enough to tell the fixed part from the
+        part per unit (:data:`SPREAD`)."""
+        mx = self.sx / self.w
+        return self.sxx / self.w - mx * mx > (SPREAD * mx) ** 2
+
     def predict(self, x: float) -> float | None:
-        """None before any observation; a line through the origin while every observation
-        had about the same ``x`` (nothing tells the fixed part from the part per unit)."""
+        """None before any observation; a line through the origin (the mean's cost per
+        unit) until the observations spread (:meth:`spread`)."""
         if self.w == 0:
             return None
         mx, my = self.sx / self.w, self.sy / self.w
         var = self.sxx / self.w - mx * mx
-        if var <= 1e-3 * mx * mx:
+        if not self.spread():
             return my * x / mx if mx > 0 else my
         slope = min(max((self.sxy / self.w - mx * my) / var, 0.0), my / mx if mx > 0 else 0.0)
         return my + slope * (x - mx)
@@ -178,8 +195,7 @@ class OnlineCosts:
         fit = self.by_n.get(n)
         if fit is not None and fit.w >= 1:
             mx = fit.sx / fit.w
-            var = fit.sxx / fit.w - mx * mx
-            if var > 1e-3 * mx * mx:  # this length measured at several batches
+            if fit.spread():  # this length measured at batches far enough apart
                 return fit.predict(batch)
             here, there = self.tokens.predict(batch * (n + 1)), self.tokens.predict(mx * (n + 1))
             return fit.sy / fit.w * (here / there if here and there else 1.0)

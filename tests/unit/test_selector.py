@@ -157,6 +157,9 @@ def test_online_costs_learn_the_fixed_and_per_token_parts(monkeypatch):
     for _ in range(5):
         sel.observe(32, 0, cost(32, 0), None)
     assert costs.round_s(32, 4) == pytest.approx(5 * cost(32, 0))
+    for b in range(32, 26, -1):  # batches within 20% of each other: still read in proportion
+        sel.observe(b, 0, cost(b, 0), None)
+    assert costs.round_s(29, 4) > 4 * cost(29, 0)
     for b in range(32, 0, -1):
         sel.observe(b, 0, cost(b, 0), None)
     for b in (1, 2, 8, 32):
