@@ -157,6 +157,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="history drafts: earlier responses kept per prompt (default 16)")
     g.add_argument("--history-prompts", type=int, default=4096,
                    help="history drafts: prompts whose responses are kept (default 4096)")
+    g.add_argument("--history-global", type=int, default=0,
+                   help="history drafts: newest responses to any prompt kept in a global index, "
+                        "drafted from where they match longer than the prompt's history (default 0: off)")
 
 
 def _draft_tokens(value: str):

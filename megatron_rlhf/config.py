@@ -252,6 +252,9 @@ class SpecConfig:
     """History drafts: earlier responses kept per prompt (newest first)."""
     history_prompts: int = 4096
     """History drafts: prompts whose responses are kept (least recently used dropped)."""
+    history_global: int = 0
+    """History drafts: the newest responses to any prompt kept in a global index, drafted
+    from where they match longer than the prompt's own history (0: no global index)."""
 
     def __post_init__(self) -> None:
         n = self.num_draft_tokens
@@ -271,6 +274,8 @@ class SpecConfig:
                              f"{self.draft_source} drafts single tokens from the history: use --spec-verify exact")
         _positive("history_responses", self.history_responses)
         _positive("history_prompts", self.history_prompts)
+        if self.history_global < 0:
+            raise ValueError(f"--history-global must be >= 0, got {self.history_global}")
 
     @property
     def uses_history(self) -> bool:

@@ -16,6 +16,8 @@ own that lives across the epochs, so its history holds the earlier epochs' answe
 - ``off``: plain decoding;
 - ``history``: history drafts, 3 per round (``--num-draft-tokens 3``);
 - ``history-auto``: history drafts, the selector choosing plain or 1..4 per round;
+- ``history-global-auto``: the same with a global index of the newest 256 responses to any
+  prompt (``--history-global 256``);
 - ``model-auto`` / ``both-auto`` (with ``--draft-load``): the draft model, or both sources.
 
 All verification is exact, so every variant emits the same tokens (checked: a variant
@@ -37,7 +39,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("off", "history", "history-auto", "model-auto", "both-auto")
+VARIANTS = ("off", "history", "history-auto", "history-global-auto", "model-auto", "both-auto")
 
 
 def parse_args(argv=None):
@@ -74,6 +76,7 @@ def spec_of(variant: str):
 
     return {"off": SpecConfig(0), "history": SpecConfig(3, draft_source="history"),
             "history-auto": SpecConfig("auto", draft_source="history"),
+            "history-global-auto": SpecConfig("auto", draft_source="history", history_global=256),
             "model-auto": SpecConfig("auto", draft_source="model"),
             "both-auto": SpecConfig("auto", draft_source="both")}[variant]
 

@@ -121,7 +121,8 @@ def history_drafter(spec: SpecConfig) -> HistoryDrafter | None:
     """The history drafter ``spec`` asks for (None: drafts do not come from the history)."""
     if not spec.uses_history:
         return None
-    return HistoryDrafter(max_responses=spec.history_responses, max_prompts=spec.history_prompts)
+    return HistoryDrafter(max_responses=spec.history_responses, max_prompts=spec.history_prompts,
+                          global_responses=spec.history_global)
 
 
 class Generator:

@@ -11,6 +11,12 @@ a sample's latest tokens as it occurred before, in
   ``max_responses`` per prompt, at most ``max_prompts`` prompts, least recently used
   evicted), in host memory beside the generator.
 
+Optionally (``global_responses`` > 0) a global index holds the newest responses to any
+prompt: formats, phrases and closing lines that answers to different prompts share. A
+sample's draft takes, token by token, the longer of its prompt's match and the global
+one; a global match must span ``global_min_match`` tokens (single tokens of other
+prompts' answers are noise).
+
 All of a prompt's documents share one :class:`NgramIndex`: for every n-gram of 1 to
 ``max_match`` tokens, how often each token followed it. A proposal follows the longest
 n-gram ending the sample's context that the index holds, takes its most frequent
@@ -116,11 +122,18 @@ class HistoryDrafter:
     """
 
     def __init__(self, max_match: int = 8, max_responses: int = 16, max_prompts: int = 4096,
-                 min_confidence: float = 0.3, long_boost: int = HISTORY_LONG_BOOST, long_after: int = 256):
+                 min_confidence: float = 0.3, long_boost: int = HISTORY_LONG_BOOST, long_after: int = 256,
+                 global_responses: int = 0, global_min_match: int = 3):
         for name, v in (("max_match", max_match), ("max_responses", max_responses),
-                        ("max_prompts", max_prompts)):
+                        ("max_prompts", max_prompts), ("global_min_match", global_min_match)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if global_responses < 0:
+            raise ValueError(f"global_responses must be >= 0, got {global_responses}")
+        self.global_responses, self.global_min_match = global_responses, global_min_match
+        self.global_index = NgramIndex(max_match) if global_responses else None
+        """Continuations in the newest ``global_responses`` responses to any prompt (None: off)."""
+        self.global_docs: deque[list[int]] = deque()
         if not 0 <= min_confidence <= 1:
             raise ValueError(f"min_confidence must lie in [0, 1], got {min_confidence}")
         self.max_match, self.max_responses, self.max_prompts = max_match, max_responses, max_prompts
@@ -166,6 +179,12 @@ class HistoryDrafter:
         history.responses.append(live.doc)
         while len(history.responses) > self.max_responses:  # forget what the oldest added
             history.index.add(history.responses.popleft(), start=len(history.prompt), sign=-1)
+        if self.global_index is not None:
+            response = live.doc[len(history.prompt):]
+            self.global_index.add(response)
+            self.global_docs.append(response)
+            while len(self.global_docs) > self.global_responses:
+                self.global_index.add(self.global_docs.popleft(), sign=-1)
         self._trim_prompts()
 
     def _trim_prompts(self) -> None:
@@ -195,6 +214,10 @@ class HistoryDrafter:
         confidence = 1.0
         while len(out) < n:
             found = index.next_token(context)
+            if self.global_index is not None:  # the longer match of the two (ties: the prompt's)
+                other = self.global_index.next_token(context)
+                if other is not None and other[2] >= self.global_min_match and (found is None or other[2] > found[2]):
+                    found = other
             if found is None:
                 break
             tok, freq, _ = found
@@ -209,4 +232,6 @@ class HistoryDrafter:
         """Prompts held, responses kept and n-grams indexed (the history's size)."""
         return {"prompts": len(self.prompts),
                 "responses": sum(len(h.responses) for h in self.prompts.values()),
-                "ngrams": sum(len(h.index) for h in self.prompts.values())}
+                "ngrams": sum(len(h.index) for h in self.prompts.values()),
+                "global_responses": len(self.global_docs),
+                "global_ngrams": len(self.global_index) if self.global_index is not None else 0}

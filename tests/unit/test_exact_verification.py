@@ -163,3 +163,15 @@ def test_long_running_samples_draft_further_and_change_nothing(models, plain):
     r = generator.generate(_prompts(), cfg, spec, seed=SEED)
     assert torch.equal(r.response_ids, plain["greedy"])
     assert spec.max_tokens(False) == 4 and sum(r.stats.rounds_by_draft_len[3:]) > 0, r.stats.rounds_by_draft_len
+
+
+def test_a_global_index_changes_no_sample(models, plain):
+    """Drafts from other prompts' answers (``--history-global``) are verified like any:
+    over two epochs the tokens are plain decoding's; the global index holds both epochs' answers."""
+    drafter = HistoryDrafter(global_responses=64, global_min_match=2)
+    generator = Generator(models[0], history=drafter)
+    spec = SpecConfig(3, draft_source="history", history_global=64)
+    for seed in (SEED + 1, SEED):
+        r = generator.generate(_prompts(), SETTINGS["T1"], spec, seed=seed)
+    assert torch.equal(r.response_ids, plain["T1"]) and drafter.stats()["global_responses"] == 2 * len(_prompts())
+    assert r.stats.history_accepted > 0

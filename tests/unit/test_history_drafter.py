@@ -77,8 +77,43 @@ def test_history_is_bounded_per_prompt_and_in_prompts():
     assert drafter.stats()["prompts"] == 2
 
 
+def test_the_global_index_drafts_what_answers_to_other_prompts_share():
+    """Answers to two prompts end alike ([7, 8, 9, 60, 61, 62]); a third prompt's answer
+    reaching [7, 8, 9] is drafted from them, a match of 3 tokens; a 2-token match (below
+    ``global_min_match``) and a drafter without the global index draft nothing. The index
+    keeps the newest ``global_responses`` responses and forgets what the oldest added."""
+    def run(drafter):
+        for sid, prompt in ((0, [1, 2]), (1, [3, 4])):
+            drafter.begin(sid, prompt)
+            drafter.extend(sid, [50 + sid, 7, 8, 9, 60, 61, 62])
+            drafter.finish(sid)
+        drafter.begin(5, [90, 91])
+        return drafter
+
+    glob = run(HistoryDrafter(max_match=4, global_responses=2))
+    glob.extend(5, [8, 9])
+    assert glob.propose(5, 3) == []  # [8, 9]: 2 tokens, below the minimum of 3
+    glob.extend(5, [7, 8, 9])
+    assert glob.propose(5, 3) == [60, 61, 62]
+    plain = run(HistoryDrafter(max_match=4))
+    plain.extend(5, [7, 8, 9])
+    assert plain.propose(5, 3) == [] and plain.stats()["global_responses"] == 0
+    for sid in (6, 7):  # two newer responses push both earlier ones out of the global index
+        glob.begin(sid, [40 + sid])
+        glob.extend(sid, [1, 1, 1])
+        glob.finish(sid)
+    assert glob.stats()["global_responses"] == 2
+    assert glob.propose(5, 3) == [7, 8, 9]  # its own text now: after [8, 9] came 7
+    glob.finish(5)  # its answer [8, 9, 7, 8, 9] joins the global index, pushing out sample 6's
+    glob.begin(9, [99])
+    glob.extend(9, [9, 7, 8])
+    assert glob.propose(9, 1) == [9] and glob.stats()["global_responses"] == 2
+
+
 def test_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="max_responses"):
         HistoryDrafter(max_responses=0)
     with pytest.raises(ValueError, match="min_confidence"):
         HistoryDrafter(min_confidence=1.5)
+    with pytest.raises(ValueError, match="global_responses"):
+        HistoryDrafter(global_responses=-1)
