@@ -25,8 +25,8 @@ the machine, the model and the settings:
   best of plain and every fixed n measured here, ``rounds_by_draft_len``: how often it
   chose each length (index 0: plain steps). Goal: ``auto_vs_best`` >= 0.95 at every batch
   and dtype. One ``Generator(actor, draft)`` per dtype serves every auto measurement: its
-  selector profiles the models once, at its first call, on the largest batch (a few
-  seconds, before any timed round) and keeps its cost table and acceptance estimate.
+  selector learns its costs from the rounds it runs (first in an untimed warm-up call on
+  the largest batch) and keeps them and its acceptance estimate.
 
 The variants are interleaved: each of the --repeats rounds times the floor, then plain,
 HF, every fixed n and auto back to back, the order rotated by one each round (so with
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
         hf = None if args.skip_hf else load_hf(dtype)
         auto_engine = None
         if draft is not None and "auto" in args.num_draft_tokens:
-            # one selector for every batch: it profiles the models at its first call (here,
+            # one selector for every batch: it learns its costs from its first call (here,
             # on the largest batch so that its cost table spans them all) and keeps learning
             auto_engine = Generator(actor, draft, pad_id=pad_id)
             t0 = time.perf_counter()

@@ -8,7 +8,7 @@ Runs ``python -m megatron_rlhf.train`` (under torchrun, ``--nproc`` ranks, one t
 unless OMP_NUM_THREADS is set) once per variant and round, with the same seed, prompts,
 batch and flags (the demo's settings by default). Variants: plain decoding (always, the
 reference) and each ``--num-draft-tokens`` value: ``N`` (fixed draft length), ``auto`` (the
-workload-aware selector; it profiles the models in the first iteration), either with
+workload-aware selector; it learns its costs as it runs), either with
 ``+mig`` for sample migration between the DP ranks (``--sample-migration on``; every
 other variant runs with ``--sample-migration off``, and ``plain+mig`` is plain decoding
 with migration). With ``--repeats R`` every variant runs R times, the variants of a round
@@ -78,7 +78,7 @@ def run_variant(args, variant, extra: list[str], log: Path) -> list[dict]:
 
 def summarise(rows: list[dict], variant, r: int, args) -> dict:
     name, n, migrate = variant
-    steady = rows[1:] or rows  # the first iteration pays one-off allocations (and auto's profiling)
+    steady = rows[1:] or rows  # the first iteration pays one-off allocations
     mean = lambda k: statistics.fmean(x.get(k, 0.0) for x in steady)  # noqa: E731
     it = mean("time_iteration_s")
     hist = [sum(h) for h in zip(*[x["gen_rounds_by_draft_len"] for x in steady if "gen_rounds_by_draft_len" in x])]

@@ -27,7 +27,7 @@ strategies, hence the total new tokens are recorded per variant). Variants
 ``auto`` the selector (``SpecConfig("auto", max_draft_tokens)``); any of them with
 ``+mig``: sample migration between the DP ranks (``Migrator``, --migration-interval,
 --migration-threshold). One ``Generator`` per rank serves ``auto`` and ``auto+mig``: it
-profiles the models once in the warm-up (4 tokens per sample for every variant, before the
+starts learning its costs in the warm-up (4 tokens per sample for every variant, before the
 first round) and keeps its selector.
 
 Measured per rank, from a barrier to the return of ``generate``: wall time, **busy** time
@@ -336,7 +336,7 @@ def worker(args) -> int:
           "samples_per_rank": per, "settings": {k: (v if k != "variants" else [x[0] for x in v])
                                                 for k, v in vars(args).items() if k != "out"}})
 
-    # warm-up: every variant once on round 0's batch, 4 new tokens (auto profiles here)
+    # warm-up: every variant once on round 0's batch, 4 new tokens (auto starts learning its costs here)
     batch0 = round_batch(prompts, args, 0)
     short = GenerationConfig(max_new_tokens=min(4, args.max_new_tokens), temperature=args.temperature)
     t0 = time.perf_counter()

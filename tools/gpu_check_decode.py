@@ -311,7 +311,7 @@ class DecodeStages:
         gen = Generator(a16, d16, pad_id=self.pad_id)
         auto = SpecConfig("auto", max_draft_tokens=4)
         t0 = time.perf_counter()
-        gen.generate(prompts, greedy, auto)  # profiles the step costs, captures graphs
+        gen.generate(prompts, greedy, auto)  # learns the round costs, captures graphs
         self.sync()
         t_prof = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -323,7 +323,7 @@ class DecodeStages:
                             profile_and_warm_s=t_prof, stats=r.stats.to_dict())
         rows.append((f"auto (max 4), bf16, batch {b}", f"rounds by draft length "
                      f"{r.stats.rounds_by_draft_len}, {tok_s:.0f} tok/s, accepted length "
-                     f"{r.stats.mean_accepted_length:.2f} (first call, with profiling: {t_prof:.1f} s)"))
+                     f"{r.stats.mean_accepted_length:.2f} (first call, graphs captured: {t_prof:.1f} s)"))
         if problems:
             raise CheckFailed(f"greedy speculative != greedy plain beyond a near-tie: {problems[0]}")
         return (f"self-draft (actor checkpoint as draft), {s.spec_new} new tokens; equality in fp32"
