@@ -161,7 +161,9 @@ def _move_tensor(t: torch.Tensor, host: bool) -> torch.Tensor:
 class StageMemory:
     """Times each stage and records the peak memory of this process during it
     (``peak_mem_<stage>_gb``, GiB): on a GPU CUDA's peak allocated memory, on the CPU the
-    peak resident size (:func:`~megatron_rlhf.platform.peak_host_memory_bytes`)."""
+    peak resident size (:func:`~megatron_rlhf.platform.peak_host_memory_bytes`). Where the
+    host peak cannot be restarted at the stage's start, the stage has no peak metric rather
+    than the process's lifetime peak."""
 
     def __init__(self):
         self.metrics: dict[str, float] = {}
@@ -172,6 +174,7 @@ class StageMemory:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         host = not cuda and platform.reset_peak_host_memory()
+        self.metrics.pop(f"peak_mem_{name}_gb", None)  # never a previous call's value
         t0 = time.perf_counter()
         try:
             yield
