@@ -43,6 +43,7 @@ broadcast from the group's first rank, so every rank draws the same tokens.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,25 @@ from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.rollout import GenerationStats, Rollout
 from megatron_rlhf.generation.sampling import logprob_pair, probs_for_sampling, sample
 from megatron_rlhf.generation.state import Outputs, Rows
+
+@dataclass
+class Lookup:
+    """A round's history drafts, looked up before its width is chosen (:meth:`Generator._look_up`)."""
+
+    tokens: torch.Tensor
+    """``[R, width]`` each row's proposal, padded (on the rows' device)."""
+    found: list[int]
+    """Per row, the tokens its proposal holds (0 for a finished row)."""
+    alive: list[bool]
+    """Per row, whether it was alive when looked up."""
+    room: int
+    """Drafts a round may feed every live row (its cache has room for them)."""
+
+    @property
+    def found_live(self) -> list[int]:
+        """``found`` of the live rows, in row order."""
+        return [f for f, a in zip(self.found, self.alive) if a]
+
 
 CATCH_UP_MAX = 32
 """A run of plain steps lets the draft's catch-up buffer grow; at this width the draft is
@@ -250,8 +270,7 @@ class Generator:
             looked_up = self._look_up(rows, out, base_n, big_n, stats) if big_n and self.history is not None else None
             n = self._choose(selector, live, base_n, looked_up)
             if n:
-                k = self._spec_round(rows, out, cfg, n, key, rope, d_rope, stats, looked_up)
-                after = None
+                k, after = self._spec_round(rows, out, cfg, n, key, rope, d_rope, stats, looked_up)
             else:
                 after = self._plain_step(rows, out, cfg, key, rope, d_rope, big_n > 0 and self.draft is not None)
                 k = None
@@ -260,7 +279,7 @@ class Generator:
             if selector is not None:  # the draft's upkeep is no round's own cost
                 found = None  # per live row, the drafts that came from the history
                 if looked_up is not None and n:
-                    found = torch.tensor(looked_up[2], device=k.device).clamp(max=n)
+                    found = torch.tensor(looked_up.found_live, device=k.device).clamp(max=n)
                 selector.observe(live, n, time.perf_counter() - start - self._upkeep_s, k, found)
             live = after
         if self.history is not None:  # what is left unfinished here (migrated away) joins too
@@ -331,7 +350,7 @@ class Generator:
         what each sample's history proposes: a round without a model draft is no wider than
         the longest proposal (none: a plain step), and the selector weighs each sample's
         proposal with the history's acceptance."""
-        found = looked_up[2] if looked_up is not None else None
+        found = looked_up.found_live if looked_up is not None else None
         history_only = found is not None and self.draft is None
         widest = max(found, default=0) if history_only else None
         if selector is None:
@@ -449,36 +468,34 @@ class Generator:
                 self.history.finish(sid)
         return done
 
-    def _look_up(self, rows: Rows, out: Outputs, n: int, width: int, stats):
-        """History drafts for this round, before its width is chosen: ``(tokens [R, width],
-        found [R], found_live)``: each row's proposal of up to ``n`` tokens (a long-running
-        sample's up to ``width``: :meth:`HistoryDrafter.max_tokens`) padded to ``width``,
-        how many tokens it holds (0 for a finished row), and that count for the live rows
-        (host ints). A round narrower than ``width`` verifies each proposal's head; the pad
-        is verified like any draft token (and almost never accepted)."""
+    def _look_up(self, rows: Rows, out: Outputs, n: int, width: int, stats) -> Lookup:
+        """History drafts for this round, before its width is chosen (:class:`Lookup`): each
+        row's proposal of up to ``n`` tokens (a long-running sample's up to ``width``:
+        :meth:`HistoryDrafter.max_tokens`) padded to ``width``. A round narrower than
+        ``width`` verifies each proposal's head; the pad is verified like any draft token
+        (and almost never accepted). Reads the rows' state with one device-to-host copy."""
         start = time.perf_counter()
-        history, alive = self.history, rows["alive"].tolist()
-        sids, cache = rows["sid"].tolist(), rows.caches["actor"]
+        history, cache = self.history, rows.caches["actor"]
+        state = torch.stack([rows["alive"].long(), rows["sid"], cache.lengths]).tolist()
+        alive, sids = [bool(a) for a in state[0]], state[1]
         # the cache keeps room for n drafts (check_request); a longer one must fit every row
-        filled = max((length for length, a in zip(cache.lengths.tolist(), alive) if a), default=0)
-        cap = max(min(width, cache.max_len - filled - 1), n)
-        tokens = torch.full((len(sids), width), self.pad_id, dtype=torch.long)
-        found = torch.zeros(len(sids), dtype=torch.long)
-        found_live = []
+        filled = max((length for length, a in zip(state[2], alive) if a), default=0)
+        room = cache.max_len - filled - 1
+        cap = max(min(width, room), n)
+        tokens, found = [], []
         for r, s in enumerate(sids):
-            if not alive[r]:
-                continue
-            if s not in history.live:  # arrived by migration: rebuild its drafting state
-                plen = int(rows["prompt_len"][r])
-                history.begin(s, rows["prompt"][r, :plen].tolist(), out.tokens.get(s, []))
-            prop = history.propose(s, min(history.max_tokens(s, n), cap))
-            if prop:
-                tokens[r, :len(prop)] = torch.tensor(prop, dtype=torch.long)
-                found[r] = len(prop)
-            found_live.append(len(prop))
+            prop = []
+            if alive[r]:
+                if s not in history.live:  # arrived by migration: rebuild its drafting state
+                    plen = int(rows["prompt_len"][r])
+                    history.begin(s, rows["prompt"][r, :plen].tolist(), out.tokens.get(s, []))
+                prop = history.propose(s, min(history.max_tokens(s, n), cap))
+            tokens.append(prop + [self.pad_id] * (width - len(prop)))
+            found.append(len(prop))
         stats.history_s += time.perf_counter() - start
         dev = rows["sid"].device
-        return tokens.to(dev), found.to(dev), found_live
+        return Lookup(torch.tensor(tokens, dtype=torch.long, device=dev).view(len(sids), width),
+                      found, alive, max(room, n))
 
     def _buffer(self, rows: Rows, tok: torch.Tensor, hidden: torch.Tensor | None, d_rope) -> None:
         """Append ``tok [R]`` (and its actor hidden state ``[R, h]``) to the draft's catch-up
@@ -532,7 +549,16 @@ class Generator:
 
     def _spec_round(self, rows: Rows, out: Outputs, cfg, n, key, rope, d_rope, stats, looked_up=None):
         """One verification of ``n`` drafts per row: the draft model's, the history's
-        (``looked_up``: :meth:`_look_up`), or both (the history's where it found some)."""
+        (``looked_up``: :meth:`_look_up`), or both (the history's where it found some).
+        Returns the drafts accepted per live row ``[live]`` and the rows alive after it
+        (None: not known on the host)."""
+        runner = self._steps.get("actor") if self._mode is not None else None
+        if runner is not None and self.draft is None:  # history drafts: exact or greedy
+            from megatron_rlhf.generation import graphs
+
+            width = graphs.width_bucket(n, looked_up.room)
+            if runner.serves(rows.caches["actor"], width + 1):
+                return self._verified_round(runner, rows, out, cfg, n, width, key, stats, looked_up)
         cache, alive = rows.caches["actor"], rows["alive"]
         cache.lengths[~alive] = 0
         pending = torch.where(alive, rows["pending"], self.pad_id)
@@ -544,8 +570,7 @@ class Generator:
             stats.draft_steps += n
             drafts_t = torch.stack(drafts, 1)  # [R, n]
         if looked_up is not None:
-            hist, found, _ = looked_up
-            hist, found = hist[:, :n], found.clamp(max=n)
+            hist, found = looked_up.tokens[:, :n], torch.tensor(looked_up.found, device=alive.device).clamp(max=n)
             from_history = torch.arange(n, device=found.device)[None, :] < found[:, None]
             drafts_t = torch.where(from_history, hist, drafts_t) if self.draft is not None else hist
             stats.history_verifications += int(alive.sum())
@@ -593,7 +618,37 @@ class Generator:
             if self.feature_draft:
                 rows["catch_features"] = a_hidden
         rows["pending"], rows["emitted"] = verdict.next_token, rows["emitted"] + k + 1
-        return k_live
+        return k_live, None
+
+    def _verified_round(self, runner, rows: Rows, out: Outputs, cfg, n: int, width: int, key,
+                        stats, looked_up: Lookup):
+        """A round of history drafts as one graph (:meth:`~megatron_rlhf.generation.graphs.
+        StepGraphs.verify_step`, ``width`` drafts computed, ``n`` verified): the rows' state
+        advances on the device; the host reads one packed result and keeps the outputs.
+        Returns what :meth:`_spec_round` does."""
+        runner.bind(rows, key)
+        eos = self.eos if out.stop_on_eos else None
+        w = width + 1
+        ks, live = [], 0
+        for res in runner.verify_step(rows, looked_up.tokens, n, width, cfg, out.max_new, eos, self.pad_id):
+            sid, was_alive, done, k = int(res[0]), res[1], res[2], int(res[3])
+            if not was_alive:
+                continue
+            toks = [int(t) for t in res[4:5 + k]]
+            if self._emit(out, sid, toks, res[4 + w:5 + w + k], res[4 + 2 * w:5 + 2 * w + k]) != bool(done):
+                raise RuntimeError(f"sample {sid}: the verification graph and the host disagree on "
+                                   "whether it finished")
+            ks.append(k)
+            live += not done
+        found = [min(f, n) for f in looked_up.found_live]
+        stats.verifications += len(ks)
+        stats.history_verifications += len(ks)
+        stats.history_drafted += sum(found)
+        stats.history_accepted += sum(min(k, f) for k, f in zip(ks, found))
+        for i in range(n):
+            stats.accepted_per_position[i] += sum(k > i for k in ks)
+            stats.drafted_per_position[i] += sum(k >= i for k in ks)
+        return torch.tensor(ks, dtype=torch.long), live
 
     def _propose(self, rows: Rows, cfg, n, key, d_rope):
         """The draft's ``n`` proposals (and their sampling distributions): catch up with the

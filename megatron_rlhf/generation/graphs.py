@@ -21,8 +21,17 @@ A plain decode step is one graph from the fed token to the finished flags
 EOS and length checks, and the advance of each row's state (``pending``, ``emitted``,
 ``alive``, held in static buffers that the engine's rows are views of). Outside it the
 engine does one device-to-host copy of a small packed result per step (pinned memory,
-non-blocking, then one stream sync) and its per-sample bookkeeping in Python. A
-verification's acceptance runs after its replay, outside the graph.
+non-blocking, then one stream sync) and its per-sample bookkeeping in Python.
+
+A round that verifies history drafts (no draft model; exact or greedy verification) is
+one graph too (:meth:`StepGraphs.verify_step`): the forward of ``[pending, d1..dn]``, the
+tokens plain sampling draws at those positions, the accepted prefix, the log-probs, the
+finished flags, the cache rolled back to what was accepted and the rows' state advanced,
+read by the host as one packed result. Its width is bucketed (:func:`width_bucket`:
+verifications of 2, 4 or 8 tokens), the positions past the round's own ``n`` computed and
+never accepted, so a few graphs serve every draft length. A draft model's rounds (its
+catch-up and proposals, and rejection sampling) run the graphed forwards with the
+acceptance eagerly around them.
 
 If a capture fails, the reason is logged and that store's steps run the same code eagerly
 (:attr:`StepGraphs.failed`); ``--no-cuda-graphs`` turns capture off.
@@ -42,7 +51,7 @@ import torch
 from megatron_rlhf.generation import rng
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, plain_layers
 from megatron_rlhf.generation.kv_cache import KVCache
-from megatron_rlhf.generation.sampling import STEP_COLUMNS, step_outputs
+from megatron_rlhf.generation.sampling import STEP_COLUMNS, draw, logprob_pair, probs_for_sampling, step_outputs
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +69,13 @@ of cuBLAS workspaces and the like must not happen during capture)."""
 def bucket(rows: int) -> int:
     """The batch a graph runs for ``rows`` live rows: the next power of two."""
     return 1 << max(rows - 1, 0).bit_length()
+
+
+def width_bucket(n: int, room: int) -> int:
+    """The drafts a verification graph feeds for a round of ``n``: the next of 1, 3, 7
+    where the cache has ``room`` for it (and ``MAX_TOKENS``), else ``n`` itself."""
+    wide = (1 << n.bit_length()) - 1
+    return wide if wide <= min(room, MAX_TOKENS - 1) else n
 
 
 def graphable(model) -> bool:
@@ -128,9 +144,11 @@ class StepGraphs:
         self.sid, self.pending, self.emitted = (torch.zeros(cap, dtype=torch.long, device=dev) for _ in range(3))
         self.alive = torch.zeros(cap, dtype=torch.bool, device=dev)
         self.key = torch.zeros((), dtype=torch.long, device=dev)  # the generation seed's key
+        self.limit = torch.zeros((), dtype=torch.long, device=dev)  # a verification's own n
         self._key_value: int | None = None
         # where the host reads a step's packed result (pinned: the copy runs asynchronously)
-        self.host = torch.zeros(cap, len(STEP_COLUMNS), dtype=torch.float64, pin_memory=capture)
+        self.host = torch.zeros(cap, max(len(STEP_COLUMNS), 4 + 3 * MAX_TOKENS), dtype=torch.float64,
+                                pin_memory=capture)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.failed: str | None = None  # why a capture failed (every step then runs eagerly)
         self.graphs: dict[tuple, object] = {}
@@ -229,7 +247,67 @@ class StepGraphs:
 
             graph = self.graphs[key] = self._graph(step, (self.pending, self.emitted, self.alive))
             self.capture_s += time.perf_counter() - start
-        packed, host = graph.run(), self.host[:r]
+        return self._read(graph.run(), r)
+
+    def verify_step(self, rows, drafts: torch.Tensor, n: int, width: int, params, max_new: int,
+                    eos: int | None, pad_id: int) -> list[list[float]]:
+        """One verification of ``drafts [R, >= n]`` (single tokens, e.g. the history's) for
+        ``rows`` (bound: :meth:`bind`) from one graph of ``width >= n`` drafts
+        (:func:`width_bucket`; the cache has room for ``width``): accept each row's drafts
+        while each is the token plain sampling draws at its position (the argmax when
+        greedy), never past the ``n``-th; emit the drawn token after them; advance the rows'
+        state and roll the cache back to ``pending`` and the accepted drafts. Returns per
+        row ``[sid, alive, done, k, token_0..token_width, lp_0.., slp_0..]``: the drawn
+        tokens and their log-probs at every position, of which the first ``k + 1`` are
+        emitted (the round's one device-to-host copy)."""
+        r = len(rows)
+        b = bucket(r)
+        self.tokens[:r, 1:n + 1].copy_(drafts[:, :n])
+        self.tokens[:r, n + 1:width + 1].fill_(pad_id)  # computed, never accepted
+        self.limit.fill_(n)
+        self.cache.store_lengths[r:b] = 0  # padding rows: garbage at position 0
+        sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
+        key = (b, width + 1, "verify", sampling, max_new, eos, pad_id)
+        graph = self.graphs.get(key)
+        if graph is None:
+            start = time.perf_counter()
+
+            def step():
+                alive, emitted, lengths = self.alive[:b], self.emitted[:b], self.cache.store_lengths[:b]
+                was_alive = alive.clone()
+                lengths.mul_(alive)  # finished and padding rows compute garbage at position 0
+                base = lengths.clone()
+                drafted = self.tokens[:b, 1:width + 1]
+                feed = torch.cat([torch.where(alive, self.pending[:b], pad_id)[:, None], drafted], 1)
+                logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True)
+                steps = torch.arange(width + 1, device=feed.device)
+                if params.greedy:
+                    drawn, probs = logits.argmax(-1), None
+                else:
+                    probs = probs_for_sampling(logits, params)
+                    drawn = draw(probs, rng.uniform(self.key, self.sid[:b, None], emitted[:, None] + steps, rng.NEXT))
+                ok = (drafted == drawn[:, :-1]) & (steps[None, :-1] < self.limit)
+                k = ok.long().cumprod(-1).sum(-1)  # [b] drafts accepted
+                lp, slp = logprob_pair(logits, probs, drawn, params)
+                stop = emitted[:, None] + steps + 1 >= max_new  # a position that ends its sample
+                if eos is not None:
+                    stop = stop | (drawn == eos)
+                done = (stop & (steps[None] <= k[:, None])).any(-1) & alive
+                lengths.copy_(base + 1 + k)  # the cache keeps pending and the accepted drafts
+                self.pending[:b].copy_(drawn.gather(1, k[:, None])[:, 0])
+                emitted.add_(k + 1)
+                alive.logical_and_(done.logical_not())
+                head = torch.stack([t.double() for t in (self.sid[:b], was_alive, done, k)], 1)
+                return torch.cat([head, drawn.double(), lp.double(), slp.double()], 1)
+
+            graph = self.graphs[key] = self._graph(step, (self.pending, self.emitted, self.alive))
+            self.capture_s += time.perf_counter() - start
+        return self._read(graph.run(), r)
+
+    def _read(self, packed: torch.Tensor, r: int) -> list[list[float]]:
+        """The first ``r`` rows of a step's packed result on the host: one non-blocking copy
+        into pinned memory, one stream sync."""
+        host = self.host.view(-1)[:r * packed.shape[1]].view(r, packed.shape[1])
         host.copy_(packed[:r], non_blocking=True)
         if packed.is_cuda:
             torch.cuda.current_stream().synchronize()

@@ -19,7 +19,7 @@ import torch
 
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import speculative
-from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation.engine import Generator, Lookup
 from megatron_rlhf.generation.history import HistoryDrafter
 from megatron_rlhf.generation.sampling import draw
 
@@ -146,9 +146,9 @@ def test_a_history_round_is_as_wide_as_the_longest_proposal(models):
     """Without a draft model a round verifies no more than the longest proposal among the
     live samples (none: a plain step); with a model the model fills the width."""
     history, actor, draft = HistoryDrafter(), *models
-    looked_up = (None, None, [0, 2, 1])
+    looked_up = Lookup(None, [0, 2, 1, 3], [True, True, True, False], room=4)  # a finished row's 3: not live
     assert Generator(actor, history=history)._choose(None, 3, 4, looked_up) == 2
-    assert Generator(actor, history=history)._choose(None, 3, 4, (None, None, [0, 0, 0])) == 0
+    assert Generator(actor, history=history)._choose(None, 3, 4, Lookup(None, [0] * 3, [True] * 3, 4)) == 0
     assert Generator(actor, draft, history=history)._choose(None, 3, 4, looked_up) == 4
 
 

@@ -14,10 +14,11 @@ from collections import Counter
 import pytest
 import torch
 
-from gen_fixtures import PROMPTS, actor_and_draft, feature_draft_for
+from gen_fixtures import PROMPTS, RandomSelector, actor_and_draft, feature_draft_for
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import graphs
 from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation.history import HistoryDrafter
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, prefill
 from megatron_rlhf.generation.kv_cache import KVCache
 
@@ -84,6 +85,33 @@ def test_generation_with_the_graphed_step_equals_the_dynamic_one(pair, cfg, spec
     assert len(buckets) > 1, "compaction should have moved the batch to a smaller bucket"
 
 
+@pytest.mark.parametrize("random", [False, True], ids=["n3", "random-n"])
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_history_rounds_as_one_graph_emit_plain_decodings_tokens(pair, cfg, random):
+    """A round of history drafts runs as one graph (verification, acceptance, log-probs,
+    finished flags, the rows' advance) at bucketed widths. The same prompts twice (a second
+    epoch): the history then proposes whole answers, samples finish inside a round (EOS
+    and length), and every token and log-prob is plain decoding's. ``random-n``: every
+    draft length 0..5 in one run (widths 2, 4, 8 serving them)."""
+    actor, _ = pair
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    plain = Generator(actor, graphs="off").generate(prompts, cfg, seed=3)
+    spec = SpecConfig("auto", max_draft_tokens=5, draft_source="history") if random else \
+        SpecConfig(3, draft_source="history")
+    gen = Generator(actor, history=HistoryDrafter(), graphs="eager",
+                    selector=RandomSelector(5, seed=1) if random else None)
+    for _ in range(2):
+        got = gen.generate(prompts, cfg, spec, seed=3)
+        assert got.responses() == plain.responses()
+        assert torch.allclose(got.response_logprobs, plain.response_logprobs, atol=1e-4)
+        assert torch.allclose(got.sampling_logprobs, plain.sampling_logprobs, atol=1e-4)
+    assert {"eos", "length"} <= set(got.finish_reasons)
+    assert got.stats.history_accepted > got.stats.verifications  # the repeats were found
+    widths = {key[1] for key in gen._steps["actor"].graphs if key[2] == "verify"}
+    # a round is as wide as the longest proposal: n = 1..3 under n3 (widths 2 and 4)
+    assert widths == {2, 4, 8} if random else 4 in widths and widths <= {2, 4}, widths
+
+
 def test_feature_draft_with_the_graphed_step(world1, pair):
     actor, _ = pair
     draft = feature_draft_for(actor, world1)
@@ -120,3 +148,7 @@ def test_time_step_runs_the_dynamic_step_on_cpu(pair):
 
 def test_buckets():
     assert [graphs.bucket(r) for r in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+    # draft widths: 1, 3, 7 where the cache has room (and a graph feeds at most 8 tokens)
+    assert [graphs.width_bucket(n, room=9) for n in range(1, 8)] == [1, 3, 3, 7, 7, 7, 7]
+    assert [graphs.width_bucket(n, room=4) for n in (2, 4, 5)] == [3, 4, 5]
+    assert graphs.width_bucket(8, room=20) == 8  # past MAX_TOKENS: no graph serves it

@@ -6,6 +6,8 @@ with a dispatch mode that records every aten op:
   ``nonzero``, ``masked_select``, boolean-mask indexing, ``is_nonzero``/``equal``);
 * outside it, a steady-state step (no rebinding, no compaction) runs at most 10 eager
   ops, of which at most one copies from the device to the host;
+* a round with history drafts (a verification graph, or a plain step where nothing was
+  found) adds the lookup's one read of the rows' state, and nothing else;
 * sabotage: an ``.item()`` put back in the step, or a host read put back in the loop, fails;
 * a capture that fails falls back to eager steps with the same samples.
 """
@@ -20,9 +22,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gen_fixtures import PROMPTS, actor_and_draft
-from megatron_rlhf.config import GenerationConfig
+from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import graphs, sampling
 from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation.history import HistoryDrafter
 from megatron_rlhf.generation.state import Rows
 
 HOST_READS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero", "equal"}
@@ -46,14 +49,20 @@ def _reads_host(func, args) -> bool:
 
 
 class Trace(TorchDispatchMode):
-    """Records (phase, step, op name, host read?, copy into the host buffer?) per aten op.
-    Phases: ``setup`` (prefill), ``graph`` (inside a step graph), ``loop`` (the engine
-    between and around graphs), ``end`` (the rollout's assembly)."""
+    """Records (phase, step, op name, host read?, copy into the host buffer?) per aten op,
+    and ``tolist`` of any tensor but the host buffer as a host read (on the CPU twin it is
+    no op; on a GPU it is a device-to-host copy). Phases: ``setup`` (prefill), ``graph``
+    (inside a step graph), ``loop`` (the engine between and around graphs), ``end`` (the
+    rollout's assembly)."""
 
     def __init__(self):
         super().__init__()
         self.ops, self.phase, self.step, self.rebuilt = [], "setup", -1, set()
         self.host_buffers: list[torch.Tensor] = []
+
+    def tolist(self, tensor: torch.Tensor) -> None:
+        if not any(tensor.data_ptr() == h.data_ptr() for h in self.host_buffers):
+            self.ops.append((self.phase, self.step, "tolist", True, False))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view:  # views launch nothing
@@ -72,13 +81,25 @@ def actor(world1):
     return actor
 
 
-def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3):
-    """Generate under :class:`Trace`; returns the trace and the rollout."""
+def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False):
+    """Generate under :class:`Trace`; returns the trace and the rollout. ``history``: with
+    history drafts (``SpecConfig(3, draft_source="history")``), after a first run of the
+    same prompts has filled the history; a round then starts with the lookup."""
     rec = Trace()
-    gen = Generator(actor, graphs="eager")
-    gen.generate(prompts, cfg, seed=5)  # build the store once: its buffers are known below
+    spec = SpecConfig(3, draft_source="history") if history else None
+    gen = Generator(actor, graphs="eager", history=HistoryDrafter() if history else None)
+    gen.generate(prompts, cfg, spec, seed=5)  # build the store once: its buffers are known below
     rec.host_buffers.append(gen._steps["actor"].host)
-    real_run, real_step, real_rollout, real_select = graphs._Eager.run, Generator._plain_step, Generator._rollout, Rows.select
+    if history:  # drafts from the prompts and the siblings only: rounds of every kind
+        gen.history = HistoryDrafter()
+    real_run, real_rollout, real_select = graphs._Eager.run, Generator._rollout, Rows.select
+    real_tolist = torch.Tensor.tolist
+
+    def tolist(self):
+        rec.tolist(self)
+        return real_tolist(self)
+    first = "_look_up" if history else "_plain_step"  # what each round calls first
+    real_step = getattr(Generator, first)
 
     def run(self):
         before, rec.phase = rec.phase, "graph"
@@ -100,11 +121,12 @@ def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3):
         return real_select(self, keep)
 
     monkeypatch.setattr(graphs._Eager, "run", run)
-    monkeypatch.setattr(Generator, "_plain_step", step)
+    monkeypatch.setattr(Generator, first, step)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     monkeypatch.setattr(Generator, "_rollout", rollout)
     monkeypatch.setattr(Rows, "select", select)
     with rec:
-        out = gen.generate(prompts, cfg, seed=5)
+        out = gen.generate(prompts, cfg, spec, seed=5)
     return rec, out
 
 
@@ -135,6 +157,25 @@ def test_step_graph_reads_no_host_and_little_runs_outside(actor, monkeypatch, na
     ref = Generator(actor, graphs="off").generate(PROMPTS * 3, CFGS[name], seed=5)
     assert out.responses() == ref.responses()
     assert torch.allclose(out.response_logprobs, ref.response_logprobs, atol=1e-4)  # static attention: summation order
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+def test_a_history_round_is_one_graph_and_two_host_reads(actor, monkeypatch, name):
+    """A round with history drafts: the lookup reads the rows' state once (alive, sample,
+    cache length: one packed copy), the round's graph (a verification, or a plain step
+    where nothing was found) is read once; nothing inside the graph reads the host. The
+    tokens are plain decoding's."""
+    rec, out = trace(actor, CFGS[name], monkeypatch, history=True)
+    inside = [op for phase, _, op, reads, _ in rec.ops if phase == "graph" and reads]
+    assert not inside, f"host reads inside the verification graph: {Counter(inside)}"
+    assert out.stats.history_accepted > 0 and out.stats.verifications > 0
+    steps = per_step(rec)
+    assert len(steps) >= rec.step // 2, steps
+    # measured: 4 ops outside a plain step's graph, 9 outside a verification's
+    assert all(n <= MAX_EAGER_OPS and h == MAX_HOST_COPIES + 1 for n, h in steps.values()), steps
+    assert out.stats.rounds_by_draft_len[0] and sum(out.stats.rounds_by_draft_len[1:]), "both kinds of round"
+    ref = Generator(actor, graphs="off").generate(PROMPTS * 3, CFGS[name], seed=5)
+    assert out.responses() == ref.responses()
 
 
 def test_an_item_in_the_step_fails(actor, monkeypatch):
