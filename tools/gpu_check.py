@@ -25,6 +25,9 @@ Stages, in this order (each timed; an error fails its stage only, later stages s
                accepted length and tok/s vs plain (bf16), and what ``auto`` chooses
   padded       logits of a left-padded batch == each sequence alone (fp32 and bf16), and
                the control: without the mask they differ
+  history      history drafts through the graphed verification round: bf16 T=1, the same
+               prompts and seed twice (the repeat drafts whole answers: the best case), time
+               vs plain sampling and samples equal to plain's
 
 Time: ``--budget-s`` (default 420 on the 1b shape, counting the install; none with
 ``--smoke``). The training stages run before the decode stages, so when time runs short
@@ -99,6 +102,7 @@ PLAN = (
     ("verify", "decode", 10),
     ("speculative", "decode", 30),
     ("padded", "decode", 10),
+    ("history", "decode", 20),
 )
 STAGES = tuple(name for name, _, _ in PLAN)
 OUT_FILES = ("summary.json", "measurements.jsonl", "table.txt", "logs.txt", "ppo_metrics.jsonl",
@@ -295,7 +299,8 @@ class Check(DecodeStages):
         return {"convert": self.st_convert, "ppo": lambda rows: self.st_train(rows, "ppo"),
                 "grpo": lambda rows: self.st_train(rows, "grpo"), "greedy": self.st_greedy,
                 "decode_bf16": self.st_decode_bf16, "bench": self.st_bench, "verify": self.st_verify,
-                "speculative": self.st_speculative, "padded": self.st_padded}
+                "speculative": self.st_speculative, "padded": self.st_padded,
+                "history": self.st_history}
 
     def record_install(self) -> None:
         """The ``install`` row: what ``gpu_check.sh`` installed and how long it took."""

@@ -329,6 +329,65 @@ class DecodeStages:
         return (f"self-draft (actor checkpoint as draft), {s.spec_new} new tokens; equality in fp32"
                 + (f", {len(notes)} near-tie divergences" if notes else ""))
 
+    # ------------------------------------------------------------------ 5. history drafts
+    def st_history(self, rows) -> str:
+        """History drafts (issue 27) through the graphed verification round (issue 28): bf16,
+        sampled (T=1), the same prompts and seed twice with one generator. The second call
+        repeats the first's samples (exact verification emits plain sampling's tokens), so
+        its drafts are whole answers: the best case of drafting from a rollout's history,
+        which measures what a graphed verification round costs against plain steps. Tokens
+        are compared with plain sampling (bf16: a verification's wider GEMMs may flip a
+        near-tie)."""
+        from megatron_rlhf.config import GenerationConfig, SpecConfig
+        from megatron_rlhf.generation.engine import Generator, history_drafter
+
+        s = self.shape
+        cfg = GenerationConfig(max_new_tokens=s.spec_new, temperature=1.0, stop_on_eos=False,
+                               cuda_graphs=self.graphs)
+        a16 = self.model(torch.bfloat16)
+        failures = []
+        for b in s.spec_batches:
+            if b != s.spec_batches[0] and not self.enough(20):
+                rows.append((f"history, batch {b}", "not run: the time budget is short"))
+                continue
+            prompts = self.prompts(b)
+            plain = Generator(a16, pad_id=self.pad_id)
+            plain.generate(prompts, cfg, SpecConfig(0), seed=1)  # warm-up (graphs kept)
+            ref, t_plain = self._timed(lambda: plain.generate(prompts, cfg, SpecConfig(0), seed=1))
+            _release(plain)
+            for name, spec in (("n=4", SpecConfig(4, draft_source="history")),
+                               ("auto", SpecConfig("auto", max_draft_tokens=4, draft_source="history"))):
+                gen = Generator(a16, pad_id=self.pad_id, history=history_drafter(spec))
+                first, t_first = self._timed(lambda: gen.generate(prompts, cfg, spec, seed=1))
+                again, t_again = self._timed(lambda: gen.generate(prompts, cfg, spec, seed=1))
+                failures += [f"{name} batch {b}: {why}" for why in [_capture_failures(gen)] if why]
+                _release(gen)
+                same = [sum(torch.equal(r.response_ids[i], ref.response_ids[i]) for i in range(b))
+                        for r in (first, again)]
+                st = again.stats
+                self.report.measure("history_speed", batch=b, dtype="bf16", variant=name,
+                                    new_tokens=s.spec_new, plain_s=t_plain, first_s=t_first,
+                                    again_s=t_again, speedup=t_plain / t_again,
+                                    samples_equal_first=same[0], samples_equal_again=same[1],
+                                    stats=st.to_dict())
+                accepted = 1 + st.history_accepted / max(st.verifications, 1)
+                rows.append((f"history {name}, bf16 T=1, batch {b}",
+                             f"repeat x{t_plain / t_again:.2f} vs plain ({accepted:.2f} tokens per "
+                             f"verification, rounds by draft length {st.rounds_by_draft_len}); first call "
+                             f"x{t_plain / t_first:.2f} (graphs captured); samples equal to plain: "
+                             f"{same[0]}/{b}, {same[1]}/{b}"))
+        if failures:
+            raise CheckFailed("graph capture failed: " + "; ".join(failures))
+        return f"{s.spec_new} new tokens; the repeat's drafts are the first call's answers"
+
+    def _timed(self, fn):
+        """``fn()`` and its seconds, the device synchronised around it."""
+        self.sync()
+        t0 = time.perf_counter()
+        out = fn()
+        self.sync()
+        return out, time.perf_counter() - t0
+
     def _gap(self, model, ids: list[int], token: int | None) -> float:
         """How far ``token`` is below the argmax of the model's next-token logits after ``ids``
         (a full forward, fp32); inf when there is no token to compare."""

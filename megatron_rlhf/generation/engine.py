@@ -237,7 +237,7 @@ class Generator:
         if len(sids) != len(prompts) or len(set(sids)) != len(sids):
             raise ValueError("sample_ids must give one distinct index per prompt")
         selector = self.selector_for(spec, batch, max_len) if spec.auto and big_n else None
-        capture_before = sum(g.capture_s for g in self._steps.values())
+        capture_before = self._capture_s()
         stats = GenerationStats(num_draft_tokens=big_n,
                                 mode="auto" if selector else ("fixed" if big_n else "plain"),
                                 accepted_per_position=[0] * big_n, drafted_per_position=[0] * big_n,
@@ -266,7 +266,7 @@ class Generator:
             dead = len(rows) - live
             if dead and dead * 4 >= len(rows):
                 rows.compact()
-            start, self._upkeep_s = time.perf_counter(), 0.0
+            start, self._upkeep_s, captured = time.perf_counter(), 0.0, self._capture_s()
             looked_up = self._look_up(rows, out, base_n, big_n, stats) if big_n and self.history is not None else None
             n = self._choose(selector, live, base_n, looked_up)
             if n:
@@ -280,7 +280,9 @@ class Generator:
                 found = None  # per live row, the drafts that came from the history
                 if looked_up is not None and n:
                     found = torch.tensor(looked_up.found_live, device=k.device).clamp(max=n)
-                selector.observe(live, n, time.perf_counter() - start - self._upkeep_s, k, found)
+                # neither the draft's upkeep nor a graph's first capture is a round's own cost
+                spent = time.perf_counter() - start - self._upkeep_s - max(self._capture_s() - captured, 0.0)
+                selector.observe(live, n, spent, k, found)
             live = after
         if self.history is not None:  # what is left unfinished here (migrated away) joins too
             for s in sids:
@@ -288,11 +290,15 @@ class Generator:
         if migrator is not None:
             migrator.return_results(out, sids)
         stats.elapsed_s = time.perf_counter() - t0
-        stats.graph_capture_s = sum(g.capture_s for g in self._steps.values()) - capture_before
+        stats.graph_capture_s = self._capture_s() - capture_before
         stats.decode = self._decode_mode(dev)
         return self._rollout(prompts, sids, out, stats, dev)
 
     # ------------------------------------------------------------------ graphed steps
+    def _capture_s(self) -> float:
+        """Seconds spent capturing graphs so far, by the stores kept now."""
+        return sum(g.capture_s for g in self._steps.values())
+
     def _graph_mode(self, cfg: GenerationConfig, dev) -> str | None:
         if self.graphs == "eager":
             return "eager"

@@ -174,8 +174,9 @@ class OnlineCosts:
       that many tokens cost in plain steps; while the batch has not changed, in
       proportion to its tokens).
 
-    The first round is a plain step (nothing is known of drafting); a drafting length is
-    tried once the prior, corrected by what the batch's shrinking taught, says it pays.
+    The first round is a plain step (nothing is known of drafting); the first drafting
+    round is tried where it would pay at a plain step's cost (:meth:`Selector.choose`);
+    from then on a length is chosen when its fit, or the prior, says it pays.
     """
 
     models = "online"
@@ -184,6 +185,11 @@ class OnlineCosts:
         self.decay = decay
         self.by_n: dict[int, _Fit] = {}
         self.tokens = _Fit(decay)
+
+    def guessing(self) -> bool:
+        """Whether drafting's cost is still a guess: no drafting round (``n > 0``) measured,
+        and the prior read in proportion to tokens (its rounds' tokens have not spread)."""
+        return not any(n for n in self.by_n) and not (self.tokens.w > 0 and self.tokens.spread())
 
     def observe(self, batch: int, n: int, seconds: float) -> None:
         self.by_n.setdefault(n, _Fit(self.decay)).add(batch, seconds)
@@ -336,6 +342,15 @@ class Selector:
         widths = range((self.max_n if widest is None else widest) + 1)
         seconds = [self.round_s(batch, n) for n in widths]
         tokens = [self.expected_tokens(n, found) for n in widths]
+        if isinstance(self.costs, OnlineCosts) and seconds[0] > 0 and self.costs.guessing():
+            # No drafting round measured, and the prior still prices a verification of n + 1
+            # tokens like n + 1 plain steps (the batch has not changed): right on a CPU, 3-5x
+            # too high on a GPU, where decoding is memory-bound, and the selector would then
+            # never try one. So the first drafting round is tried at the length that would pay
+            # if it cost a plain step; it teaches the costs what drafting costs here.
+            n = best_draft_length([seconds[0]] * len(widths), tokens)
+            if n and tokens[n] >= (1 + DRAFT_MARGIN) * tokens[0]:
+                return n
         n = best_draft_length(seconds, tokens)
         if n and tokens[n] * seconds[0] < (1 + DRAFT_MARGIN) * tokens[0] * seconds[n]:
             return 0  # within the margin of a plain step (DRAFT_MARGIN)

@@ -15,7 +15,7 @@ import time
 from launch import ROOT
 
 ORDER = ["install", "convert", "ppo", "grpo", "greedy", "decode_bf16", "bench", "verify",
-         "speculative", "padded"]
+         "speculative", "padded", "history"]
 
 
 def test_gpu_check_smoke(tmp_path):
@@ -57,7 +57,8 @@ def test_gpu_check_smoke(tmp_path):
         assert (out / name).stat().st_size > 0, name
     rows = [json.loads(x) for x in (out / "measurements.jsonl").read_text().splitlines()]
     assert {r["stage"] for r in rows} >= {"convert", "greedy", "decode_bf16", "bench", "verify",
-                                          "padded", "ppo", "grpo", "speculative_equality", "goal"}
+                                          "padded", "ppo", "grpo", "speculative_equality", "goal",
+                                          "history_speed"}
     assert all(r["first_divergence"] is None for r in rows if r["stage"] == "greedy")
     assert all(r["rel_err"] <= r["tolerance"] for r in rows if r["stage"] == "decode_bf16")
     logs = (out / "logs.txt").read_text()
@@ -110,7 +111,7 @@ def test_short_budget_skips_decode_stages_not_training(tmp_path):
     stages = check.report.stages
     assert [s["name"] for s in stages] == ORDER
     assert stages[0]["status"] == "PASS" and stages[0]["seconds"] == 12.5
-    skipped = ["greedy", "bench", "speculative"]
+    skipped = ["greedy", "bench", "speculative", "history"]
     for s in stages:
         if s["name"] in skipped:
             assert s["status"] == "SKIP" and s["skipped"] == "time", s
@@ -118,7 +119,7 @@ def test_short_budget_skips_decode_stages_not_training(tmp_path):
         else:
             assert s["status"] == "PASS", s
     assert check.report.passed()
-    assert "SKIPPED for time (not a failure): greedy, bench, speculative" in check.report.table()
+    assert "SKIPPED for time (not a failure): greedy, bench, speculative, history" in check.report.table()
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["passed"] and summary["skipped_for_time"] == skipped
     assert summary["header"]["budget"] == "420 s" and summary["header"]["install_s"] == 12.5

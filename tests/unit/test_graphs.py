@@ -9,6 +9,7 @@ compaction and the whole-cache attention are all exercised here, against the dyn
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -110,6 +111,34 @@ def test_history_rounds_as_one_graph_emit_plain_decodings_tokens(pair, cfg, rand
     widths = {key[1] for key in gen._steps["actor"].graphs if key[2] == "verify"}
     # a round is as wide as the longest proposal: n = 1..3 under n3 (widths 2 and 4)
     assert widths == {2, 4, 8} if random else 4 in widths and widths <= {2, 4}, widths
+
+
+def test_a_graphs_capture_is_not_a_rounds_cost(pair, monkeypatch):
+    """The selector learns round costs from the rounds it times; the first round at a new
+    bucket or width also captures a graph (seconds on a GPU, against a step's
+    milliseconds). That time is not the round's: otherwise one capture would price a draft
+    length out for good. Captures made slow here (0.3 s each) never reach the selector."""
+    actor, _ = pair
+    real = graphs.StepGraphs._graph
+
+    def slow(self, *a, **k):
+        time.sleep(0.3)
+        return real(self, *a, **k)
+
+    class Timed(RandomSelector):
+        def observe(self, batch, n, seconds, *rest):
+            self.seen.append((n, seconds))
+
+    monkeypatch.setattr(graphs.StepGraphs, "_graph", slow)
+    sel = Timed(3, seed=2)
+    sel.seen = []
+    gen = Generator(actor, history=HistoryDrafter(), graphs="eager", selector=sel)
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    captured = sum(gen.generate(prompts, SAMPLED, SpecConfig("auto", max_draft_tokens=3, draft_source="history"),
+                                seed=3).stats.graph_capture_s for _ in range(2))
+    assert captured >= 0.3 * len(gen._steps["actor"].graphs) >= 0.9
+    assert {n for n, _ in sel.seen} >= {0, 1}
+    assert max(seconds for _, seconds in sel.seen) < 0.3, sel.seen
 
 
 def test_feature_draft_with_the_graphed_step(world1, pair):

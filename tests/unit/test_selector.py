@@ -174,6 +174,39 @@ def test_online_costs_learn_the_fixed_and_per_token_parts(monkeypatch):
     assert costs.to_dict()["by_n"]["3"]["w"] == 1
 
 
+@pytest.mark.parametrize("device", ["gpu", "cpu"])
+def test_the_first_drafting_round_is_tried_at_a_fixed_batch(monkeypatch, device):
+    """At a batch that never changes, the prior prices a verification in proportion to its
+    tokens. On a GPU-like line (a round costs about a plain step) the selector would then
+    never draft; instead it tries the length that would pay at a plain step's cost once,
+    and keeps drafting because that round measured cheap. On a CPU-like line the one try
+    measures dear and the selector goes back to plain steps."""
+    from megatron_rlhf.generation import strategy
+
+    monkeypatch.setattr(strategy, "EXPLORATION", 0.0)
+    per_token = 0.0001 if device == "gpu" else 0.005
+
+    def cost(n):
+        return 0.05 + per_token * 32 * (n + 1)
+
+    costs = OnlineCosts()
+    sel = Selector(costs, 4, Acceptance(4, decay=1.0, prior=0.6, prior_weight=10.0))
+    assert sel.choose(32) == 0  # nothing measured: plain
+    sel.observe(32, 0, cost(0), None)
+    assert costs.guessing() and costs.round_s(32, 4) == pytest.approx(5 * cost(0))
+    n = sel.choose(32)
+    assert n == 4  # 2.31 tokens a round at a plain step's cost: the most
+    sel.observe(32, n, cost(n), torch.tensor([2] * 32))
+    assert not costs.guessing()
+    # (2 of 4 accepted in every sample: the third and fourth drafts are not worth it)
+    assert [sel.choose(32) for _ in range(3)] == ([2] * 3 if device == "gpu" else [0] * 3)
+    # the prior alone (no try) would never have drafted on the GPU-like line
+    monkeypatch.setattr(OnlineCosts, "guessing", lambda self: False)
+    fresh = Selector(OnlineCosts(), 4, Acceptance(4, decay=1.0, prior=0.6, prior_weight=10.0))
+    fresh.observe(32, 0, cost(0), None)
+    assert fresh.choose(32) == 0
+
+
 def test_drafting_must_beat_a_plain_step_by_the_margin(monkeypatch):
     """Drafts accepted at 0.5: one draft emits 1.5 tokens. A verification that costs 1.4
     plain steps promises 7% more tokens per second (within DRAFT_MARGIN: plain); one that
