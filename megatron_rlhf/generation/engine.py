@@ -58,6 +58,7 @@ from megatron_rlhf.generation.rollout import GenerationStats, Rollout
 from megatron_rlhf.generation.sampling import logprob_pair, probs_for_sampling, sample
 from megatron_rlhf.generation.state import Outputs, Rows
 
+
 @dataclass
 class Lookup:
     """A round's history drafts, looked up before its width is chosen (:meth:`Generator._look_up`)."""
