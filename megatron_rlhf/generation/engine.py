@@ -426,8 +426,12 @@ class Generator:
         """One plain decode step; returns how many rows are still alive."""
         cache, alive = rows.caches["actor"], rows["alive"]
         runner = self._steps.get("actor") if self._mode is not None else None
-        if runner is not None and not drafting and runner.serves(cache, 1):
-            return self._sampled_step(runner, rows, out, cfg, key)
+        if runner is not None and runner.serves(cache, 1):
+            feature = drafting and self.feature_draft
+            live = self._sampled_step(runner, rows, out, cfg, key, return_features=feature)
+            if drafting:  # the draft catches up with the sampled token (and its hidden state)
+                self._buffer(rows, rows["pending"], runner.hidden[:len(rows)] if feature else None, d_rope)
+            return live
         cache.lengths.mul_(alive)  # dead rows compute garbage at position 0
         feed = torch.where(alive, rows["pending"], self.pad_id)[:, None]
         feature = drafting and self.feature_draft
@@ -451,14 +455,15 @@ class Generator:
             self._buffer(rows, tok, hidden, d_rope)
         return live
 
-    def _sampled_step(self, runner, rows: Rows, out: Outputs, cfg, key) -> int:
+    def _sampled_step(self, runner, rows: Rows, out: Outputs, cfg, key, return_features: bool = False) -> int:
         """A plain step as one graph (:meth:`~megatron_rlhf.generation.graphs.StepGraphs.
         sample_step`): the rows' state advances on the device; the host reads one packed
         result and keeps the outputs (no other host read, no other device op)."""
         runner.bind(rows, key)
         eos = self.eos if out.stop_on_eos else None
         live = 0
-        for sid, tok, lp, slp, was_alive, done in runner.sample_step(rows, cfg, out.max_new, eos, self.pad_id):
+        for sid, tok, lp, slp, was_alive, done in runner.sample_step(rows, cfg, out.max_new, eos, self.pad_id,
+                                                                     return_features):
             if was_alive:
                 if self._emit(out, int(sid), [int(tok)], [lp], [slp]) != bool(done):
                     raise RuntimeError(f"sample {int(sid)}: the step graph and the host disagree on "

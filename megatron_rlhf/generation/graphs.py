@@ -136,6 +136,7 @@ class StepGraphs:
         dev, cap = self.cache.store_lengths.device, self.cache.capacity
         self.tokens = torch.zeros(cap, MAX_TOKENS, dtype=torch.long, device=dev)
         self.features = None
+        self._hidden: torch.Tensor | None = None
         if getattr(model, "feature_fusion", None) is not None:
             weight = model.embedding.word_embeddings.weight
             self.features = torch.zeros(cap, MAX_TOKENS, model.mrlhf_config.hidden_size,
@@ -159,6 +160,16 @@ class StepGraphs:
     @property
     def capacity(self) -> int:
         return self.cache.capacity
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """``[capacity, h]``: the final hidden states a sampled step with ``return_features``
+        left (made at first use)."""
+        if self._hidden is None:
+            weight = self.model.embedding.word_embeddings.weight
+            self._hidden = torch.zeros(self.capacity, self.model.mrlhf_config.hidden_size,
+                                       dtype=weight.dtype, device=weight.device)
+        return self._hidden
 
     def fits(self, model, batch: int, max_len: int) -> bool:
         """Can serve a request of ``batch`` rows needing ``max_len`` cache positions."""
@@ -220,15 +231,18 @@ class StepGraphs:
             buf[:r].copy_(rows[f])
             rows[f] = buf[:r]
 
-    def sample_step(self, rows, params, max_new: int, eos: int | None, pad_id: int) -> list[list[float]]:
+    def sample_step(self, rows, params, max_new: int, eos: int | None, pad_id: int,
+                    return_features: bool = False) -> list[list[float]]:
         """One plain decode step of ``rows`` (bound: :meth:`bind`) from one graph: feed each
         live row's pending token, draw the next with its keyed uniform, advance the rows'
         state on the device. Returns per row the :data:`~megatron_rlhf.generation.sampling.
-        STEP_COLUMNS` (the step's one device-to-host copy)."""
+        STEP_COLUMNS` (the step's one device-to-host copy). ``return_features``: the final
+        hidden state of each fed token is left in :attr:`hidden` ``[R, h]`` (what a feature
+        draft reads beside the sampled token)."""
         r = len(rows)
         b = bucket(r)
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
-        key = (b, 1, "sample", sampling, max_new, eos, pad_id)
+        key = (b, 1, "sample", sampling, max_new, eos, pad_id, return_features)
         graph = self.graphs.get(key)
         if graph is None:
             start = time.perf_counter()
@@ -237,7 +251,12 @@ class StepGraphs:
                 alive, emitted, lengths = self.alive[:b], self.emitted[:b], self.cache.store_lengths[:b]
                 lengths.mul_(alive)  # finished and padding rows compute garbage at position 0
                 feed = torch.where(alive, self.pending[:b], pad_id)[:, None]
-                logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True)[:, 0]
+                logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True,
+                                        return_features=return_features)
+                if return_features:
+                    logits, hidden = logits
+                    self.hidden[:b].copy_(hidden[:, 0])
+                logits = logits[:, 0]
                 u = None if params.greedy else rng.uniform(self.key, self.sid[:b], emitted, rng.NEXT)
                 tok, done, packed = step_outputs(logits, params, u, self.sid[:b], alive, emitted, max_new, eos)
                 self.pending[:b].copy_(tok)

@@ -113,6 +113,32 @@ def test_history_rounds_as_one_graph_emit_plain_decodings_tokens(pair, cfg, rand
     assert widths == {2, 4, 8} if random else 4 in widths and widths <= {2, 4}, widths
 
 
+@pytest.mark.parametrize("feature", [False, True], ids=["draft", "feature-draft"])
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_plain_rounds_of_a_drafting_run_are_graphed(world1, pair, cfg, feature):
+    """Under ``auto`` with a draft model a round may be a plain step: it runs the sampled
+    step's graph (for a feature draft also leaving the actor's hidden state), and the draft
+    catches up with what it sampled afterwards. Plain rounds and every draft length mixed
+    (a random selector): the tokens are the dynamic engine's, and plain decoding's."""
+    actor, draft = pair
+    if feature:
+        draft = feature_draft_for(actor, world1)
+    prompts = PROMPTS * 3
+    spec = SpecConfig("auto", max_draft_tokens=3)
+    plain = Generator(actor, graphs="off").generate(prompts, cfg, seed=4)
+    ref = Generator(actor, draft, graphs="off", selector=RandomSelector(3, seed=5)).generate(prompts, cfg, spec, seed=4)
+    gen = Generator(actor, draft, graphs="eager", selector=RandomSelector(3, seed=5))
+    got = gen.generate(prompts, cfg, spec, seed=4)
+    assert got.responses() == ref.responses() == plain.responses()
+    assert torch.allclose(got.response_logprobs, ref.response_logprobs, atol=1e-4)
+    # the same choices (the same random selector) and the same drafts: a draft that caught
+    # up with the wrong tokens or hidden states would be accepted differently
+    assert got.stats.accepted_per_position == ref.stats.accepted_per_position
+    assert got.stats.rounds_by_draft_len[0] and sum(got.stats.rounds_by_draft_len[1:]) > 2
+    sampled = [key for key in gen._steps["actor"].graphs if key[2] == "sample"]
+    assert sampled and all(key[-1] == feature for key in sampled)  # with the hidden state for a feature draft
+
+
 def test_a_graphs_capture_is_not_a_rounds_cost(pair, monkeypatch):
     """The selector learns round costs from the rounds it times; the first round at a new
     bucket or width also captures a graph (seconds on a GPU, against a step's
