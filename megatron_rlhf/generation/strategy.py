@@ -139,20 +139,24 @@ class _Fit:
         self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + x, d * self.sy + y
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
 
+    def _moments(self) -> tuple[float, float, float]:
+        """The observations' mean ``x``, mean ``y`` and variance of ``x``."""
+        mx, my = self.sx / self.w, self.sy / self.w
+        return mx, my, self.sxx / self.w - mx * mx
+
     def spread(self) -> bool:
         """Whether the observations' ``x`` spread enough to tell the fixed part from the
         part per unit (:data:`SPREAD`)."""
-        mx = self.sx / self.w
-        return self.sxx / self.w - mx * mx > (SPREAD * mx) ** 2
+        mx, _, var = self._moments()
+        return var > (SPREAD * mx) ** 2
 
     def predict(self, x: float) -> float | None:
         """None before any observation; a line through the origin (the mean's cost per
         unit) until the observations spread (:meth:`spread`)."""
         if self.w == 0:
             return None
-        mx, my = self.sx / self.w, self.sy / self.w
-        var = self.sxx / self.w - mx * mx
-        if not self.spread():
+        mx, my, var = self._moments()
+        if var <= (SPREAD * mx) ** 2:
             return my * x / mx if mx > 0 else my
         slope = min(max((self.sxy / self.w - mx * my) / var, 0.0), my / mx if mx > 0 else 0.0)
         return my + slope * (x - mx)
@@ -258,11 +262,9 @@ class Acceptance:
 
     def expected_tokens(self, n: int, explore: bool = True) -> float:
         """Tokens a round of ``n`` drafts emits per sample: accepted drafts + 1."""
-        total, reach = 1.0, 1.0
-        for a in self.rates(explore)[:n]:
-            reach *= a
-            total += reach
-        return total
+        rates = self.rates(explore)
+        n = min(n, len(rates))
+        return expected_tokens_mixed(n, [n], rates, None)
 
 
 def expected_tokens_mixed(n: int, found: list[int], history: list[float],
@@ -360,12 +362,9 @@ class Selector:
                 found: torch.Tensor | None = None) -> None:
         """A measured round: refresh the latency correction and each source's acceptance
         (``found [live]``: the drafts of each sample that came from the history)."""
-        if isinstance(self.costs, OnlineCosts):
+        if isinstance(self.costs, OnlineCosts):  # the costs are the rounds: nothing to correct
             self.costs.observe(batch, n, seconds)
-            predicted = 0.0
-        else:
-            predicted = self.costs.round_s(batch, n)
-        if predicted > 0:
+        elif (predicted := self.costs.round_s(batch, n)) > 0:
             key = (n, self._octave(batch))
             ratio = seconds / predicted
             old = self.correction.get(key)
