@@ -564,13 +564,18 @@ class Generator:
         (``looked_up``: :meth:`_look_up`), or both (the history's where it found some).
         Returns the drafts accepted per live row ``[live]`` and the rows alive after it
         (None: not known on the host)."""
+        from megatron_rlhf.generation import graphs
+
         runner = self._steps.get("actor") if self._mode is not None else None
         if runner is not None and self.draft is None:  # history drafts: exact or greedy
-            from megatron_rlhf.generation import graphs
-
             width = graphs.width_bucket(n, looked_up.room)
             if runner.serves(rows.caches["actor"], width + 1):
                 return self._verified_round(runner, rows, out, cfg, n, width, key, stats, looked_up)
+        d_runner = self._steps.get("draft") if runner is not None else None
+        if (d_runner is not None and looked_up is None and (cfg.greedy or self._verify == "exact")
+                and runner.serves(rows.caches["actor"], n + 1) and d_runner.serves(rows.caches["draft"], 1)
+                and rows["catch_tokens"].shape[1] <= graphs.CATCH_UP_MAX):
+            return self._drafted_round(runner, d_runner, rows, out, cfg, n, key, stats)
         cache, alive = rows.caches["actor"], rows["alive"]
         cache.lengths[~alive] = 0
         pending = torch.where(alive, rows["pending"], self.pad_id)
@@ -640,27 +645,50 @@ class Generator:
         Returns what :meth:`_spec_round` does."""
         runner.bind(rows, key)
         eos = self.eos if out.stop_on_eos else None
+        res = runner.verify_step(rows, looked_up.tokens, n, width, cfg, out.max_new, eos, self.pad_id)
+        ks, live = self._take_verified(res, n, width, out, stats)
+        found = [min(f, n) for f in looked_up.found_live]
+        stats.history_verifications += len(ks)
+        stats.history_drafted += sum(found)
+        stats.history_accepted += sum(min(k, f) for k, f in zip(ks, found))
+        return torch.tensor(ks, dtype=torch.long), live
+
+    def _drafted_round(self, runner, d_runner, rows: Rows, out: Outputs, cfg, n: int, key, stats):
+        """A round of the draft model's ``n`` drafts as one graph (:meth:`~megatron_rlhf.
+        generation.graphs.StepGraphs.draft_step`: catch-up, proposals, exact verification);
+        the draft's next catch-up is what the round emitted. Returns what
+        :meth:`_spec_round` does."""
+        runner.bind(rows, key)
+        eos = self.eos if out.stop_on_eos else None
+        res = runner.draft_step(d_runner, rows, n, cfg, out.max_new, eos, self.pad_id)
+        ks, live = self._take_verified(res, n, n, out, stats)
+        stats.draft_steps += n
+        r = len(rows)
+        rows["catch_tokens"], rows["catch_count"] = runner.drawn[:r, :n + 1].clone(), runner.accepted[:r] + 1
+        if self.feature_draft:
+            rows["catch_features"] = runner.verified_hidden[:r, :n + 1].clone()
+        return torch.tensor(ks, dtype=torch.long), live
+
+    def _take_verified(self, res: list[list[float]], n: int, width: int, out: Outputs, stats):
+        """Emit a verification graph's packed result (``width`` drafts fed, ``n`` verified)
+        per live row; returns the drafts each live row accepted and how many rows live on."""
         w = width + 1
         ks, live = [], 0
-        for res in runner.verify_step(rows, looked_up.tokens, n, width, cfg, out.max_new, eos, self.pad_id):
-            sid, was_alive, done, k = int(res[0]), res[1], res[2], int(res[3])
+        for row in res:
+            sid, was_alive, done, k = int(row[0]), row[1], row[2], int(row[3])
             if not was_alive:
                 continue
-            toks = [int(t) for t in res[4:5 + k]]
-            if self._emit(out, sid, toks, res[4 + w:5 + w + k], res[4 + 2 * w:5 + 2 * w + k]) != bool(done):
+            toks = [int(t) for t in row[4:5 + k]]
+            if self._emit(out, sid, toks, row[4 + w:5 + w + k], row[4 + 2 * w:5 + 2 * w + k]) != bool(done):
                 raise RuntimeError(f"sample {sid}: the verification graph and the host disagree on "
                                    "whether it finished")
             ks.append(k)
             live += not done
-        found = [min(f, n) for f in looked_up.found_live]
         stats.verifications += len(ks)
-        stats.history_verifications += len(ks)
-        stats.history_drafted += sum(found)
-        stats.history_accepted += sum(min(k, f) for k, f in zip(ks, found))
         for i in range(n):
             stats.accepted_per_position[i] += sum(k > i for k in ks)
             stats.drafted_per_position[i] += sum(k >= i for k in ks)
-        return torch.tensor(ks, dtype=torch.long), live
+        return ks, live
 
     def _propose(self, rows: Rows, cfg, n, key, d_rope):
         """The draft's ``n`` proposals (and their sampling distributions): catch up with the

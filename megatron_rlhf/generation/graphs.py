@@ -29,9 +29,11 @@ tokens plain sampling draws at those positions, the accepted prefix, the log-pro
 finished flags, the cache rolled back to what was accepted and the rows' state advanced,
 read by the host as one packed result. Its width is bucketed (:func:`width_bucket`:
 verifications of 2, 4 or 8 tokens), the positions past the round's own ``n`` computed and
-never accepted, so a few graphs serve every draft length. A draft model's rounds (its
-catch-up and proposals, and rejection sampling) run the graphed forwards with the
-acceptance eagerly around them.
+never accepted, so a few graphs serve every draft length. A round of a draft model's
+drafts is one graph as well (:meth:`StepGraphs.draft_step`): the draft's catch-up with the
+tokens it lacks (fed at a power-of-two width, each row's own count of them real), its
+proposals, its cache rolled back, the same verification. Under rejection sampling, or with
+history drafts beside a draft model, a round runs the graphed forwards with the rest eager.
 
 If a capture fails, the reason is logged and that store's steps run the same code eagerly
 (:attr:`StepGraphs.failed`); ``--no-cuda-graphs`` turns capture off.
@@ -51,7 +53,7 @@ import torch
 from megatron_rlhf.generation import rng
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, plain_layers
 from megatron_rlhf.generation.kv_cache import KVCache
-from megatron_rlhf.generation.sampling import STEP_COLUMNS, draw, logprob_pair, probs_for_sampling, step_outputs
+from megatron_rlhf.generation.sampling import STEP_COLUMNS, draw, logprob_pair, probs_for_sampling, sample, step_outputs
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,10 @@ ROW_STATE = ("sid", "pending", "emitted", "alive")
 
 MAX_TOKENS = 8
 """Most tokens per sample one graph feeds (a verification of up to 7 draft tokens)."""
+
+CATCH_UP_MAX = 32
+"""Most tokens a draft's catch-up buffer holds (the engine feeds a wider one at once), the
+widest catch-up a draft round's graph feeds."""
 
 WARMUP = 1
 """Eager runs before a capture (on a side stream, as torch requires: lazy initialisation
@@ -146,6 +152,19 @@ class StepGraphs:
         self.alive = torch.zeros(cap, dtype=torch.bool, device=dev)
         self.key = torch.zeros((), dtype=torch.long, device=dev)  # the generation seed's key
         self.limit = torch.zeros((), dtype=torch.long, device=dev)  # a verification's own n
+        # what a verification leaves for the next round (the drawn tokens, the accepted
+        # counts; the hidden states for a feature draft, made at first use)
+        self.drawn = torch.zeros(cap, MAX_TOKENS, dtype=torch.long, device=dev)
+        self.accepted = torch.zeros(cap, dtype=torch.long, device=dev)
+        self._verified_hidden: torch.Tensor | None = None
+        self.draft_graphs: dict[tuple, tuple] = {}  # draft rounds: key -> (draft store, graph)
+        # a draft's catch-up buffer, fed by the draft rounds
+        self.catch_tokens = torch.zeros(cap, CATCH_UP_MAX, dtype=torch.long, device=dev)
+        self.catch_count = torch.zeros(cap, dtype=torch.long, device=dev)
+        self.catch_features = None
+        if self.features is not None:
+            self.catch_features = torch.zeros(cap, CATCH_UP_MAX, model.mrlhf_config.hidden_size,
+                                              dtype=self.features.dtype, device=dev)
         self._key_value: int | None = None
         # where the host reads a step's packed result (pinned: the copy runs asynchronously)
         self.host = torch.zeros(cap, max(len(STEP_COLUMNS), 4 + 3 * MAX_TOKENS), dtype=torch.float64,
@@ -160,6 +179,16 @@ class StepGraphs:
     @property
     def capacity(self) -> int:
         return self.cache.capacity
+
+    @property
+    def verified_hidden(self) -> torch.Tensor:
+        """``[capacity, MAX_TOKENS, h]``: the actor's hidden states at a verification's fed
+        positions (what a feature draft catches up with next)."""
+        if self._verified_hidden is None:
+            weight = self.model.embedding.word_embeddings.weight
+            self._verified_hidden = torch.zeros(self.capacity, MAX_TOKENS, self.model.mrlhf_config.hidden_size,
+                                                dtype=weight.dtype, device=weight.device)
+        return self._verified_hidden
 
     @property
     def hidden(self) -> torch.Tensor:
@@ -292,36 +321,120 @@ class StepGraphs:
             start = time.perf_counter()
 
             def step():
-                alive, emitted, lengths = self.alive[:b], self.emitted[:b], self.cache.store_lengths[:b]
-                was_alive = alive.clone()
-                lengths.mul_(alive)  # finished and padding rows compute garbage at position 0
-                base = lengths.clone()
-                drafted = self.tokens[:b, 1:width + 1]
-                feed = torch.cat([torch.where(alive, self.pending[:b], pad_id)[:, None], drafted], 1)
-                logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True)
-                steps = torch.arange(width + 1, device=feed.device)
-                if params.greedy:
-                    drawn, probs = logits.argmax(-1), None
-                else:
-                    probs = probs_for_sampling(logits, params)
-                    drawn = draw(probs, rng.uniform(self.key, self.sid[:b, None], emitted[:, None] + steps, rng.NEXT))
-                ok = (drafted == drawn[:, :-1]) & (steps[None, :-1] < self.limit)
-                k = ok.long().cumprod(-1).sum(-1)  # [b] drafts accepted
-                lp, slp = logprob_pair(logits, probs, drawn, params)
-                stop = emitted[:, None] + steps + 1 >= max_new  # a position that ends its sample
-                if eos is not None:
-                    stop = stop | (drawn == eos)
-                done = (stop & (steps[None] <= k[:, None])).any(-1) & alive
-                lengths.copy_(base + 1 + k)  # the cache keeps pending and the accepted drafts
-                self.pending[:b].copy_(drawn.gather(1, k[:, None])[:, 0])
-                emitted.add_(k + 1)
-                alive.logical_and_(done.logical_not())
-                head = torch.stack([t.double() for t in (self.sid[:b], was_alive, done, k)], 1)
-                return torch.cat([head, drawn.double(), lp.double(), slp.double()], 1)
+                return self._verify(b, self.tokens[:b, 1:width + 1], params, max_new, eos, pad_id)
 
             graph = self.graphs[key] = self._graph(step, (self.pending, self.emitted, self.alive))
             self.capture_s += time.perf_counter() - start
         return self._read(graph.run(), r)
+
+    def _verify(self, b: int, drafted: torch.Tensor, params, max_new: int, eos: int | None,
+                pad_id: int, return_features: bool = False) -> torch.Tensor:
+        """The verification a graph captures (no host read): feed ``[pending, drafted]``
+        (``drafted [b, w]``), accept while each draft is the token plain sampling draws at
+        its position, never past :attr:`limit`; advance the rows and roll the cache back.
+        Returns the packed result (:meth:`verify_step`); leaves the drawn tokens in
+        :attr:`drawn`, the accepted counts in :attr:`accepted` and, with
+        ``return_features``, the actor's hidden states at the fed positions in
+        :attr:`verified_hidden`."""
+        alive, emitted, lengths = self.alive[:b], self.emitted[:b], self.cache.store_lengths[:b]
+        width = drafted.shape[1]
+        was_alive = alive.clone()
+        lengths.mul_(alive)  # finished and padding rows compute garbage at position 0
+        base = lengths.clone()
+        feed = torch.cat([torch.where(alive, self.pending[:b], pad_id)[:, None], drafted], 1)
+        logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True,
+                                return_features=return_features)
+        if return_features:
+            logits, hidden = logits
+            self.verified_hidden[:b, :width + 1].copy_(hidden)
+        steps = torch.arange(width + 1, device=feed.device)
+        if params.greedy:
+            drawn, probs = logits.argmax(-1), None
+        else:
+            probs = probs_for_sampling(logits, params)
+            drawn = draw(probs, rng.uniform(self.key, self.sid[:b, None], emitted[:, None] + steps, rng.NEXT))
+        ok = (drafted == drawn[:, :-1]) & (steps[None, :-1] < self.limit)
+        k = ok.long().cumprod(-1).sum(-1)  # [b] drafts accepted
+        lp, slp = logprob_pair(logits, probs, drawn, params)
+        stop = emitted[:, None] + steps + 1 >= max_new  # a position that ends its sample
+        if eos is not None:
+            stop = stop | (drawn == eos)
+        done = (stop & (steps[None] <= k[:, None])).any(-1) & alive
+        lengths.copy_(base + 1 + k)  # the cache keeps pending and the accepted drafts
+        self.pending[:b].copy_(drawn.gather(1, k[:, None])[:, 0])
+        emitted.add_(k + 1)
+        alive.logical_and_(done.logical_not())
+        self.drawn[:b, :width + 1].copy_(drawn)
+        self.accepted[:b].copy_(k)
+        head = torch.stack([t.double() for t in (self.sid[:b], was_alive, done, k)], 1)
+        return torch.cat([head, drawn.double(), lp.double(), slp.double()], 1)
+
+    def draft_step(self, draft: "StepGraphs", rows, n: int, params, max_new: int,
+                   eos: int | None, pad_id: int) -> list[list[float]]:
+        """A round of ``n`` drafts from a draft model (``draft``: its store, whose rows are
+        ``rows``' draft cache) as one graph: the draft catches up with each row's buffered
+        tokens (``rows["catch_tokens"]``, ``catch_count`` of them; a feature draft with
+        ``catch_features``), fed at a power-of-two width; proposes ``n`` tokens, each drawn
+        with the uniform plain sampling uses at that position (so a draft near the actor
+        proposes the actor's very token); its cache goes back to the caught-up tokens; the
+        actor verifies them exactly (:meth:`_verify`). Returns what :meth:`verify_step`
+        does; the next catch-up is the first ``accepted + 1`` of :attr:`drawn` (and of
+        :attr:`verified_hidden` for a feature draft)."""
+        r = len(rows)
+        b = bucket(r)
+        feature = getattr(draft.model, "feature_fusion", None) is not None
+        width = rows["catch_tokens"].shape[1]
+        cw = bucket(width)
+        draft.catch_tokens[:r, :width].copy_(rows["catch_tokens"])
+        draft.catch_tokens[:r, width:cw].fill_(pad_id)
+        draft.catch_count[:r].copy_(rows["catch_count"])
+        if feature:
+            draft.catch_features[:r, :width].copy_(rows["catch_features"])
+            draft.catch_features[:r, width:cw].zero_()
+        self.limit.fill_(n)
+        self.cache.store_lengths[r:b] = 0  # padding rows: garbage at position 0
+        draft.cache.store_lengths[r:b] = 0
+        sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
+        key = (b, n + 1, "draft", cw, sampling, max_new, eos, pad_id)
+        held = self.draft_graphs.get(key)
+        if held is None or held[0] is not draft:
+            start = time.perf_counter()
+
+            def step():
+                alive, sid, emitted = self.alive[:b], self.sid[:b], self.emitted[:b]
+                d_len = draft.cache.store_lengths[:b]
+                d_len.mul_(alive)
+                count = torch.where(alive, draft.catch_count[:b], 1)
+                caught = d_len + count  # what the draft holds once caught up
+                feats = draft.catch_features[:b, :cw] if feature else None
+                res = forward_cached(draft.model, draft._rows(b), draft.catch_tokens[:b, :cw], draft.rope,
+                                     static=True, last_index=count - 1, features=feats,
+                                     return_features=feature)
+                if feature:
+                    logits, hidden = res
+                    hidden = hidden[torch.arange(b, device=hidden.device), count - 1][:, None]
+                else:
+                    logits, hidden = res, None
+                d_len.copy_(caught)
+                proposed = []
+                for i in range(n):
+                    u = None if params.greedy else rng.uniform(self.key, sid, emitted + i, rng.NEXT)
+                    tok, _ = sample(logits[:, -1], params, u)
+                    proposed.append(tok)
+                    if i + 1 < n:
+                        res = forward_cached(draft.model, draft._rows(b), tok[:, None], draft.rope, static=True,
+                                             features=hidden, return_features=feature)
+                        logits, hidden = res if feature else (res, None)
+                d_len.copy_(caught)
+                return self._verify(b, torch.stack(proposed, 1), params, max_new, eos, pad_id,
+                                    return_features=feature)
+
+            graph = self._graph(step, (self.pending, self.emitted, self.alive, draft.cache.store_lengths))
+            # graphs of an earlier draft store hold it alive: keep only this one's
+            self.draft_graphs = {k: v for k, v in self.draft_graphs.items() if v[0] is draft}
+            held = self.draft_graphs[key] = (draft, graph)
+            self.capture_s += time.perf_counter() - start
+        return self._read(held[1].run(), r)
 
     def _read(self, packed: torch.Tensor, r: int) -> list[list[float]]:
         """The first ``r`` rows of a step's packed result on the host: one non-blocking copy

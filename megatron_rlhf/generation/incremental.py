@@ -419,8 +419,8 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     address is fixed by the batch and ``n``. Same result as the dynamic step.
     """
     b, n = tokens.shape
-    if static and (last_index is not None or valid is not None):
-        raise ValueError("a static step feeds every row n tokens and returns every position")
+    if static and valid is not None:
+        raise ValueError("a static step feeds every row n tokens (no packing of the valid ones)")
     if not static:
         cache.check_room(n)
     pos = cache.lengths[:, None] + torch.arange(n, device=tokens.device)  # [B, n]

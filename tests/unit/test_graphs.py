@@ -82,8 +82,11 @@ def test_generation_with_the_graphed_step_equals_the_dynamic_one(pair, cfg, spec
     assert got.responses() == ref.responses()
     assert torch.allclose(got.response_logprobs, ref.response_logprobs, atol=1e-4)
     assert ref.finish_reasons.count("eos") > 0
-    buckets = {key[0] for key in gen._steps["actor"].graphs}
+    runner = gen._steps["actor"]
+    buckets = {key[0] for key in [*runner.graphs, *runner.draft_graphs]}
     assert len(buckets) > 1, "compaction should have moved the batch to a smaller bucket"
+    if spec.num_draft_tokens == 2:  # every round is a draft round: one graph each
+        assert runner.draft_graphs and got.stats.rounds_by_draft_len[0] == 0
 
 
 @pytest.mark.parametrize("random", [False, True], ids=["n3", "random-n"])
@@ -167,14 +170,30 @@ def test_a_graphs_capture_is_not_a_rounds_cost(pair, monkeypatch):
     assert max(seconds for _, seconds in sel.seen) < 0.3, sel.seen
 
 
-def test_feature_draft_with_the_graphed_step(world1, pair):
-    actor, _ = pair
-    draft = feature_draft_for(actor, world1)
-    ref = Generator(actor, draft, graphs="off").generate(PROMPTS * 2, GREEDY, SpecConfig(3))
-    gen = Generator(actor, draft, graphs="eager")
-    got = gen.generate(PROMPTS * 2, GREEDY, SpecConfig(3))
-    assert got.responses() == ref.responses()
-    assert any(key[2] for key in gen._steps["draft"].graphs), "draft steps return features"
+@pytest.mark.parametrize("feature", [False, True], ids=["draft", "feature-draft"])
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_draft_models_round_is_one_graph(world1, pair, cfg, feature):
+    """A round of the draft model's drafts runs as one graph: the draft's catch-up (fed at
+    a power-of-two width), its proposals, the exact verification. Same drafts as the
+    dynamic engine (the acceptance per position is equal), the same tokens as plain
+    decoding; catch-up widths above one (after a plain round under ``auto``, the buffer
+    grows) are served too."""
+    actor, draft = pair
+    if feature:
+        draft = feature_draft_for(actor, world1)
+    prompts = PROMPTS * 2
+    plain = Generator(actor, graphs="off").generate(prompts, cfg, seed=6)
+    for spec, selector in ((SpecConfig(3), None), (SpecConfig("auto", max_draft_tokens=3), RandomSelector(3, seed=8))):
+        ref = Generator(actor, draft, graphs="off", selector=selector and RandomSelector(3, seed=8))
+        ref = ref.generate(prompts, cfg, spec, seed=6)
+        gen = Generator(actor, draft, graphs="eager", selector=selector)
+        got = gen.generate(prompts, cfg, spec, seed=6)
+        assert got.responses() == ref.responses() == plain.responses()
+        assert torch.allclose(got.response_logprobs, ref.response_logprobs, atol=1e-4)
+        assert got.stats.accepted_per_position == ref.stats.accepted_per_position
+        assert got.stats.draft_steps == ref.stats.draft_steps
+        widths = {key[3] for key in gen._steps["actor"].draft_graphs}
+        assert widths and (selector is None or max(widths) > 1), widths
 
 
 def test_store_and_graphs_are_kept_and_rebuilt_when_needed(pair):

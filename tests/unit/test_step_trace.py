@@ -81,13 +81,19 @@ def actor(world1):
     return actor
 
 
-def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False):
+@pytest.fixture(scope="module")
+def draft(world1):
+    return actor_and_draft(world1)[1]
+
+
+def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=None):
     """Generate under :class:`Trace`; returns the trace and the rollout. ``history``: with
     history drafts (``SpecConfig(3, draft_source="history")``), after a first run of the
-    same prompts has filled the history; a round then starts with the lookup."""
+    same prompts has filled the history; a round then starts with the lookup. ``draft``: 3
+    drafts a round from that draft model."""
     rec = Trace()
-    spec = SpecConfig(3, draft_source="history") if history else None
-    gen = Generator(actor, graphs="eager", history=HistoryDrafter() if history else None)
+    spec = SpecConfig(3, draft_source="history") if history else (SpecConfig(3) if draft is not None else None)
+    gen = Generator(actor, draft, graphs="eager", history=HistoryDrafter() if history else None)
     gen.generate(prompts, cfg, spec, seed=5)  # build the store once: its buffers are known below
     rec.host_buffers.append(gen._steps["actor"].host)
     if history:  # drafts from the prompts and the siblings only: rounds of every kind
@@ -98,7 +104,8 @@ def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False):
     def tolist(self):
         rec.tolist(self)
         return real_tolist(self)
-    first = "_look_up" if history else "_plain_step"  # what each round calls first
+    # what each round calls first
+    first = "_look_up" if history else ("_spec_round" if draft is not None else "_plain_step")
     real_step = getattr(Generator, first)
 
     def run(self):
@@ -174,6 +181,21 @@ def test_a_history_round_is_one_graph_and_two_host_reads(actor, monkeypatch, nam
     # measured: 4 ops outside a plain step's graph, 9 outside a verification's
     assert all(n <= MAX_EAGER_OPS and h == MAX_HOST_COPIES + 1 for n, h in steps.values()), steps
     assert out.stats.rounds_by_draft_len[0] and sum(out.stats.rounds_by_draft_len[1:]), "both kinds of round"
+    ref = Generator(actor, graphs="off").generate(PROMPTS * 3, CFGS[name], seed=5)
+    assert out.responses() == ref.responses()
+
+
+def test_a_draft_models_round_is_one_graph_and_one_host_read(draft, actor, monkeypatch, name="sampled"):
+    """A round of a draft model's 3 drafts: catch-up, proposals and verification in one
+    graph that reads nothing from the host, one packed result read, and a few eager ops
+    around it (the catch-up buffer copied in and out). The tokens are plain decoding's.
+    Sampled only: greedy differs inside the graph alone (an argmax for the draw)."""
+    rec, out = trace(actor, CFGS[name], monkeypatch, draft=draft)
+    inside = [op for phase, _, op, reads, _ in rec.ops if phase == "graph" and reads]
+    assert not inside, f"host reads inside the draft round's graph: {Counter(inside)}"
+    steps = per_step(rec)  # measured: 10 ops a round (the catch-up buffer in, the next one out)
+    assert len(steps) >= rec.step // 2, steps
+    assert all(n <= MAX_EAGER_OPS and h == MAX_HOST_COPIES for n, h in steps.values()), steps
     ref = Generator(actor, graphs="off").generate(PROMPTS * 3, CFGS[name], seed=5)
     assert out.responses() == ref.responses()
 
