@@ -416,7 +416,8 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     ``static``: the step a CUDA graph captures (:mod:`megatron_rlhf.generation.graphs`):
     no host value is read (no room check: the caller guarantees it; the attention reads
     the whole cache, positions past each sample's length masked), so every shape and
-    address is fixed by the batch and ``n``. Same result as the dynamic step.
+    address is fixed by the batch and ``n`` (``last_index`` is allowed: a gather; ``valid``
+    is not: packing reads the host). Same result as the dynamic step.
     """
     b, n = tokens.shape
     if static and valid is not None:
