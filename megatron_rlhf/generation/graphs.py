@@ -275,6 +275,8 @@ class StepGraphs:
         graph = self.graphs.get(key)
         if graph is None:
             start = time.perf_counter()
+            if return_features:
+                self.hidden  # noqa: B018 (made before any capture, not in the graph's pool)
 
             def step():
                 alive, emitted, lengths = self.alive[:b], self.emitted[:b], self.cache.store_lengths[:b]
@@ -399,6 +401,8 @@ class StepGraphs:
         held = self.draft_graphs.get(key)
         if held is None or held[0] is not draft:
             start = time.perf_counter()
+            if feature:
+                self.verified_hidden  # noqa: B018 (made before any capture, not in the graph's pool)
 
             def step():
                 alive, sid, emitted = self.alive[:b], self.sid[:b], self.emitted[:b]
