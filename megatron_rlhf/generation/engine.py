@@ -615,11 +615,8 @@ class Generator:
         lp, slp = _logprob_pair(a_logits, p_probs, emitted_t, cfg)  # lists of [n+1]
 
         live = alive.nonzero()[:, 0]
-        stats.verifications += len(live)
         k_live = k[live]
-        for i in range(n):
-            stats.accepted_per_position[i] += int((k_live > i).sum())
-            stats.drafted_per_position[i] += int((k_live >= i).sum())
+        stats.count_accepted(k_live.tolist(), n)
         if looked_up is not None:  # accepted drafts that came from the history
             stats.history_accepted += int(torch.minimum(k, found)[live].sum())
         ks, toks, sids = k.tolist(), emitted_t.tolist(), rows["sid"].tolist()
@@ -684,10 +681,7 @@ class Generator:
                                    "whether it finished")
             ks.append(k)
             live += not done
-        stats.verifications += len(ks)
-        for i in range(n):
-            stats.accepted_per_position[i] += sum(k > i for k in ks)
-            stats.drafted_per_position[i] += sum(k >= i for k in ks)
+        stats.count_accepted(ks, n)
         return ks, live
 
     def _propose(self, rows: Rows, cfg, n, key, d_rope):

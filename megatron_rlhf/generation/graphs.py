@@ -53,7 +53,8 @@ import torch
 from megatron_rlhf.generation import rng
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, plain_layers
 from megatron_rlhf.generation.kv_cache import KVCache
-from megatron_rlhf.generation.sampling import STEP_COLUMNS, draw, logprob_pair, probs_for_sampling, sample, step_outputs
+from megatron_rlhf.generation.sampling import STEP_COLUMNS, logprob_pair, sample, step_outputs
+from megatron_rlhf.generation.speculative import verdict_from_matches
 
 log = logging.getLogger(__name__)
 
@@ -141,30 +142,29 @@ class StepGraphs:
         self.rope = RopeTable(model, max_len)
         dev, cap = self.cache.store_lengths.device, self.cache.capacity
         self.tokens = torch.zeros(cap, MAX_TOKENS, dtype=torch.long, device=dev)
+        weight, h = model.embedding.word_embeddings.weight, model.mrlhf_config.hidden_size
         self.features = None
-        self._hidden: torch.Tensor | None = None
         if getattr(model, "feature_fusion", None) is not None:
-            weight = model.embedding.word_embeddings.weight
-            self.features = torch.zeros(cap, MAX_TOKENS, model.mrlhf_config.hidden_size,
-                                        dtype=weight.dtype, device=dev)
+            self.features = torch.zeros(cap, MAX_TOKENS, h, dtype=weight.dtype, device=dev)
         # the rows' state for sampled steps (ROW_STATE; the engine's rows are views of these)
         self.sid, self.pending, self.emitted = (torch.zeros(cap, dtype=torch.long, device=dev) for _ in range(3))
         self.alive = torch.zeros(cap, dtype=torch.bool, device=dev)
         self.key = torch.zeros((), dtype=torch.long, device=dev)  # the generation seed's key
         self.limit = torch.zeros((), dtype=torch.long, device=dev)  # a verification's own n
-        # what a verification leaves for the next round (the drawn tokens, the accepted
-        # counts; the hidden states for a feature draft, made at first use)
+        # what a step leaves for a feature draft: the final hidden states of a sampled
+        # step's token [cap, h] and of a verification's fed tokens [cap, MAX_TOKENS, h]
+        self.hidden = torch.zeros(cap, h, dtype=weight.dtype, device=dev)
+        self.verified_hidden = torch.zeros(cap, MAX_TOKENS, h, dtype=weight.dtype, device=dev)
+        # what a verification leaves for the next round: the drawn tokens, the accepted counts
         self.drawn = torch.zeros(cap, MAX_TOKENS, dtype=torch.long, device=dev)
         self.accepted = torch.zeros(cap, dtype=torch.long, device=dev)
-        self._verified_hidden: torch.Tensor | None = None
-        self.draft_graphs: dict[tuple, tuple] = {}  # draft rounds: key -> (draft store, graph)
+        self.draft_graphs: dict[tuple, object] = {}  # draft rounds (the key ends with the draft's store)
         # a draft's catch-up buffer, fed by the draft rounds
         self.catch_tokens = torch.zeros(cap, CATCH_UP_MAX, dtype=torch.long, device=dev)
         self.catch_count = torch.zeros(cap, dtype=torch.long, device=dev)
         self.catch_features = None
         if self.features is not None:
-            self.catch_features = torch.zeros(cap, CATCH_UP_MAX, model.mrlhf_config.hidden_size,
-                                              dtype=self.features.dtype, device=dev)
+            self.catch_features = torch.zeros(cap, CATCH_UP_MAX, h, dtype=weight.dtype, device=dev)
         self._key_value: int | None = None
         # where the host reads a step's packed result (pinned: the copy runs asynchronously)
         self.host = torch.zeros(cap, max(len(STEP_COLUMNS), 4 + 3 * MAX_TOKENS), dtype=torch.float64,
@@ -179,26 +179,6 @@ class StepGraphs:
     @property
     def capacity(self) -> int:
         return self.cache.capacity
-
-    @property
-    def verified_hidden(self) -> torch.Tensor:
-        """``[capacity, MAX_TOKENS, h]``: the actor's hidden states at a verification's fed
-        positions (what a feature draft catches up with next)."""
-        if self._verified_hidden is None:
-            weight = self.model.embedding.word_embeddings.weight
-            self._verified_hidden = torch.zeros(self.capacity, MAX_TOKENS, self.model.mrlhf_config.hidden_size,
-                                                dtype=weight.dtype, device=weight.device)
-        return self._verified_hidden
-
-    @property
-    def hidden(self) -> torch.Tensor:
-        """``[capacity, h]``: the final hidden states a sampled step with ``return_features``
-        left (made at first use)."""
-        if self._hidden is None:
-            weight = self.model.embedding.word_embeddings.weight
-            self._hidden = torch.zeros(self.capacity, self.model.mrlhf_config.hidden_size,
-                                       dtype=weight.dtype, device=weight.device)
-        return self._hidden
 
     def fits(self, model, batch: int, max_len: int) -> bool:
         """Can serve a request of ``batch`` rows needing ``max_len`` cache positions."""
@@ -227,13 +207,7 @@ class StepGraphs:
         if features is not None:
             self.features[:r, :n].copy_(features)
         self.cache.store_lengths[r:b] = 0  # padding rows: garbage at position 0
-        key = (b, n, return_features)
-        graph = self.graphs.get(key)
-        if graph is None:
-            start = time.perf_counter()
-            graph = self.graphs[key] = self._make(b, n, return_features)
-            self.capture_s += time.perf_counter() - start
-        out = graph.run()
+        out = self._cached(self.graphs, (b, n, return_features), self._forward_step(b, n, return_features)).run()
         if return_features:
             return out[0][:r].clone(), out[1][:r].clone()
         return out[:r].clone()  # the graph's output is overwritten by its next replay
@@ -272,31 +246,25 @@ class StepGraphs:
         b = bucket(r)
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
         key = (b, 1, "sample", sampling, max_new, eos, pad_id, return_features)
-        graph = self.graphs.get(key)
-        if graph is None:
-            start = time.perf_counter()
+
+        def step():
+            alive, emitted, lengths = self.alive[:b], self.emitted[:b], self.cache.store_lengths[:b]
+            lengths.mul_(alive)  # finished and padding rows compute garbage at position 0
+            feed = torch.where(alive, self.pending[:b], pad_id)[:, None]
+            logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True,
+                                    return_features=return_features)
             if return_features:
-                self.hidden  # noqa: B018 (made before any capture, not in the graph's pool)
+                logits, hidden = logits
+                self.hidden[:b].copy_(hidden[:, 0])
+            logits = logits[:, 0]
+            u = None if params.greedy else rng.uniform(self.key, self.sid[:b], emitted, rng.NEXT)
+            tok, done, packed = step_outputs(logits, params, u, self.sid[:b], alive, emitted, max_new, eos)
+            self.pending[:b].copy_(tok)
+            emitted.add_(1)
+            alive.logical_and_(done.logical_not())
+            return packed
 
-            def step():
-                alive, emitted, lengths = self.alive[:b], self.emitted[:b], self.cache.store_lengths[:b]
-                lengths.mul_(alive)  # finished and padding rows compute garbage at position 0
-                feed = torch.where(alive, self.pending[:b], pad_id)[:, None]
-                logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True,
-                                        return_features=return_features)
-                if return_features:
-                    logits, hidden = logits
-                    self.hidden[:b].copy_(hidden[:, 0])
-                logits = logits[:, 0]
-                u = None if params.greedy else rng.uniform(self.key, self.sid[:b], emitted, rng.NEXT)
-                tok, done, packed = step_outputs(logits, params, u, self.sid[:b], alive, emitted, max_new, eos)
-                self.pending[:b].copy_(tok)
-                emitted.add_(1)
-                alive.logical_and_(done.logical_not())
-                return packed
-
-            graph = self.graphs[key] = self._graph(step, (self.pending, self.emitted, self.alive))
-            self.capture_s += time.perf_counter() - start
+        graph = self._cached(self.graphs, key, step, (self.pending, self.emitted, self.alive))
         return self._read(graph.run(), r)
 
     def verify_step(self, rows, drafts: torch.Tensor, n: int, width: int, params, max_new: int,
@@ -318,15 +286,11 @@ class StepGraphs:
         self.cache.store_lengths[r:b] = 0  # padding rows: garbage at position 0
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
         key = (b, width + 1, "verify", sampling, max_new, eos, pad_id)
-        graph = self.graphs.get(key)
-        if graph is None:
-            start = time.perf_counter()
 
-            def step():
-                return self._verify(b, self.tokens[:b, 1:width + 1], params, max_new, eos, pad_id)
+        def step():
+            return self._verify(b, self.tokens[:b, 1:width + 1], params, max_new, eos, pad_id)
 
-            graph = self.graphs[key] = self._graph(step, (self.pending, self.emitted, self.alive))
-            self.capture_s += time.perf_counter() - start
+        graph = self._cached(self.graphs, key, step, (self.pending, self.emitted, self.alive))
         return self._read(graph.run(), r)
 
     def _verify(self, b: int, drafted: torch.Tensor, params, max_new: int, eos: int | None,
@@ -350,20 +314,17 @@ class StepGraphs:
             logits, hidden = logits
             self.verified_hidden[:b, :width + 1].copy_(hidden)
         steps = torch.arange(width + 1, device=feed.device)
-        if params.greedy:
-            drawn, probs = logits.argmax(-1), None
-        else:
-            probs = probs_for_sampling(logits, params)
-            drawn = draw(probs, rng.uniform(self.key, self.sid[:b, None], emitted[:, None] + steps, rng.NEXT))
-        ok = (drafted == drawn[:, :-1]) & (steps[None, :-1] < self.limit)
-        k = ok.long().cumprod(-1).sum(-1)  # [b] drafts accepted
+        u = None if params.greedy else rng.uniform(self.key, self.sid[:b, None], emitted[:, None] + steps, rng.NEXT)
+        drawn, probs = sample(logits, params, u)  # plain sampling's tokens at these positions
+        verdict = verdict_from_matches((drafted == drawn[:, :-1]) & (steps[None, :-1] < self.limit), drawn)
+        k = verdict.accepted  # [b] drafts accepted
         lp, slp = logprob_pair(logits, probs, drawn, params)
         stop = emitted[:, None] + steps + 1 >= max_new  # a position that ends its sample
         if eos is not None:
             stop = stop | (drawn == eos)
         done = (stop & (steps[None] <= k[:, None])).any(-1) & alive
         lengths.copy_(base + 1 + k)  # the cache keeps pending and the accepted drafts
-        self.pending[:b].copy_(drawn.gather(1, k[:, None])[:, 0])
+        self.pending[:b].copy_(verdict.next_token)
         emitted.add_(k + 1)
         alive.logical_and_(done.logical_not())
         self.drawn[:b, :width + 1].copy_(drawn)
@@ -397,48 +358,42 @@ class StepGraphs:
         self.cache.store_lengths[r:b] = 0  # padding rows: garbage at position 0
         draft.cache.store_lengths[r:b] = 0
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
-        key = (b, n + 1, "draft", cw, sampling, max_new, eos, pad_id)
-        held = self.draft_graphs.get(key)
-        if held is None or held[0] is not draft:
-            start = time.perf_counter()
+        key = (b, n + 1, "draft", cw, sampling, max_new, eos, pad_id, draft)
+        if key not in self.draft_graphs:  # graphs of an earlier draft store hold it alive: drop them
+            self.draft_graphs = {k: v for k, v in self.draft_graphs.items() if k[-1] is draft}
+
+        def step():
+            alive, sid, emitted = self.alive[:b], self.sid[:b], self.emitted[:b]
+            d_len = draft.cache.store_lengths[:b]
+            d_len.mul_(alive)
+            count = torch.where(alive, draft.catch_count[:b], 1)
+            caught = d_len + count  # what the draft holds once caught up
+            feats = draft.catch_features[:b, :cw] if feature else None
+            res = forward_cached(draft.model, draft._rows(b), draft.catch_tokens[:b, :cw], draft.rope,
+                                 static=True, last_index=count - 1, features=feats,
+                                 return_features=feature)
             if feature:
-                self.verified_hidden  # noqa: B018 (made before any capture, not in the graph's pool)
+                logits, hidden = res
+                hidden = hidden[torch.arange(b, device=hidden.device), count - 1][:, None]
+            else:
+                logits, hidden = res, None
+            d_len.copy_(caught)
+            proposed = []
+            for i in range(n):
+                u = None if params.greedy else rng.uniform(self.key, sid, emitted + i, rng.NEXT)
+                tok, _ = sample(logits[:, -1], params, u)
+                proposed.append(tok)
+                if i + 1 < n:
+                    res = forward_cached(draft.model, draft._rows(b), tok[:, None], draft.rope, static=True,
+                                         features=hidden, return_features=feature)
+                    logits, hidden = res if feature else (res, None)
+            d_len.copy_(caught)
+            return self._verify(b, torch.stack(proposed, 1), params, max_new, eos, pad_id,
+                                return_features=feature)
 
-            def step():
-                alive, sid, emitted = self.alive[:b], self.sid[:b], self.emitted[:b]
-                d_len = draft.cache.store_lengths[:b]
-                d_len.mul_(alive)
-                count = torch.where(alive, draft.catch_count[:b], 1)
-                caught = d_len + count  # what the draft holds once caught up
-                feats = draft.catch_features[:b, :cw] if feature else None
-                res = forward_cached(draft.model, draft._rows(b), draft.catch_tokens[:b, :cw], draft.rope,
-                                     static=True, last_index=count - 1, features=feats,
-                                     return_features=feature)
-                if feature:
-                    logits, hidden = res
-                    hidden = hidden[torch.arange(b, device=hidden.device), count - 1][:, None]
-                else:
-                    logits, hidden = res, None
-                d_len.copy_(caught)
-                proposed = []
-                for i in range(n):
-                    u = None if params.greedy else rng.uniform(self.key, sid, emitted + i, rng.NEXT)
-                    tok, _ = sample(logits[:, -1], params, u)
-                    proposed.append(tok)
-                    if i + 1 < n:
-                        res = forward_cached(draft.model, draft._rows(b), tok[:, None], draft.rope, static=True,
-                                             features=hidden, return_features=feature)
-                        logits, hidden = res if feature else (res, None)
-                d_len.copy_(caught)
-                return self._verify(b, torch.stack(proposed, 1), params, max_new, eos, pad_id,
-                                    return_features=feature)
-
-            graph = self._graph(step, (self.pending, self.emitted, self.alive, draft.cache.store_lengths))
-            # graphs of an earlier draft store hold it alive: keep only this one's
-            self.draft_graphs = {k: v for k, v in self.draft_graphs.items() if v[0] is draft}
-            held = self.draft_graphs[key] = (draft, graph)
-            self.capture_s += time.perf_counter() - start
-        return self._read(held[1].run(), r)
+        graph = self._cached(self.draft_graphs, key, step,
+                             (self.pending, self.emitted, self.alive, draft.cache.store_lengths))
+        return self._read(graph.run(), r)
 
     def _read(self, packed: torch.Tensor, r: int) -> list[list[float]]:
         """The first ``r`` rows of a step's packed result on the host: one non-blocking copy
@@ -449,14 +404,25 @@ class StepGraphs:
             torch.cuda.current_stream().synchronize()
         return host.tolist()
 
-    def _make(self, b: int, n: int, return_features: bool):
+    def _forward_step(self, b: int, n: int, return_features: bool):
+        """The step of a plain forward's graph: ``n`` tokens for ``b`` rows from the buffers."""
         feats = None if self.features is None else self.features[:b, :n]
 
         def step():
             return forward_cached(self.model, self._rows(b), self.tokens[:b, :n], self.rope,
                                   features=feats, return_features=return_features, static=True)
 
-        return self._graph(step)
+        return step
+
+    def _cached(self, table: dict, key: tuple, step, state: tuple[torch.Tensor, ...] = ()):
+        """The graph of ``key`` in ``table``; at the first use made from ``step``
+        (:meth:`_graph`, ``state`` as there), its seconds added to :attr:`capture_s`."""
+        graph = table.get(key)
+        if graph is None:
+            start = time.perf_counter()
+            graph = table[key] = self._graph(step, state)
+            self.capture_s += time.perf_counter() - start
+        return graph
 
     def _graph(self, step, state: tuple[torch.Tensor, ...] = ()):
         """``step`` captured (its own state and the cache lengths restored after warm-up),

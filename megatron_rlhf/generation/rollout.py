@@ -97,6 +97,13 @@ class GenerationStats:
             self.mode = other.mode
         self.decode = self.decode or other.decode
 
+    def count_accepted(self, accepted: list[int], n: int) -> None:
+        """A verification of ``n`` drafts: ``accepted`` drafts per live sample (host ints)."""
+        self.verifications += len(accepted)
+        for i in range(n):
+            self.accepted_per_position[i] += sum(k > i for k in accepted)
+            self.drafted_per_position[i] += sum(k >= i for k in accepted)
+
     @property
     def acceptance_per_position(self) -> list[float]:
         """Per draft position, the fraction of the drafts that reached it that were accepted."""

@@ -40,7 +40,7 @@ class Verdict:
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
     """Greedy verification: ``draft_tokens [B, n]``, ``target_logits [B, n+1, V]``."""
     target = target_logits.argmax(-1)  # [B, n+1]
-    return _verdict_from_matches(draft_tokens == target[:, :-1], target)
+    return verdict_from_matches(draft_tokens == target[:, :-1], target)
 
 
 def accept_exact(draft_tokens: torch.Tensor, p_probs: torch.Tensor, u_next: torch.Tensor) -> Verdict:
@@ -49,10 +49,10 @@ def accept_exact(draft_tokens: torch.Tensor, p_probs: torch.Tensor, u_next: torc
     position's token with. Accept drafts while each equals the token drawn at its position;
     emit the drawn token at the first mismatch (or the bonus after all ``n``)."""
     drawn = draw(p_probs, u_next)  # [B, n+1]: plain sampling's tokens at these positions
-    return _verdict_from_matches(draft_tokens == drawn[:, :-1], drawn)
+    return verdict_from_matches(draft_tokens == drawn[:, :-1], drawn)
 
 
-def _verdict_from_matches(ok: torch.Tensor, replacement: torch.Tensor) -> Verdict:
+def verdict_from_matches(ok: torch.Tensor, replacement: torch.Tensor) -> Verdict:
     """``ok [B, n]`` per-position acceptance; ``replacement [B, n+1]`` token after each prefix."""
     accepted = ok.long().cumprod(-1).sum(-1)  # length of the all-accepted prefix
     next_token = replacement.gather(-1, accepted[:, None])[:, 0]

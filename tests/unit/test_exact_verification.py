@@ -90,7 +90,7 @@ def _accepts_one_mismatch(draft_tokens, p_probs, u_next):
     drawn = draw(p_probs, u_next)
     ok = draft_tokens == drawn[:, :-1]
     ok[:, 0] = True  # sabotage: the first draft token is always taken
-    return speculative._verdict_from_matches(ok, drawn)
+    return speculative.verdict_from_matches(ok, drawn)
 
 
 _EXACT = speculative.accept_exact
