@@ -6,6 +6,8 @@ draft is the actor plus a multiple of a third TP-invariant random model.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_rlhf.config import preset
@@ -70,7 +72,10 @@ def decode_attention_error(model, static: bool = False, drop_mask: bool = False)
     worst = 0.0
     real_mask = inc.attention_mask
     visible = (lambda lengths, n, k_len: torch.ones_like(real_mask(lengths, n, k_len))) if drop_mask else real_mask
-    with torch.no_grad(), mock.patch.object(inc, "attention_mask", visible):
+    # flash: every row's keys end at the end of the cache
+    ends = (lambda lengths, n: torch.full_like(lengths, max_len, dtype=torch.int32)) if drop_mask else inc.flash_seqlens
+    with torch.no_grad(), mock.patch.object(inc, "attention_mask", visible), \
+            mock.patch.object(inc, "flash_seqlens", ends):
         inc.prefill(model, cache, PROMPTS, rope)
         for n in (1, 3, 1, 2):
             toks = torch.randint(2, 200, (len(PROMPTS), n), generator=g)
@@ -78,8 +83,35 @@ def decode_attention_error(model, static: bool = False, drop_mask: bool = False)
             for b, s in enumerate(seqs):
                 s += toks[b].tolist()
                 ref = lm_logits(model, torch.tensor([s]))[0, -n:].float()
-                worst = max(worst, float((out[b].float() - ref).abs().max() / ref.abs().max()))
+                err = float((out[b].float() - ref).abs().max() / ref.abs().max())
+                worst = max(worst, err if math.isfinite(err) else math.inf)  # NaN: max() would drop it
     return worst
+
+
+def reference_flash_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=False, softmax_scale=None, **unused):
+    """flash-attn's ``flash_attn_with_kvcache`` as its documentation states it (the part the
+    engine uses: no new k/v, no rotary, no paging), with the input checks its kernel makes,
+    for running :func:`~megatron_rlhf.generation.incremental.flash_attention` on the CPU.
+    ``q [B, n, H, d]``, caches ``[B, L, KV, d]`` (head ``h`` reads KV head ``h // (H / KV)``),
+    each row's keys ``[0, cache_seqlens[b])``; causal aligns the query rows to the end of
+    the keys (query ``j`` sees keys up to ``cache_seqlens[b] - n + j``)."""
+    assert not unused, f"arguments the engine does not pass: {sorted(unused)}"
+    assert q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == v_cache.dtype == q.dtype
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    b, n, h, d = q.shape
+    length, kv = k_cache.shape[1], k_cache.shape[2]
+    assert cache_seqlens.dtype == torch.int32 and cache_seqlens.is_contiguous() and tuple(cache_seqlens.shape) == (b,)
+    assert h % kv == 0 and k_cache.shape[0] >= b and k_cache.shape[3] == d and v_cache.shape == k_cache.shape
+    k = k_cache[:b].float().repeat_interleave(h // kv, 2)  # [B, L, H, d]
+    v = v_cache[:b].float().repeat_interleave(h // kv, 2)
+    scores = torch.einsum("bnhd,blhd->bhnl", q.float(), k) * (d ** -0.5 if softmax_scale is None else softmax_scale)
+    keys = torch.arange(length)[None, None, :]
+    ends = cache_seqlens.long()[:, None, None]
+    visible = keys < ends
+    if causal:
+        visible = visible & (keys <= ends - n + torch.arange(n)[None, :, None])
+    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
+    return torch.einsum("bhnl,blhd->bnhd", probs, v).to(q.dtype)
 
 
 class RandomSelector:

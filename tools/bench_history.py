@@ -18,7 +18,12 @@ own that lives across the epochs, so its history holds the earlier epochs' answe
 - ``history-auto``: history drafts, the selector choosing plain or 1..4 per round;
 - ``history-global-auto``: the same with a global index of the newest 256 responses to any
   prompt (``--history-global 256``);
-- ``model-auto`` / ``both-auto`` (with ``--draft-load``): the draft model, or both sources.
+- ``model-auto`` / ``both-auto`` (with ``--draft-load``): the draft model, or both sources;
+- ``oracle-auto`` / ``oracle-8``: the ceiling of any draft on this machine. The drafter
+  proposes each sample's next tokens from ``off``'s answer to it in this epoch (same
+  seed, exact verification: the tokens this run emits, up to an fp32 near-tie flip), so
+  nearly every draft is accepted; the selector chooses how much to verify (up to 8), or
+  8 drafts every round. It runs after ``off`` in each epoch.
 
 All verification is exact, so every variant emits the same tokens (checked: a variant
 whose samples differ from ``off``'s is reported, ``same_tokens`` false). Per variant and
@@ -39,13 +44,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("off", "history", "history-auto", "history-global-auto", "model-auto", "both-auto")
+VARIANTS = ("off", "history", "history-auto", "history-global-auto", "model-auto", "both-auto",
+            "oracle-auto", "oracle-8")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", type=Path, default=ROOT / "out" / "peer" / "smollm2-mcore",
-                   help="converted SmolLM2 checkpoint (tools/bench_peer.py or tools/bench_flips.py make one)")
+                   help="converted SmolLM2 checkpoint (tools/bench_peer.py or tools/bench_flips.py make one), "
+                   "or a trained actor's iteration directory (RUN/iter_N/actor)")
     p.add_argument("--draft-load", type=Path, default=None, help="a draft model (model-auto, both-auto)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--prompts", type=int, default=16)
@@ -63,9 +70,10 @@ def parse_args(argv=None):
         p.error(f"--variants: choose among {', '.join(VARIANTS)}, off included (got {args.variants})")
     if any(v.startswith(("model", "both")) for v in args.variants) and args.draft_load is None:
         p.error("model-auto and both-auto need --draft-load")
-    if not (args.load / "latest_checkpointed_iteration.txt").is_file():
-        p.error(f"--load {args.load} is not a converted checkpoint: run tools/bench_flips.py once "
-                "(it converts the shipped GGUF to out/flips/smollm2-mcore) and pass that")
+    if not ((args.load / "latest_checkpointed_iteration.txt").is_file() or (args.load / "megatron_rlhf.json").is_file()):
+        p.error(f"--load {args.load} is not a checkpoint: run tools/bench_flips.py once (it converts the "
+                "shipped GGUF to out/flips/smollm2-mcore) and pass that, or a trained actor "
+                "(out/demo/run/iter_0000016/actor after make demo)")
     if (args.prompts * args.rollout_n) % args.nproc:
         p.error("--prompts x --rollout-n must split evenly over --nproc ranks")
     return args
@@ -77,8 +85,26 @@ def spec_of(variant: str):
     return {"off": SpecConfig(0), "history": SpecConfig(3, draft_source="history"),
             "history-auto": SpecConfig("auto", draft_source="history"),
             "history-global-auto": SpecConfig("auto", draft_source="history", history_global=256),
+            "oracle-auto": SpecConfig("auto", draft_source="history", max_draft_tokens=8),
+            "oracle-8": SpecConfig(8, draft_source="history", max_draft_tokens=8),
             "model-auto": SpecConfig("auto", draft_source="model"),
             "both-auto": SpecConfig("auto", draft_source="both")}[variant]
+
+
+def oracle_drafter():
+    """A :class:`HistoryDrafter` whose proposals are ``answers[sample]`` (set before each
+    epoch) from the sample's position on: the best any draft could propose."""
+    from megatron_rlhf.generation.history import HistoryDrafter
+
+    class OracleDrafter(HistoryDrafter):
+        answers: dict[int, list[int]] = {}
+
+        def propose(self, sample: int, n: int) -> list[int]:
+            live = self.live[sample]
+            done = len(live.doc) - len(live.history.prompt)
+            return self.answers.get(sample, [])[done:done + n]
+
+    return OracleDrafter()
 
 
 def worker(args) -> int:
@@ -116,7 +142,8 @@ def worker(args) -> int:
     mine = list(range(rank * per, (rank + 1) * per))
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     engines = {v: Generator(actor, draft if v.startswith(("model", "both")) else None, pad_id=pad,
-                            history=history_drafter(spec_of(v))) for v in args.variants}
+                            history=oracle_drafter() if v.startswith("oracle") else history_drafter(spec_of(v)))
+               for v in args.variants}
     migrator = Migrator(pg.dp, MigrationConfig(), platform.device(), tp_group=pg.tp)
     header = {"kind": "header", "checkpoint": str(args.load), "dtype": args.dtype, "ranks": world,
               "prompts": args.prompts, "rollout_n": args.rollout_n, "epochs": args.epochs,
@@ -126,7 +153,9 @@ def worker(args) -> int:
         print(json.dumps(header), flush=True)
     rows = []
     for epoch in range(args.epochs):
-        order = args.variants[epoch % len(args.variants):] + args.variants[:epoch % len(args.variants)]
+        others = [v for v in args.variants if not v.startswith("oracle")]
+        order = others[epoch % len(others):] + others[:epoch % len(others)]
+        order += [v for v in args.variants if v.startswith("oracle")]  # after off: they read its answers
         tokens_by_variant = {}
         for v in order:
             dist.barrier()
@@ -140,9 +169,13 @@ def worker(args) -> int:
                      s.actor_steps, s.history_s]
             everything = [None] * world
             dist.all_gather_object(everything, local)
+            tokens_by_variant[v] = [x for part in everything for x in part[0]]
+            if v == "off":
+                for o in args.variants:
+                    if o.startswith("oracle"):
+                        engines[o].history.answers = dict(enumerate(tokens_by_variant[v]))
             if rank:
                 continue
-            tokens_by_variant[v] = [x for part in everything for x in part[0]]
             sums = [sum(part[i] for part in everything) for i in range(2, 10)]
             new, ver, acc, h_ver, h_acc, drafting, steps, _ = sums
             row = {"kind": "run", "epoch": epoch + 1, "variant": v,

@@ -7,7 +7,8 @@ directly. For the plain Llama layers of the local spec (:func:`plain_layers`) th
 weights go through the same ops without the modules' wrappers (:func:`_plain_layer_step`:
 bit-identical, a quarter faster at batch 1 on CPU). What is ours: RoPE at each sample's
 own positions, the cache, the masks and the attention (:func:`attention`: torch SDPA on
-GPU, batched matmuls on CPU, grouped query heads folded into rows for both).
+GPU, batched matmuls on CPU, grouped query heads folded into rows for both; or
+flash-attn's kernel on the cache in place, :func:`flash_attention`, when it imports).
 
 Every sample feeds the same number of tokens ``n`` per call, each at its own offset
 (``cache.lengths``): prefill of right-padded prompts, a 1-token decode step, or an
@@ -64,33 +65,81 @@ def attention_mask(lengths: torch.Tensor, n: int, k_len: int) -> torch.Tensor:
     return (keys[None, None, :] <= q_pos[:, :, None])[:, None]
 
 
-BACKENDS = ("matmul", "sdpa")
+BACKENDS = ("matmul", "sdpa", "flash")
 """Decode attention implementations (:func:`attention`): ``matmul``, two batched matmuls
-and an fp32 softmax (the CPU default); ``sdpa``, torch's fused attention (the GPU default).
-Both take grouped-query attention with a KV group's query heads folded into rows."""
+and an fp32 softmax (the CPU default); ``sdpa``, torch's fused attention; ``flash``,
+flash-attn's ``flash_attn_with_kvcache`` reading the cache in place (:func:`flash_attention`;
+the GPU default when flash-attn imports, else ``sdpa``). ``matmul`` and ``sdpa`` take
+grouped-query attention with a KV group's query heads folded into rows; ``flash`` takes it
+as it is. ``flash`` needs a half-precision cache: an fp32 one goes through ``sdpa``."""
 
 _backend_override: str | None = None
+_flash_kvcache = None  # flash-attn's flash_attn_with_kvcache once imported (False: it does not import)
+
+
+def flash_kvcache():
+    """flash-attn's ``flash_attn_with_kvcache`` (None when flash-attn does not import)."""
+    global _flash_kvcache
+    if _flash_kvcache is None:
+        try:
+            from flash_attn import flash_attn_with_kvcache
+        except Exception:  # noqa: BLE001 - not installed, or built for another torch/CUDA
+            flash_attn_with_kvcache = False
+        _flash_kvcache = flash_attn_with_kvcache
+    return _flash_kvcache or None
+
+
+def _check_backend(name: str, where: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{where}{name!r}: use one of {', '.join(BACKENDS)}")
+    if name == "flash" and flash_kvcache() is None:
+        raise ValueError(f"{where}{name!r}: flash-attn does not import here (pip install flash-attn); "
+                         "use sdpa or matmul")
+    return name
 
 
 def set_attention_backend(name: str | None) -> None:
     """Force the decode attention backend (one of :data:`BACKENDS`; None: per device).
     Also ``MRLHF_DECODE_ATTENTION`` in the environment."""
     global _backend_override
-    if name is not None and name not in BACKENDS:
-        raise ValueError(f"unknown decode attention backend {name!r}: use one of {', '.join(BACKENDS)}")
-    _backend_override = name
+    _backend_override = None if name is None else _check_backend(name, "unknown decode attention backend ")
 
 
 def attention_backend(device) -> str:
     """The decode attention backend for tensors on ``device``: the forced one
-    (:func:`set_attention_backend`, ``MRLHF_DECODE_ATTENTION``), else ``sdpa`` on CUDA and
-    ``matmul`` elsewhere."""
+    (:func:`set_attention_backend`, ``MRLHF_DECODE_ATTENTION``), else on CUDA ``flash``
+    when flash-attn imports and ``sdpa`` when not, and ``matmul`` elsewhere."""
     name = _backend_override or os.environ.get("MRLHF_DECODE_ATTENTION") or None
     if name is not None:
-        if name not in BACKENDS:
-            raise ValueError(f"MRLHF_DECODE_ATTENTION={name!r}: use one of {', '.join(BACKENDS)}")
-        return name
-    return "sdpa" if torch.device(device).type == "cuda" else "matmul"
+        return _check_backend(name, "MRLHF_DECODE_ATTENTION=")
+    if torch.device(device).type != "cuda":
+        return "matmul"
+    return "flash" if flash_kvcache() is not None else "sdpa"
+
+
+def uses_flash(device, dtype: torch.dtype) -> bool:
+    """Whether a cached forward on ``device`` with a ``dtype`` cache runs :func:`flash_attention`."""
+    return dtype in (torch.float16, torch.bfloat16) and attention_backend(device) == "flash"
+
+
+def flash_seqlens(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """``cache_seqlens`` for :func:`flash_attention` when ``n`` tokens per row were just
+    written after ``lengths``: each row's keys end there (int32, as the kernel takes them)."""
+    return (lengths + n).to(torch.int32)
+
+
+def flash_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
+    """Attention of ``q [n, B, H, d]`` (query j of row b at position ``seqlens[b] - n + j``)
+    over the cache as it lies, ``keys, values [B, KV, L, d]`` with each row's keys ending
+    at ``seqlens [B]`` (int32): ``flash_attn_with_kvcache`` on the ``[B, L, KV, d]`` views
+    (strided: only the last dimension must be contiguous), causal, which aligns the query
+    rows to the end of each row's keys. Grouped query heads as they come (head ``h`` reads
+    KV group ``h // (H / KV)``, as megatron lays them out). Reads no host value and only
+    each row's own keys, so the whole cache can be passed in a static step. Returns
+    ``[n, B, H, d]``."""
+    out = flash_kvcache()(q.transpose(0, 1), keys.transpose(1, 2), values.transpose(1, 2),
+                          cache_seqlens=seqlens, causal=True)
+    return out.transpose(0, 1)
 
 
 def sdpa_kernel_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> str:
@@ -128,6 +177,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     and v are used as they lie in the cache, with no copy per query head, and the call is
     plain multi-head attention. Backend (:func:`attention_backend`):
 
+    * ``flash`` (the GPU's when flash-attn imports) does not come here: the cached forward
+      calls :func:`flash_attention` on the cache itself; an fp32 cache takes ``sdpa``.
     * ``sdpa`` (GPU): torch SDPA on the folded rows with the repeated boolean mask. Given
       grouped heads (``enable_gqa``) and a mask, torch 2.11 has only its math kernel (fp32
       upcast, K/V repeated per head); folded, the memory-efficient kernel takes it.
@@ -139,7 +190,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
       by the layers; built here when not given).
     """
     b, h, n, d = q.shape
-    if attention_backend(q.device) == "sdpa":
+    if attention_backend(q.device) != "matmul":  # sdpa; flash with an fp32 cache
         qg, mask_rows = _fold(q, k, mask)
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask_rows).reshape(b, h, n, d)
     kv = k.shape[1]
@@ -232,6 +283,7 @@ class _Step:
     tp: object = None  # the TP group when its size > 1 (for the plain layer path's all-reduce)
     packing: _Packing | None = None  # the layers' activations hold real tokens only
     position_biases: list | None = None  # per query position (width_invariant): its mask's bias
+    seqlens: torch.Tensor | None = None  # flash_seqlens: the attention is flash_attention
 
 
 def _layer_step(layer, idx: int, x, cache, s: _Step):
@@ -258,6 +310,11 @@ def _cached_attention(idx: int, q, k, v, cache, s: _Step):
     q, k = rotate(q, s.cos, s.sin), rotate(k, s.cos, s.sin)
     dtype = q.dtype
     cache.write(idx, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), s.slots)
+    if s.seqlens is not None:
+        n, b = q.shape[0], q.shape[1]
+        ctx = flash_attention(q.to(cache.keys[idx].dtype), cache.keys[idx], cache.values[idx], s.seqlens)
+        ctx = ctx.reshape(n, b, -1).to(dtype)
+        return ctx if s.packing is None else s.packing.pack(ctx)
     keys, values = cache.keys[idx][:, :, :s.k_len], cache.values[idx][:, :, :s.k_len]
     q = q.permute(1, 2, 0, 3).to(keys.dtype)
     if s.position_biases is not None:  # each position as a one-token step computes it
@@ -432,13 +489,14 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     groups = cfg.num_attention_heads // cfg.num_query_groups
     biases = ([group_bias(mask[:, :, j:j + 1], groups, torch.float32) for j in range(n)]
               if width_invariant(x.dtype, x.device, n) else None)
-    bias = None if biases or attention_backend(x.device) == "sdpa" else group_bias(mask, groups, torch.float32)
+    bias = None if biases or attention_backend(x.device) != "matmul" else group_bias(mask, groups, torch.float32)
+    seqlens = flash_seqlens(cache.lengths, n) if uses_flash(x.device, cache.keys[0].dtype) else None
     tp = model.pg_collection.tp
     packing = None
     if valid is not None and int(valid.min()) < n:
         packing = _Packing(valid, n, b)
     step = _Step(*rope.angles(pos, x.dtype), mask, bias, cache.slots(n), k_len,
-                 tp if tp.size() > 1 else None, packing, biases)
+                 tp if tp.size() > 1 else None, packing, biases, seqlens)
     layer_step = _plain_layer_step if plain_layers(model) else _layer_step
     if getattr(model, "feature_fusion", None) is not None:
         if features is None:

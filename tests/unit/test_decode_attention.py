@@ -5,9 +5,10 @@ the whole-sequence forward on padded GQA batches; controls without the mask fail
 import pytest
 import torch
 
-from gen_fixtures import decode_attention_error
+from gen_fixtures import decode_attention_error, reference_flash_kvcache
 from megatron_rlhf.config import preset
 from megatron_rlhf.generation import incremental as inc
+from megatron_rlhf.generation import kv_cache
 from megatron_rlhf.models.builder import build_model
 
 # errors relative to the largest logit: fp32 differs from the whole-sequence forward by
@@ -58,15 +59,59 @@ def test_decode_equals_whole_sequence_forward_on_padded_gqa(world1, backend, nam
     assert decode_attention_error(model, static=static, drop_mask=True) > 5 * TOLERANCE[dtype]
 
 
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """flash-attn's kernel stood in for by :func:`reference_flash_kvcache` (its documented
+    contract and input checks; calls counted), and caches in the model's dtype on the CPU
+    too (flash takes half precision only). The real kernel runs only on a GPU with
+    flash-attn installed, which the GPU lent so far lacks."""
+    calls = []
+
+    def kernel(*args, **kw):
+        calls.append(kw["cache_seqlens"].clone())
+        return reference_flash_kvcache(*args, **kw)
+
+    monkeypatch.setattr(inc, "_flash_kvcache", kernel)
+    monkeypatch.setattr(kv_cache, "CPU_HALF_CACHE_MIN_BATCH", 1)
+    return calls
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_flash_decode_equals_whole_sequence_forward_on_padded_gqa(world1, backend, fake_flash, static):
+    """flash_attn_with_kvcache on the cache in place (strided [B, L, KV, d] views, each row's
+    keys ending at its own length, causal alignment for verification widths) gives the
+    whole-sequence forward's logits; with every row's keys ending at the cache's end
+    (padding and future positions visible) it does not."""
+    backend("flash")
+    model = build_model(preset("tiny"), "actor", world1, dtype=torch.bfloat16, seed=2).eval()
+    assert decode_attention_error(model, static=static) < TOLERANCE[torch.bfloat16]
+    layers = model.mrlhf_config.num_layers
+    assert len(fake_flash) >= 4 * layers  # every layer of the 4 decode forwards (and the prefill)
+    assert decode_attention_error(model, static=static, drop_mask=True) > 5 * TOLERANCE[torch.bfloat16]
+
+
+def test_flash_with_an_fp32_cache_takes_sdpa(world1, backend, fake_flash):
+    backend("flash")
+    model = build_model(preset("tiny"), "actor", world1, dtype=torch.float32, seed=2).eval()
+    assert decode_attention_error(model) < TOLERANCE[torch.float32]
+    assert not fake_flash
+
+
 def test_backend_choice(backend, monkeypatch):
     assert inc.attention_backend("cpu") == "matmul"
-    assert inc.attention_backend("cuda") == "sdpa"
+    if inc.flash_kvcache() is None:  # flash-attn not installed: the GPU takes SDPA
+        assert inc.attention_backend("cuda") == "sdpa"
+        with pytest.raises(ValueError, match="flash-attn does not import"):
+            backend("flash")
+    monkeypatch.setattr(inc, "_flash_kvcache", reference_flash_kvcache)
+    assert inc.attention_backend("cuda") == "flash" and inc.attention_backend("cpu") == "matmul"
     monkeypatch.setenv("MRLHF_DECODE_ATTENTION", "sdpa")
     assert inc.attention_backend("cpu") == "sdpa"
+    assert inc.attention_backend("cuda") == "sdpa"
     backend("matmul")
     assert inc.attention_backend("cuda") == "matmul"
-    with pytest.raises(ValueError, match="matmul, sdpa"):
-        backend("flash")
+    with pytest.raises(ValueError, match="matmul, sdpa, flash"):
+        backend("nope")
     backend(None)
     monkeypatch.setenv("MRLHF_DECODE_ATTENTION", "nope")
     with pytest.raises(ValueError, match="MRLHF_DECODE_ATTENTION"):
