@@ -97,7 +97,9 @@ def oracle_drafter():
     from megatron_rlhf.generation.history import HistoryDrafter
 
     class OracleDrafter(HistoryDrafter):
-        answers: dict[int, list[int]] = {}
+        def __init__(self):
+            super().__init__()
+            self.answers: dict[int, list[int]] = {}
 
         def propose(self, sample: int, n: int) -> list[int]:
             live = self.live[sample]

@@ -565,8 +565,8 @@ def main(argv=None) -> int:
     if args.budget_s:
         _watchdog(check, check.remaining() + 30)
     print(f"GPU check: {h['device']}, torch {h['torch']} (CUDA {h['cuda']}, cuDNN {h['cudnn']}), "
-          f"megatron-core {h['megatron_core']}, transformers {h['transformers']}, decode attention "
-          f"{h['decode_attention']}, cuda graphs {h['cuda_graphs']}, budget {h['budget']}; "
+          f"megatron-core {h['megatron_core']}, transformers {h['transformers']}, flash-attn {h['flash_attn']}, "
+          f"decode attention {h['decode_attention']}, cuda graphs {h['cuda_graphs']}, budget {h['budget']}; "
           f"out {check.out}, work {check.work}", file=sys.stderr, flush=True)
     check.run()
     check.free()

@@ -116,7 +116,8 @@ class Report:
         lines = [
             f"GPU check {h['date']}  mode {h['mode']}  device {h['device']}",
             f"python {h['python']}  torch {h['torch']}  CUDA {h.get('cuda')}  cuDNN {h.get('cudnn')}  "
-            f"megatron-core {h['megatron_core']}  transformers {h['transformers']}",
+            f"megatron-core {h['megatron_core']}  transformers {h['transformers']}  "
+            f"flash-attn {h.get('flash_attn', '?')}",
             f"model {h['model']}  decode attention {h.get('decode_attention', '?')}  "
             f"cuda graphs {h.get('cuda_graphs', '?')}  budget {h.get('budget', '?')}",
             "",
@@ -280,19 +281,22 @@ def _eager_time_step(model, batch: int, n: int, context: int, repeats: int, sync
     return times[len(times) // 2] * 1e3
 
 
-def _versions() -> dict:
+def _version(name: str, module: str | None = None) -> str:
+    """An installed distribution's version (its module's ``__version__``, else ``missing``)."""
     from importlib import metadata
 
-    def v(name, module=None):
+    try:
+        return metadata.version(name)
+    except Exception:  # noqa: BLE001
         try:
-            return metadata.version(name)
+            mod = __import__(module or name)
+            return getattr(mod, "__version__", "?")
         except Exception:  # noqa: BLE001
-            try:
-                mod = __import__(module or name)
-                return getattr(mod, "__version__", "?")
-            except Exception:  # noqa: BLE001
-                return "missing"
+            return "missing"
 
+
+def _versions() -> dict:
+    v = _version
     mc = v("megatron-core")
     if mc == "missing":
         try:
@@ -306,7 +310,8 @@ def _versions() -> dict:
     except Exception as e:  # noqa: BLE001
         cudnn = f"? ({type(e).__name__})"
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": cudnn,
-            "megatron_core": mc, "transformers": v("transformers")}
+            "megatron_core": mc, "transformers": v("transformers"),
+            "flash_attn": v("flash-attn", "flash_attn")}
 
 
 def _decode_attention(shape: Shape, dev: torch.device) -> str:
@@ -317,6 +322,8 @@ def _decode_attention(shape: Shape, dev: torch.device) -> str:
         from megatron_rlhf.generation import incremental as inc
 
         name = inc.attention_backend(dev)
+        if name == "flash":
+            return f"flash (flash_attn_with_kvcache, flash-attn {_version('flash-attn', 'flash_attn')})"
         if dev.type != "cuda" or name != "sdpa":
             return name
         b, length, d = 16, shape.verify_context, shape.hidden // shape.heads

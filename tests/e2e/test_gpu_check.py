@@ -49,7 +49,7 @@ def test_gpu_check_smoke(tmp_path):
     h = summary["header"]
     assert summary["passed"] and h["device"] == "cpu" and summary["skipped_for_time"] == []
     assert h["decode_attention"] == "matmul" and h["cuda_graphs"] == "none (cpu)"
-    assert {"torch", "cuda", "cudnn", "install_s"} <= set(h)
+    assert {"torch", "cuda", "cudnn", "flash_attn", "install_s"} <= set(h)
     assert "stage                     status  seconds  details" in printed
     assert "decode attention matmul" in printed
     assert "total wall time" in printed and "all stages run passed" in printed

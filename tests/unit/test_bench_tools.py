@@ -138,3 +138,25 @@ def test_plan_bench_profiles_again_for_each_round_when_asked(monkeypatch, tmp_pa
     assert plan.profile(args, 128, 64) == tmp_path / "prof.json" and "--force" not in cmds[-1]
     assert plan.profile(args, 128, 64, 2) == tmp_path / "prof_round2.json"
     assert "--force" in cmds[-1] and str(tmp_path / "prof_round2.json") in cmds[-1]
+
+
+def test_bench_history_oracle_drafts_the_answer_from_where_the_sample_is(tmp_path):
+    """The oracle variant's drafter proposes the sample's own answer from its position on
+    (the ceiling of any draft); the bench takes a trained actor's iteration directory."""
+    hist = tool("bench_history")
+    drafter = hist.oracle_drafter()
+    drafter.answers = {7: [10, 11, 12, 13]}
+    drafter.begin(7, [1, 2, 3])
+    assert drafter.propose(7, 2) == [10, 11]
+    drafter.extend(7, [10, 11])
+    assert drafter.propose(7, 3) == [12, 13]  # no more than the answer holds
+    drafter.begin(8, [1, 2, 3], response=[4])  # arrived by migration, no answer known
+    assert drafter.propose(8, 3) == []
+    actor = tmp_path / "iter_0000016" / "actor"
+    actor.mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        hist.parse_args(["--load", str(actor)])
+    (actor / "megatron_rlhf.json").write_text("{}")
+    args = hist.parse_args(["--load", str(actor), "--variants", "off,oracle-auto"])
+    assert args.variants == ["off", "oracle-auto"]
+    assert hist.spec_of("oracle-8").num_draft_tokens == 8
