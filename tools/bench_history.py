@@ -16,6 +16,7 @@ own that lives across the epochs, so its history holds the earlier epochs' answe
 - ``off``: plain decoding;
 - ``history``: history drafts, 3 per round (``--num-draft-tokens 3``);
 - ``history-auto``: history drafts, the selector choosing plain or 1..4 per round;
+- ``history-auto-8``: the same choosing up to 8 drafts per round;
 - ``history-global-auto``: the same with a global index of the newest 256 responses to any
   prompt (``--history-global 256``);
 - ``model-auto`` / ``both-auto`` (with ``--draft-load``): the draft model, or both sources;
@@ -24,6 +25,11 @@ own that lives across the epochs, so its history holds the earlier epochs' answe
   seed, exact verification: the tokens this run emits, up to an fp32 near-tie flip), so
   nearly every draft is accepted; the selector chooses how much to verify (up to 8), or
   8 drafts every round. It runs after ``off`` in each epoch.
+- ``argmax-3`` / ``argmax-auto``: the best a single chain of drafts can do in expectation
+  without knowing the sampling's uniforms: the policy's own most likely token at each
+  position of ``off``'s answer (given the answer's prefix: once a draft is rejected the
+  rest of the chain is never read), 3 per round or the selector's choice up to 8. The
+  history's drafts are estimates of these.
 
 All verification is exact, so every variant emits the same tokens (checked: a variant
 whose samples differ from ``off``'s is reported, ``same_tokens`` false). Per variant and
@@ -44,8 +50,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("off", "history", "history-auto", "history-global-auto", "model-auto", "both-auto",
-            "oracle-auto", "oracle-8")
+VARIANTS = ("off", "history", "history-auto", "history-auto-8", "history-global-auto", "model-auto", "both-auto",
+            "oracle-auto", "oracle-8", "argmax-3", "argmax-auto")
 
 
 def parse_args(argv=None):
@@ -85,8 +91,11 @@ def spec_of(variant: str):
     return {"off": SpecConfig(0), "history": SpecConfig(3, draft_source="history"),
             "history-auto": SpecConfig("auto", draft_source="history"),
             "history-global-auto": SpecConfig("auto", draft_source="history", history_global=256),
+            "history-auto-8": SpecConfig("auto", draft_source="history", max_draft_tokens=8),
             "oracle-auto": SpecConfig("auto", draft_source="history", max_draft_tokens=8),
             "oracle-8": SpecConfig(8, draft_source="history", max_draft_tokens=8),
+            "argmax-3": SpecConfig(3, draft_source="history"),
+            "argmax-auto": SpecConfig("auto", draft_source="history", max_draft_tokens=8),
             "model-auto": SpecConfig("auto", draft_source="model"),
             "both-auto": SpecConfig("auto", draft_source="both")}[variant]
 
@@ -107,6 +116,27 @@ def oracle_drafter():
             return self.answers.get(sample, [])[done:done + n]
 
     return OracleDrafter()
+
+
+ORACLES = ("oracle", "argmax")  # variants whose drafter reads off's answers (they run after it)
+
+
+def greedy_answers(actor, prompts: list[list[int]], answers: list[list[int]], pad: int) -> list[list[int]]:
+    """The policy's most likely token at each position of each answer, given the prompt and
+    the answer's own prefix (a few samples per whole-sequence forward)."""
+    import torch
+
+    from megatron_rlhf import platform
+    from megatron_rlhf.models.forward import lm_logits
+
+    out = []
+    for i in range(0, len(prompts), 4):
+        pairs = list(zip(prompts[i:i + 4], answers[i:i + 4]))
+        ids = platform.padded([p + a for p, a in pairs], pad, torch.long, platform.device())
+        with torch.no_grad():
+            logits = lm_logits(actor, ids)
+        out += [logits[j, len(p) - 1:len(p) + len(a) - 1].argmax(-1).tolist() for j, (p, a) in enumerate(pairs)]
+    return out
 
 
 def worker(args) -> int:
@@ -144,7 +174,7 @@ def worker(args) -> int:
     mine = list(range(rank * per, (rank + 1) * per))
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     engines = {v: Generator(actor, draft if v.startswith(("model", "both")) else None, pad_id=pad,
-                            history=oracle_drafter() if v.startswith("oracle") else history_drafter(spec_of(v)))
+                            history=oracle_drafter() if v.startswith(ORACLES) else history_drafter(spec_of(v)))
                for v in args.variants}
     migrator = Migrator(pg.dp, MigrationConfig(), platform.device(), tp_group=pg.tp)
     header = {"kind": "header", "checkpoint": str(args.load), "dtype": args.dtype, "ranks": world,
@@ -155,9 +185,9 @@ def worker(args) -> int:
         print(json.dumps(header), flush=True)
     rows = []
     for epoch in range(args.epochs):
-        others = [v for v in args.variants if not v.startswith("oracle")]
+        others = [v for v in args.variants if not v.startswith(ORACLES)]
         order = others[epoch % len(others):] + others[:epoch % len(others)]
-        order += [v for v in args.variants if v.startswith("oracle")]  # after off: they read its answers
+        order += [v for v in args.variants if v.startswith(ORACLES)]  # after off: they read its answers
         tokens_by_variant = {}
         for v in order:
             dist.barrier()
@@ -172,10 +202,18 @@ def worker(args) -> int:
             everything = [None] * world
             dist.all_gather_object(everything, local)
             tokens_by_variant[v] = [x for part in everything for x in part[0]]
-            if v == "off":
+            if v == "off" and any(o.startswith(ORACLES) for o in args.variants):
+                greedy = None
+                if any(o.startswith("argmax") for o in args.variants):  # not timed
+                    parts = [None] * world
+                    mine_greedy = greedy_answers(actor, [prompts[i] for i in mine],
+                                                 [tokens_by_variant[v][i] for i in mine], pad)
+                    dist.all_gather_object(parts, mine_greedy)
+                    greedy = [x for part in parts for x in part]
                 for o in args.variants:
-                    if o.startswith("oracle"):
-                        engines[o].history.answers = dict(enumerate(tokens_by_variant[v]))
+                    if o.startswith(ORACLES):
+                        source = greedy if o.startswith("argmax") else tokens_by_variant[v]
+                        engines[o].history.answers = dict(enumerate(source))
             if rank:
                 continue
             sums = [sum(part[i] for part in everything) for i in range(2, 10)]

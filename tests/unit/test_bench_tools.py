@@ -160,3 +160,24 @@ def test_bench_history_oracle_drafts_the_answer_from_where_the_sample_is(tmp_pat
     args = hist.parse_args(["--load", str(actor), "--variants", "off,oracle-auto"])
     assert args.variants == ["off", "oracle-auto"]
     assert hist.spec_of("oracle-8").num_draft_tokens == 8
+
+
+def test_bench_history_argmax_answers_are_the_greedy_continuations(world1):
+    """The argmax variant drafts the policy's most likely token at each position of an
+    answer: for a greedy answer that is the answer itself; for any other answer it differs
+    where the answer left the mode."""
+    import torch
+
+    from megatron_rlhf.config import GenerationConfig, SpecConfig
+    from megatron_rlhf.generation.engine import Generator
+
+    hist = tool("bench_history")
+    actor, _ = actor_and_draft(world1)
+    prompts = [list(p) for p in PROMPTS]
+    greedy = Generator(actor).generate(prompts, GenerationConfig(max_new_tokens=8, temperature=0.0),
+                                       SpecConfig(0)).responses()
+    assert hist.greedy_answers(actor, prompts, greedy, pad=0) == greedy
+    changed = [a[:3] + [(a[3] + 1) % 200] + a[4:] for a in greedy]  # off the mode at position 3
+    argmax = hist.greedy_answers(actor, prompts, changed, pad=0)
+    assert all(g[:4] == c[:3] + [a[3]] for g, c, a in zip(argmax, changed, greedy))
+    assert torch.tensor([g[3] != c[3] for g, c in zip(argmax, changed)]).all()
