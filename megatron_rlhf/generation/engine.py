@@ -78,6 +78,15 @@ class Lookup:
         return [f for f, a in zip(self.found, self.alive) if a]
 
 
+def _count_history(stats: GenerationStats, ks: list[int], looked_up: Lookup, n: int) -> None:
+    """A graphed round's history counts: ``ks`` drafts accepted per live row, of which
+    those within the row's first ``found`` came from the history."""
+    found = [min(f, n) for f in looked_up.found_live]
+    stats.history_verifications += len(ks)
+    stats.history_drafted += sum(found)
+    stats.history_accepted += sum(min(k, f) for k, f in zip(ks, found))
+
+
 CATCH_UP_MAX = 32
 """A run of plain steps lets the draft's catch-up buffer grow; at this width the draft is
 fed all but each row's last buffered token (keeps the buffer's memory bounded)."""
@@ -572,26 +581,26 @@ class Generator:
             if runner.serves(rows.caches["actor"], width + 1):
                 return self._verified_round(runner, rows, out, cfg, n, width, key, stats, looked_up)
         d_runner = self._steps.get("draft") if runner is not None else None
-        if (d_runner is not None and looked_up is None and (cfg.greedy or self._verify == "exact")
+        if (d_runner is not None and (cfg.greedy or self._verify == "exact")
                 and runner.serves(rows.caches["actor"], n + 1) and d_runner.serves(rows.caches["draft"], 1)
                 and rows["catch_tokens"].shape[1] <= graphs.CATCH_UP_MAX):
-            return self._drafted_round(runner, d_runner, rows, out, cfg, n, key, stats)
+            return self._drafted_round(runner, d_runner, rows, out, cfg, n, key, stats, looked_up)
         cache, alive = rows.caches["actor"], rows["alive"]
         cache.lengths[~alive] = 0
         pending = torch.where(alive, rows["pending"], self.pad_id)
         base = cache.lengths.clone()  # tokens in the actor cache before this round
         sid, emitted = rows["sid"][:, None], rows["emitted"][:, None]
-        q_probs = None
+        q_probs, history = None, None
+        if looked_up is not None:
+            history = (looked_up.tokens[:, :n], torch.tensor(looked_up.found, device=alive.device).clamp(max=n))
+            stats.history_verifications += int(alive.sum())
+            stats.history_drafted += int(history[1][alive].sum())
         if self.draft is not None:
-            drafts, q_probs = self._propose(rows, cfg, n, key, d_rope)
+            drafts, q_probs = self._propose(rows, cfg, n, key, d_rope, history)
             stats.draft_steps += n
             drafts_t = torch.stack(drafts, 1)  # [R, n]
-        if looked_up is not None:
-            hist, found = looked_up.tokens[:, :n], torch.tensor(looked_up.found, device=alive.device).clamp(max=n)
-            from_history = torch.arange(n, device=found.device)[None, :] < found[:, None]
-            drafts_t = torch.where(from_history, hist, drafts_t) if self.draft is not None else hist
-            stats.history_verifications += int(alive.sum())
-            stats.history_drafted += int(found[alive].sum())
+        else:
+            drafts_t = history[0]
 
         # actor: verify all n+1 positions in one forward
         a_logits = self._forward("actor", self.actor, cache, torch.cat([pending[:, None], drafts_t], 1), rope,
@@ -617,8 +626,8 @@ class Generator:
         live = alive.nonzero()[:, 0]
         k_live = k[live]
         stats.count_accepted(k_live.tolist(), n)
-        if looked_up is not None:  # accepted drafts that came from the history
-            stats.history_accepted += int(torch.minimum(k, found)[live].sum())
+        if history is not None:  # accepted drafts that came from the history
+            stats.history_accepted += int(torch.minimum(k, history[1])[live].sum())
         ks, toks, sids = k.tolist(), emitted_t.tolist(), rows["sid"].tolist()
         for r in live.tolist():
             kr = ks[r] + 1
@@ -644,21 +653,25 @@ class Generator:
         eos = self.eos if out.stop_on_eos else None
         res = runner.verify_step(rows, looked_up.tokens, n, width, cfg, out.max_new, eos, self.pad_id)
         ks, live = self._take_verified(res, n, width, out, stats)
-        found = [min(f, n) for f in looked_up.found_live]
-        stats.history_verifications += len(ks)
-        stats.history_drafted += sum(found)
-        stats.history_accepted += sum(min(k, f) for k, f in zip(ks, found))
+        _count_history(stats, ks, looked_up, n)
         return torch.tensor(ks, dtype=torch.long), live
 
-    def _drafted_round(self, runner, d_runner, rows: Rows, out: Outputs, cfg, n: int, key, stats):
+    def _drafted_round(self, runner, d_runner, rows: Rows, out: Outputs, cfg, n: int, key, stats,
+                       looked_up: Lookup | None = None):
         """A round of the draft model's ``n`` drafts as one graph (:meth:`~megatron_rlhf.
         generation.graphs.StepGraphs.draft_step`: catch-up, proposals, exact verification);
-        the draft's next catch-up is what the round emitted. Returns what
+        with ``looked_up`` (``--draft-source both``) the history's tokens where it found
+        some. The draft's next catch-up is what the round emitted. Returns what
         :meth:`_spec_round` does."""
         runner.bind(rows, key)
         eos = self.eos if out.stop_on_eos else None
-        res = runner.draft_step(d_runner, rows, n, cfg, out.max_new, eos, self.pad_id)
+        history = None
+        if looked_up is not None:
+            history = (looked_up.tokens, torch.tensor([min(f, n) for f in looked_up.found], device=looked_up.tokens.device))
+        res = runner.draft_step(d_runner, rows, n, cfg, out.max_new, eos, self.pad_id, history)
         ks, live = self._take_verified(res, n, n, out, stats)
+        if looked_up is not None:
+            _count_history(stats, ks, looked_up, n)
         stats.draft_steps += n
         r = len(rows)
         rows["catch_tokens"], rows["catch_count"] = runner.drawn[:r, :n + 1].clone(), runner.accepted[:r] + 1
@@ -684,10 +697,13 @@ class Generator:
         stats.count_accepted(ks, n)
         return ks, live
 
-    def _propose(self, rows: Rows, cfg, n, key, d_rope):
+    def _propose(self, rows: Rows, cfg, n, key, d_rope, history=None):
         """The draft's ``n`` proposals (and their sampling distributions): catch up with the
         buffered tokens, then draft on its own outputs (a feature draft on its own hidden
-        states). Afterwards the draft cache holds exactly the caught-up tokens."""
+        states). ``history``: ``(tokens [R, n], found [R])``: the history's token replaces
+        the draft's at the first ``found`` positions of a row and is what the draft reads
+        next (``--draft-source both``). Afterwards the draft cache holds exactly the
+        caught-up tokens."""
         d_cache = rows.caches["draft"]
         # exact verification: the draft draws with the uniform the actor's token at that
         # position is drawn with, so a draft near the actor proposes the actor's very token
@@ -699,6 +715,8 @@ class Generator:
         drafts, q_probs = [], []
         for i in range(n):
             tok, q = sample(logits[:, -1], cfg, rng.uniform(key, sid, emitted + i, stream))
+            if history is not None:
+                tok = torch.where(i < history[1], history[0][:, i], tok)
             drafts.append(tok)
             q_probs.append(q)
             if i + 1 < n:

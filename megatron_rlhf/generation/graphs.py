@@ -158,6 +158,7 @@ class StepGraphs:
         # what a verification leaves for the next round: the drawn tokens, the accepted counts
         self.drawn = torch.zeros(cap, MAX_TOKENS, dtype=torch.long, device=dev)
         self.accepted = torch.zeros(cap, dtype=torch.long, device=dev)
+        self.found = torch.zeros(cap, dtype=torch.long, device=dev)  # history drafts per row (both)
         self.draft_graphs: dict[tuple, object] = {}  # draft rounds (the key ends with the draft's store)
         # a draft's catch-up buffer, fed by the draft rounds
         self.catch_tokens = torch.zeros(cap, CATCH_UP_MAX, dtype=torch.long, device=dev)
@@ -333,7 +334,7 @@ class StepGraphs:
         return torch.cat([head, drawn.double(), lp.double(), slp.double()], 1)
 
     def draft_step(self, draft: "StepGraphs", rows, n: int, params, max_new: int,
-                   eos: int | None, pad_id: int) -> list[list[float]]:
+                   eos: int | None, pad_id: int, history=None) -> list[list[float]]:
         """A round of ``n`` drafts from a draft model (``draft``: its store, whose rows are
         ``rows``' draft cache) as one graph: the draft catches up with each row's buffered
         tokens (``rows["catch_tokens"]``, ``catch_count`` of them; a feature draft with
@@ -342,9 +343,16 @@ class StepGraphs:
         proposes the actor's very token); its cache goes back to the caught-up tokens; the
         actor verifies them exactly (:meth:`_verify`). Returns what :meth:`verify_step`
         does; the next catch-up is the first ``accepted + 1`` of :attr:`drawn` (and of
-        :attr:`verified_hidden` for a feature draft)."""
+        :attr:`verified_hidden` for a feature draft). ``history``: ``(tokens [R, >= n],
+        found [R])``, ``--draft-source both``: a row's first ``found`` proposals are the
+        history's tokens (and what the draft reads next), the rest the draft's."""
         r = len(rows)
         b = bucket(r)
+        if history is not None:  # the history's tokens wait in the forward's token buffer
+            self.tokens[:r, 1:n + 1].copy_(history[0][:, :n])
+            self.found[:r].copy_(history[1])
+            if b > r:
+                self.found[r:b] = 0
         feature = getattr(draft.model, "feature_fusion", None) is not None
         width = rows["catch_tokens"].shape[1]
         cw = bucket(width)
@@ -358,7 +366,7 @@ class StepGraphs:
         self.cache.store_lengths[r:b] = 0  # padding rows: garbage at position 0
         draft.cache.store_lengths[r:b] = 0
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
-        key = (b, n + 1, "draft", cw, sampling, max_new, eos, pad_id, draft)
+        key = (b, n + 1, "draft", cw, sampling, max_new, eos, pad_id, history is not None, draft)
         if key not in self.draft_graphs:  # graphs of an earlier draft store hold it alive: drop them
             self.draft_graphs = {k: v for k, v in self.draft_graphs.items() if k[-1] is draft}
 
@@ -382,6 +390,8 @@ class StepGraphs:
             for i in range(n):
                 u = None if params.greedy else rng.uniform(self.key, sid, emitted + i, rng.NEXT)
                 tok, _ = sample(logits[:, -1], params, u)
+                if history is not None:
+                    tok = torch.where(i < self.found[:b], self.tokens[:b, 1 + i], tok)
                 proposed.append(tok)
                 if i + 1 < n:
                     res = forward_cached(draft.model, draft._rows(b), tok[:, None], draft.rope, static=True,

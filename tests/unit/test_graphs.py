@@ -196,6 +196,33 @@ def test_a_draft_models_round_is_one_graph(world1, pair, cfg, feature):
         assert widths and (selector is None or max(widths) > 1), widths
 
 
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_both_sources_round_is_one_graph(world1, pair, cfg):
+    """``--draft-source both``: the history's tokens where it found some, the draft model's
+    after them (conditioned on the history's), in the draft round's one graph: the same
+    drafts as the dynamic engine (equal acceptance per position and from the history),
+    plain decoding's tokens; the second epoch's history proposes whole answers."""
+    actor, draft = pair
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    plain = Generator(actor, graphs="off").generate(prompts, cfg, seed=4)
+    spec = SpecConfig(3, draft_source="both")
+    ref = Generator(actor, draft, history=HistoryDrafter(), graphs="off")
+    gen = Generator(actor, draft, history=HistoryDrafter(), graphs="eager")
+    from_history = from_model = 0
+    for _ in range(2):
+        want, got = ref.generate(prompts, cfg, spec, seed=4), gen.generate(prompts, cfg, spec, seed=4)
+        assert got.responses() == want.responses() == plain.responses()
+        assert torch.allclose(got.response_logprobs, want.response_logprobs, atol=1e-4)
+        s, w = got.stats, want.stats
+        assert s.accepted_per_position == w.accepted_per_position
+        assert (s.history_verifications, s.history_drafted, s.history_accepted) == \
+            (w.history_verifications, w.history_drafted, w.history_accepted)
+        from_history += s.history_accepted
+        from_model += s.accepted_tokens - s.history_accepted
+    assert from_history > 0 and from_model > 0, (from_history, from_model)  # both sources accepted
+    assert any(key[-2] for key in gen._steps["actor"].draft_graphs)  # the round with history ran graphed
+
+
 def test_store_and_graphs_are_kept_and_rebuilt_when_needed(pair):
     actor, draft = pair
     gen = Generator(actor, None, graphs="eager")

@@ -90,9 +90,10 @@ def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=Non
     """Generate under :class:`Trace`; returns the trace and the rollout. ``history``: with
     history drafts (``SpecConfig(3, draft_source="history")``), after a first run of the
     same prompts has filled the history; a round then starts with the lookup. ``draft``: 3
-    drafts a round from that draft model."""
+    drafts a round from that draft model (with ``history``: ``--draft-source both``)."""
     rec = Trace()
-    spec = SpecConfig(3, draft_source="history") if history else (SpecConfig(3) if draft is not None else None)
+    source = ("both" if draft is not None else "history") if history else None
+    spec = SpecConfig(3, draft_source=source) if history or draft is not None else None
     gen = Generator(actor, draft, graphs="eager", history=HistoryDrafter() if history else None)
     gen.generate(prompts, cfg, spec, seed=5)  # build the store once: its buffers are known below
     rec.host_buffers.append(gen._steps["actor"].host)
@@ -196,6 +197,23 @@ def test_a_draft_models_round_is_one_graph_and_one_host_read(draft, actor, monke
     steps = per_step(rec)  # measured: 10 ops a round (the catch-up buffer in, the next one out)
     assert len(steps) >= rec.step // 2, steps
     assert all(n <= MAX_EAGER_OPS and h == MAX_HOST_COPIES for n, h in steps.values()), steps
+    ref = Generator(actor, graphs="off").generate(PROMPTS * 3, CFGS[name], seed=5)
+    assert out.responses() == ref.responses()
+
+
+def test_a_both_sources_round_is_one_graph_and_two_host_reads(draft, actor, monkeypatch, name="sampled"):
+    """``--draft-source both``: the lookup's one packed read, then the draft model's round
+    graph with the history's tokens (copied in beside the catch-up buffer), nothing inside
+    reading the host. The tokens are plain decoding's."""
+    rec, out = trace(actor, CFGS[name], monkeypatch, history=True, draft=draft)
+    inside = [op for phase, _, op, reads, _ in rec.ops if phase == "graph" and reads]
+    assert not inside, f"host reads inside the round's graph: {Counter(inside)}"
+    assert out.stats.history_accepted > 0 and out.stats.accepted_tokens > out.stats.history_accepted
+    # measured: 16-17 ops a round: the lookup's packed read (2), the history's tokens and
+    # counts made and copied in (4), the draft round's 10 (11 after a compaction)
+    steps = per_step(rec)
+    assert len(steps) >= rec.step // 3, steps  # rounds around a compaction are not counted
+    assert all(n <= MAX_EAGER_OPS + 7 and h == MAX_HOST_COPIES + 1 for n, h in steps.values()), steps
     ref = Generator(actor, graphs="off").generate(PROMPTS * 3, CFGS[name], seed=5)
     assert out.responses() == ref.responses()
 
