@@ -522,11 +522,15 @@ class Generator:
         """Append ``tok [R]`` (and its actor hidden state ``[R, h]``) to the draft's catch-up
         buffer; past :data:`CATCH_UP_MAX` columns, feed the draft all but the last."""
         count = rows["catch_count"]
-        width = int(count.max()) + 1 if len(count) else 1
+        # every row's count fits its buffer (count <= width): one more column holds the new
+        # token, with no host read of the counts (a stop of the host per step on a GPU). The
+        # buffer may be wider than the counts need (by a round's drafts, or rows compacted
+        # away), never past CATCH_UP_MAX: the draft's cache has that many positions to spare.
+        width = rows["catch_tokens"].shape[1] + 1
         r = torch.arange(len(count), device=count.device)
         for name, new in (("catch_tokens", tok), ("catch_features", hidden)):
             if name in rows:
-                old = rows[name][:, :width]
+                old = rows[name]
                 grown = old.new_full((old.shape[0], width, *old.shape[2:]), self.pad_id if new is tok else 0)
                 grown[:, : old.shape[1]] = old
                 grown[r, count] = new.to(grown.dtype)

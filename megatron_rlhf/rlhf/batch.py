@@ -97,8 +97,8 @@ class Experience:
             widths = [extent(rows)] * len(chunks)
         else:
             widths = [extent(idx) for idx in chunks]
-        order = torch.tensor(rows, dtype=torch.long)
         dev = self.input_ids.device
+        order = torch.tensor(rows, dtype=torch.long, device=dev)
         parts = [self.select(torch.tensor(idx, dtype=torch.long, device=dev)).columns(*w)
                  for idx, w in zip(chunks, widths)]
         return parts, order

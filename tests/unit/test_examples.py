@@ -52,3 +52,16 @@ def test_example_flags_parse(script, module):
         parse = importlib.import_module(module).parse_args
     for args in calls:
         parse(args)  # argparse exits (SystemExit) on an unknown flag or a bad value
+
+
+def test_the_suite_collects_every_test_directory(pytestconfig):
+    """Every directory of ``tests/`` holding ``test_*.py`` files is one pytest recurses into:
+    pytest's default ``norecursedirs`` holds ``dist``, and ``tests/dist`` (TP, migration,
+    device discipline, layouts) once ran in no suite at all."""
+    from fnmatch import fnmatch
+
+    patterns = pytestconfig.getini("norecursedirs")
+    dirs = [d for d in (ROOT / "tests").iterdir() if d.is_dir() and any(d.glob("test_*.py"))]
+    assert {d.name for d in dirs} >= {"unit", "dist", "e2e"}
+    skipped = [d.name for d in dirs if any(fnmatch(d.name, p) for p in patterns)]
+    assert not skipped, f"pytest does not recurse into {skipped} (norecursedirs {patterns})"

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gen_fixtures import PROMPTS, actor_and_draft
+from gen_fixtures import PROMPTS, RandomSelector, actor_and_draft
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import graphs, sampling
 from megatron_rlhf.generation.engine import Generator
@@ -86,15 +86,26 @@ def draft(world1):
     return actor_and_draft(world1)[1]
 
 
-def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=None):
+class AlwaysPlain(RandomSelector):
+    """An ``auto`` selector that never drafts: every round of a drafting run is plain."""
+
+    def choose(self, batch: int, found=None, widest: int | None = None) -> int:
+        return 0
+
+
+def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=None, plain_rounds=False):
     """Generate under :class:`Trace`; returns the trace and the rollout. ``history``: with
     history drafts (``SpecConfig(3, draft_source="history")``), after a first run of the
     same prompts has filled the history; a round then starts with the lookup. ``draft``: 3
-    drafts a round from that draft model (with ``history``: ``--draft-source both``)."""
+    drafts a round from that draft model (with ``history``: ``--draft-source both``;
+    with ``plain_rounds``: ``auto``, every round plain, the draft's buffer kept)."""
     rec = Trace()
     source = ("both" if draft is not None else "history") if history else None
     spec = SpecConfig(3, draft_source=source) if history or draft is not None else None
-    gen = Generator(actor, draft, graphs="eager", history=HistoryDrafter() if history else None)
+    if plain_rounds:
+        spec = SpecConfig("auto", max_draft_tokens=3)
+    gen = Generator(actor, draft, graphs="eager", history=HistoryDrafter() if history else None,
+                    selector=AlwaysPlain(3, seed=0) if plain_rounds else None)
     gen.generate(prompts, cfg, spec, seed=5)  # build the store once: its buffers are known below
     rec.host_buffers.append(gen._steps["actor"].host)
     if history:  # drafts from the prompts and the siblings only: rounds of every kind
@@ -106,7 +117,7 @@ def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=Non
         rec.tolist(self)
         return real_tolist(self)
     # what each round calls first
-    first = "_look_up" if history else ("_spec_round" if draft is not None else "_plain_step")
+    first = "_look_up" if history else ("_spec_round" if draft is not None and not plain_rounds else "_plain_step")
     real_step = getattr(Generator, first)
 
     def run(self):
@@ -214,6 +225,19 @@ def test_a_both_sources_round_is_one_graph_and_two_host_reads(draft, actor, monk
     steps = per_step(rec)
     assert len(steps) >= rec.step // 3, steps  # rounds around a compaction are not counted
     assert all(n <= MAX_EAGER_OPS + 7 and h == MAX_HOST_COPIES + 1 for n, h in steps.values()), steps
+    ref = Generator(actor, graphs="off").generate(PROMPTS * 3, CFGS[name], seed=5)
+    assert out.responses() == ref.responses()
+
+
+def test_a_plain_round_of_a_drafting_run_is_one_graph_and_one_host_read(draft, actor, monkeypatch, name="sampled"):
+    """Under ``auto`` with a draft model a plain round also appends its token to the
+    draft's catch-up buffer: without reading the buffer's counts on the host (the buffer
+    grows by one column whatever they are)."""
+    rec, out = trace(actor, CFGS[name], monkeypatch, draft=draft, plain_rounds=True)
+    assert out.stats.rounds_by_draft_len[0] and not sum(out.stats.rounds_by_draft_len[1:])
+    steps = per_step(rec)  # measured: 6 ops a step (the buffer grown by a column, the token put in)
+    assert len(steps) >= rec.step // 2, steps
+    assert all(n <= MAX_EAGER_OPS and h == MAX_HOST_COPIES for n, h in steps.values()), steps
     ref = Generator(actor, graphs="off").generate(PROMPTS * 3, CFGS[name], seed=5)
     assert out.responses() == ref.responses()
 
