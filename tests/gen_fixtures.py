@@ -88,13 +88,24 @@ def decode_attention_error(model, static: bool = False, drop_mask: bool = False)
     return worst
 
 
-def reference_flash_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=False, softmax_scale=None, **unused):
+def explicit_attention(q, k, v, mask):
+    """Textbook grouped-query attention in fp32: each query head against its KV group's keys
+    repeated (``q [B, H, n, d]``, ``k, v [B, KV, L, d]``, ``mask [B, 1, n, L]`` True where
+    a query sees a key)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1).float(), v.repeat_interleave(g, 1).float()
+    scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def reference_flash_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=False, **unused):
     """flash-attn's ``flash_attn_with_kvcache`` as its documentation states it (the part the
-    engine uses: no new k/v, no rotary, no paging), with the input checks its kernel makes,
-    for running :func:`~megatron_rlhf.generation.incremental.flash_attention` on the CPU.
-    ``q [B, n, H, d]``, caches ``[B, L, KV, d]`` (head ``h`` reads KV head ``h // (H / KV)``),
-    each row's keys ``[0, cache_seqlens[b])``; causal aligns the query rows to the end of
-    the keys (query ``j`` sees keys up to ``cache_seqlens[b] - n + j``)."""
+    engine uses: no new k/v, no rotary, no paging, the default scale), with the input
+    checks its kernel makes, for running
+    :func:`~megatron_rlhf.generation.incremental.flash_attention` on the CPU. ``q [B, n, H,
+    d]``, caches ``[B, L, KV, d]`` (head ``h`` reads KV head ``h // (H / KV)``), each row's
+    keys ``[0, cache_seqlens[b])``; causal aligns the query rows to the end of the keys
+    (query ``j`` sees keys up to ``cache_seqlens[b] - n + j``)."""
     assert not unused, f"arguments the engine does not pass: {sorted(unused)}"
     assert q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == v_cache.dtype == q.dtype
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -102,16 +113,14 @@ def reference_flash_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=Fals
     length, kv = k_cache.shape[1], k_cache.shape[2]
     assert cache_seqlens.dtype == torch.int32 and cache_seqlens.is_contiguous() and tuple(cache_seqlens.shape) == (b,)
     assert h % kv == 0 and k_cache.shape[0] >= b and k_cache.shape[3] == d and v_cache.shape == k_cache.shape
-    k = k_cache[:b].float().repeat_interleave(h // kv, 2)  # [B, L, H, d]
-    v = v_cache[:b].float().repeat_interleave(h // kv, 2)
-    scores = torch.einsum("bnhd,blhd->bhnl", q.float(), k) * (d ** -0.5 if softmax_scale is None else softmax_scale)
     keys = torch.arange(length)[None, None, :]
     ends = cache_seqlens.long()[:, None, None]
-    visible = keys < ends
+    visible = keys < ends  # [B, n, L]
     if causal:
         visible = visible & (keys <= ends - n + torch.arange(n)[None, :, None])
-    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
-    return torch.einsum("bhnl,blhd->bnhd", probs, v).to(q.dtype)
+    out = explicit_attention(q.transpose(1, 2), k_cache[:b].transpose(1, 2), v_cache[:b].transpose(1, 2),
+                             visible[:, None])
+    return out.transpose(1, 2).to(q.dtype)
 
 
 class RandomSelector:

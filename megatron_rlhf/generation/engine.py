@@ -51,6 +51,7 @@ import torch.distributed as dist
 from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import rng, speculative
+from megatron_rlhf.generation.graphs import CATCH_UP_MAX
 from megatron_rlhf.generation.history import HistoryDrafter
 from megatron_rlhf.generation.incremental import RopeTable, attention_backend, forward_cached, pad_right, prefill
 from megatron_rlhf.generation.kv_cache import KVCache
@@ -77,6 +78,12 @@ class Lookup:
         """``found`` of the live rows, in row order."""
         return [f for f, a in zip(self.found, self.alive) if a]
 
+    def drafts(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A round of ``n`` drafts' share of the history: ``tokens [R, n]`` and per row the
+        first of them that came from it (``found`` at most ``n``, ``[R]`` on the rows' device)."""
+        found = torch.tensor([min(f, n) for f in self.found], dtype=torch.long, device=self.tokens.device)
+        return self.tokens[:, :n], found
+
 
 def _count_history(stats: GenerationStats, ks: list[int], looked_up: Lookup, n: int) -> None:
     """A graphed round's history counts: ``ks`` drafts accepted per live row, of which
@@ -87,9 +94,6 @@ def _count_history(stats: GenerationStats, ks: list[int], looked_up: Lookup, n: 
     stats.history_accepted += sum(min(k, f) for k, f in zip(ks, found))
 
 
-CATCH_UP_MAX = 32
-"""A run of plain steps lets the draft's catch-up buffer grow; at this width the draft is
-fed all but each row's last buffered token (keeps the buffer's memory bounded)."""
 
 
 def _logprob_pair(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor,
@@ -587,7 +591,7 @@ class Generator:
         d_runner = self._steps.get("draft") if runner is not None else None
         if (d_runner is not None and (cfg.greedy or self._verify == "exact")
                 and runner.serves(rows.caches["actor"], n + 1) and d_runner.serves(rows.caches["draft"], 1)
-                and rows["catch_tokens"].shape[1] <= graphs.CATCH_UP_MAX):
+                and rows["catch_tokens"].shape[1] <= CATCH_UP_MAX):
             return self._drafted_round(runner, d_runner, rows, out, cfg, n, key, stats, looked_up)
         cache, alive = rows.caches["actor"], rows["alive"]
         cache.lengths[~alive] = 0
@@ -596,7 +600,7 @@ class Generator:
         sid, emitted = rows["sid"][:, None], rows["emitted"][:, None]
         q_probs, history = None, None
         if looked_up is not None:
-            history = (looked_up.tokens[:, :n], torch.tensor(looked_up.found, device=alive.device).clamp(max=n))
+            history = looked_up.drafts(n)
             stats.history_verifications += int(alive.sum())
             stats.history_drafted += int(history[1][alive].sum())
         if self.draft is not None:
@@ -669,9 +673,7 @@ class Generator:
         :meth:`_spec_round` does."""
         runner.bind(rows, key)
         eos = self.eos if out.stop_on_eos else None
-        history = None
-        if looked_up is not None:
-            history = (looked_up.tokens, torch.tensor([min(f, n) for f in looked_up.found], device=looked_up.tokens.device))
+        history = None if looked_up is None else looked_up.drafts(n)
         res = runner.draft_step(d_runner, rows, n, cfg, out.max_new, eos, self.pad_id, history)
         ks, live = self._take_verified(res, n, n, out, stats)
         if looked_up is not None:

@@ -32,8 +32,9 @@ verifications of 2, 4 or 8 tokens), the positions past the round's own ``n`` com
 never accepted, so a few graphs serve every draft length. A round of a draft model's
 drafts is one graph as well (:meth:`StepGraphs.draft_step`): the draft's catch-up with the
 tokens it lacks (fed at a power-of-two width, each row's own count of them real), its
-proposals, its cache rolled back, the same verification. Under rejection sampling, or with
-history drafts beside a draft model, a round runs the graphed forwards with the rest eager.
+proposals (the history's tokens in their place where it found some, ``--draft-source
+both``), its cache rolled back, the same verification. Under rejection sampling a round
+runs the graphed forwards with the rest eager.
 
 If a capture fails, the reason is logged and that store's steps run the same code eagerly
 (:attr:`StepGraphs.failed`); ``--no-cuda-graphs`` turns capture off.
@@ -65,8 +66,10 @@ MAX_TOKENS = 8
 """Most tokens per sample one graph feeds (a verification of up to 7 draft tokens)."""
 
 CATCH_UP_MAX = 32
-"""Most tokens a draft's catch-up buffer holds (the engine feeds a wider one at once), the
-widest catch-up a draft round's graph feeds."""
+"""Most tokens a draft's catch-up buffer holds: a run of plain steps lets it grow, and at
+this width the engine feeds the draft all but each row's last buffered token (keeps the
+buffer's memory bounded). Also the widest catch-up a draft round's graph feeds, and the
+positions a draft's cache holds beyond the request's."""
 
 WARMUP = 1
 """Eager runs before a capture (on a side stream, as torch requires: lazy initialisation
@@ -343,13 +346,13 @@ class StepGraphs:
         proposes the actor's very token); its cache goes back to the caught-up tokens; the
         actor verifies them exactly (:meth:`_verify`). Returns what :meth:`verify_step`
         does; the next catch-up is the first ``accepted + 1`` of :attr:`drawn` (and of
-        :attr:`verified_hidden` for a feature draft). ``history``: ``(tokens [R, >= n],
+        :attr:`verified_hidden` for a feature draft). ``history``: ``(tokens [R, n],
         found [R])``, ``--draft-source both``: a row's first ``found`` proposals are the
         history's tokens (and what the draft reads next), the rest the draft's."""
         r = len(rows)
         b = bucket(r)
         if history is not None:  # the history's tokens wait in the forward's token buffer
-            self.tokens[:r, 1:n + 1].copy_(history[0][:, :n])
+            self.tokens[:r, 1:n + 1].copy_(history[0])
             self.found[:r].copy_(history[1])
             if b > r:
                 self.found[r:b] = 0

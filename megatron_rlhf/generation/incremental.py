@@ -102,7 +102,7 @@ def set_attention_backend(name: str | None) -> None:
     """Force the decode attention backend (one of :data:`BACKENDS`; None: per device).
     Also ``MRLHF_DECODE_ATTENTION`` in the environment."""
     global _backend_override
-    _backend_override = None if name is None else _check_backend(name, "unknown decode attention backend ")
+    _backend_override = None if name is None else _check_backend(name, "decode attention backend ")
 
 
 def attention_backend(device) -> str:
@@ -115,11 +115,6 @@ def attention_backend(device) -> str:
     if torch.device(device).type != "cuda":
         return "matmul"
     return "flash" if flash_kvcache() is not None else "sdpa"
-
-
-def uses_flash(device, dtype: torch.dtype) -> bool:
-    """Whether a cached forward on ``device`` with a ``dtype`` cache runs :func:`flash_attention`."""
-    return dtype in (torch.float16, torch.bfloat16) and attention_backend(device) == "flash"
 
 
 def flash_seqlens(lengths: torch.Tensor, n: int) -> torch.Tensor:
@@ -489,8 +484,11 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     groups = cfg.num_attention_heads // cfg.num_query_groups
     biases = ([group_bias(mask[:, :, j:j + 1], groups, torch.float32) for j in range(n)]
               if width_invariant(x.dtype, x.device, n) else None)
-    bias = None if biases or attention_backend(x.device) != "matmul" else group_bias(mask, groups, torch.float32)
-    seqlens = flash_seqlens(cache.lengths, n) if uses_flash(x.device, cache.keys[0].dtype) else None
+    backend = attention_backend(x.device)
+    bias = None if biases or backend != "matmul" else group_bias(mask, groups, torch.float32)
+    # flash needs a half-precision cache (an fp32 one goes through SDPA)
+    flash = backend == "flash" and cache.keys[0].dtype in (torch.float16, torch.bfloat16)
+    seqlens = flash_seqlens(cache.lengths, n) if flash else None
     tp = model.pg_collection.tp
     packing = None
     if valid is not None and int(valid.min()) < n:

@@ -144,11 +144,15 @@ class _Fit:
         mx, my = self.sx / self.w, self.sy / self.w
         return mx, my, self.sxx / self.w - mx * mx
 
+    @staticmethod
+    def _spreads(mx: float, var: float) -> bool:
+        return var > (SPREAD * mx) ** 2
+
     def spread(self) -> bool:
         """Whether the observations' ``x`` spread enough to tell the fixed part from the
         part per unit (:data:`SPREAD`)."""
         mx, _, var = self._moments()
-        return var > (SPREAD * mx) ** 2
+        return self._spreads(mx, var)
 
     def predict(self, x: float) -> float | None:
         """None before any observation; a line through the origin (the mean's cost per
@@ -156,7 +160,7 @@ class _Fit:
         if self.w == 0:
             return None
         mx, my, var = self._moments()
-        if var <= (SPREAD * mx) ** 2:
+        if not self._spreads(mx, var):
             return my * x / mx if mx > 0 else my
         slope = min(max((self.sxy / self.w - mx * my) / var, 0.0), my / mx if mx > 0 else 0.0)
         return my + slope * (x - mx)

@@ -5,7 +5,7 @@ the whole-sequence forward on padded GQA batches; controls without the mask fail
 import pytest
 import torch
 
-from gen_fixtures import decode_attention_error, reference_flash_kvcache
+from gen_fixtures import decode_attention_error, explicit_attention, reference_flash_kvcache
 from megatron_rlhf.config import preset
 from megatron_rlhf.generation import incremental as inc
 from megatron_rlhf.generation import kv_cache
@@ -21,14 +21,6 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 def backend():
     yield inc.set_attention_backend
     inc.set_attention_backend(None)
-
-
-def explicit_attention(q, k, v, mask):
-    """Per query head, its KV group's keys repeated: the textbook GQA."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1).float(), v.repeat_interleave(g, 1).float()
-    scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
 
 @pytest.mark.parametrize("name", ["matmul", "sdpa"])
