@@ -8,8 +8,11 @@ on a GPU it does nothing.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+import sys
+from contextlib import contextmanager
 from datetime import timedelta
 
 import numpy as np
@@ -37,6 +40,49 @@ def default_dtype(bf16: bool | None = None) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float32
 
 
+@contextmanager
+def compile_on_first_call():
+    """While megatron-core is imported, ``torch.compile(fn)`` returns a wrapper that calls
+    the real ``torch.compile(fn)`` on its first call. megatron-core decorates about 40
+    fusions with ``torch.compile`` at import; the first such decoration imports dynamo and
+    inductor, 2 s of every process's start on a CPU (a third of a small run's), though no
+    fusion runs there. ``torch.compile`` compiles on the first call anyway, so nothing
+    changes when one runs. Restored on exit: later callers get the real one."""
+    real = torch.compile
+
+    def deferred(model=None, **kwargs):
+        if model is None:  # @torch.compile(mode=...) form
+            return lambda fn: deferred(fn, **kwargs)
+        if not callable(model) or isinstance(model, torch.nn.Module):
+            return real(model, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kw):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **kwargs)
+            return compiled(*args, **kw)
+
+        return call
+
+    torch.compile = deferred
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
+def import_megatron_core() -> None:
+    """Import megatron-core with its ``torch.compile`` decorations deferred
+    (:func:`compile_on_first_call`) on a CPU; a plain import on a GPU or when it is loaded."""
+    if "megatron.core" in sys.modules or has_cuda():
+        import megatron.core  # noqa: F401
+        return
+    with compile_on_first_call():
+        import megatron.core  # noqa: F401
+
+
 def apply_cpu_shim() -> None:
     """Route megatron-core's CUDA assumptions to the CPU. Idempotent; a no-op with CUDA.
 
@@ -45,6 +91,7 @@ def apply_cpu_shim() -> None:
     global _SHIM_ACTIVE
     if has_cuda() or _SHIM_ACTIVE:
         return
+    import_megatron_core()
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer import utils as mutils
 

@@ -142,8 +142,8 @@ def run_train(args: list[str], timeout: int = 300, **env_extra) -> subprocess.Co
 
     Output goes through files, not pipes, and the process gets its own process group which
     is killed afterwards: a run killed mid-save leaves megatron's checkpoint-writer helper
-    processes (a multiprocessing Manager and resource tracker) behind, and they would hold
-    a pipe open until the timeout.
+    processes (its forked writers) behind, and they would hold a pipe open until the
+    timeout.
     """
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen([sys.executable, "-m", "megatron_rlhf.train", *args], cwd=ROOT,

@@ -229,7 +229,22 @@ def save_sharded(sd: dict | None, directory: Path) -> None:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (sd is not None, common))
     first = next((c for held, c in everyone if held), None)
+    _write_results_in_process()
     dist_checkpointing.save(sd if sd is not None else (first or {}), str(directory))
+
+
+def _write_results_in_process() -> None:
+    """megatron's writer returns its write results through a queue of a multiprocessing
+    Manager it spawns, for asynchronous saves (results from another process). Our saves are
+    synchronous: the writer puts and reads its results in this process, so a plain queue
+    does. The Manager's spawn re-imports the entry point: 2.5 s of every process's first
+    save on a CPU."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def save_checkpoint(

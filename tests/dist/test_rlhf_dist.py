@@ -6,6 +6,8 @@ import math
 import shutil
 import subprocess
 import sys
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -80,15 +82,50 @@ def _beside_one_process(tmp_path, one_args: list[str], ranks: int, dist_args: li
         assert one.returncode == 0, log1.read()[-6000:]
 
 
-def test_dp2_equals_dp1_and_resumes(world1, tmp_path):
-    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
-    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
-    run1, run2 = tmp_path / "dp1", tmp_path / "dp2"
-    args2 = ["-m", "megatron_rlhf.train", *F.train_args(actor, prompts, run2, **FLAGS)]
-    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, train_iters=3, save_interval=2, **FLAGS),
-                        2, [*args2[2:], "--train-iters", "2"])
-    init = _load(actor, "actor", world1)
-    _compare(run1, run2, 2, init, world1)
+class _OneProcess(NamedTuple):
+    actor: Path
+    prompts: Path
+    run: Path  # its save/ and log/
+    init: dict  # the actor's initial weights
+
+
+def _one_process(world1, root: Path, train_iters: int, **flags) -> _OneProcess:
+    actor = F.make_actor_checkpoint(root / "actor", world1)
+    prompts = F.write_prompts(root / "prompts.jsonl")
+    F.check_ok(F.run_train(F.train_args(actor, prompts, root / "one", train_iters=train_iters,
+                                        save_interval=2, **flags)))
+    return _OneProcess(actor, prompts, root / "one", _load(actor, "actor", world1))
+
+
+@pytest.fixture(scope="module")
+def one(world1, tmp_path_factory):
+    """The reference of the DP, layout and disjoint-ranks tests: one process, FLAGS, three
+    iterations saved after the 2nd and 3rd (its iteration 2 is a 2-iteration run's:
+    --lr-decay-iters fixes the schedule). Run once for the module."""
+    return _one_process(world1, tmp_path_factory.mktemp("one"), 3, **FLAGS)
+
+
+@pytest.fixture(scope="module")
+def one_clipped(world1, tmp_path_factory):
+    """The TP tests' reference: one process, FLAGS with --clip-grad 0.05, two iterations."""
+    return _one_process(world1, tmp_path_factory.mktemp("one_clipped"), 2, **FLAGS, clip_grad=0.05)
+
+
+def _metrics_equal(one: _OneProcess, run: Path, iterations: int) -> list[tuple[dict, dict]]:
+    """The reference's and ``run``'s metrics, iteration by iteration for the first
+    ``iterations``: every deterministic one within 1e-5 (F.assert_metrics_equal)."""
+    m1, m2 = F.read_metrics(one.run / "log")[:iterations], F.read_metrics(run / "log")
+    assert [m["iteration"] for m in m2] == [m["iteration"] for m in m1] == list(range(1, iterations + 1))
+    for a, b in zip(m1, m2, strict=True):
+        F.assert_metrics_equal(a, b)
+    return list(zip(m1, m2))
+
+
+def test_dp2_equals_dp1_and_resumes(world1, one, tmp_path):
+    run2 = tmp_path / "dp2"
+    args2 = ["-m", "megatron_rlhf.train", *F.train_args(one.actor, one.prompts, run2, **FLAGS)]
+    torchrun(2, [*args2, "--train-iters", "2"])
+    _compare(one.run, run2, 2, one.init, world1)
     # the distributed optimizer's shards, saved in model space (dist_checkpointing); RNG per rank
     trainer = run2 / "save" / "iter_0000002" / "trainer"
     assert sorted(p.name for p in trainer.iterdir()) == [
@@ -100,22 +137,19 @@ def test_dp2_equals_dp1_and_resumes(world1, tmp_path):
     for dp in (1, 4):
         run = tmp_path / f"dp2_to_dp{dp}"
         shutil.copytree(run2 / "save", run / "save")
-        torchrun(dp, ["-m", "megatron_rlhf.train", *F.train_args(actor, prompts, run, **FLAGS),
+        torchrun(dp, ["-m", "megatron_rlhf.train", *F.train_args(one.actor, one.prompts, run, **FLAGS),
                       "--train-iters", "3", "--load", str(run / "save")])
-        _compare(run1, run, 3, init, world1)
+        _compare(one.run, run, 3, one.init, world1)
         assert [m["iteration"] for m in F.read_metrics(run / "log")] == [3]
 
     torchrun(2, [*args2, "--train-iters", "3", "--load", str(run2 / "save")])
-    _compare(run1, run2, 3, init, world1)
+    _compare(one.run, run2, 3, one.init, world1)
     # the same rollouts, rewards and losses, iteration by iteration
-    m1, m2 = F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log")
-    assert [m["iteration"] for m in m2] == [1, 2, 3]
-    for a, b in zip(m1, m2, strict=True):
-        F.assert_metrics_equal(a, b)
+    _metrics_equal(one, run2, 3)
 
 
 @pytest.mark.parametrize("extra", [(), ("--sequence-parallel",)], ids=["tp", "tp_sp"])
-def test_tp2_equals_tp1(world1, tmp_path, extra):
+def test_tp2_equals_tp1(world1, one_clipped, tmp_path, extra):
     """TP=2 (two gloo ranks, DP=1) trains as TP=1, with gradient clipping active in both;
     also with sequence parallelism (the actor's, reference's and critic's whole-sequence
     forwards split over TP, lengths padded to a multiple of TP; the actor generates with
@@ -128,23 +162,16 @@ def test_tp2_equals_tp1(world1, tmp_path, extra):
     Clipped gradients are small: the critic trunk's, in its one step with a gradient
     (iteration 2), lie mostly below --adam-eps, so its layer norms move by ~6e-5 only,
     hence ``moved=1e-5`` here (the equality tolerances are the DP test's)."""
-    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
-    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
-    run1, run2 = tmp_path / "tp1", tmp_path / "tp2"
-    flags = dict(FLAGS, clip_grad=0.05)
-    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, train_iters=2, **flags), 2,
-                        [*F.train_args(actor, prompts, run2, train_iters=2, **flags),
-                         "--tensor-model-parallel-size", "2", *extra])
-    init = _load(actor, "actor", world1)
-    _compare(run1, run2, 2, init, world1, moved=1e-5)
+    run2 = tmp_path / "tp2"
+    torchrun(2, ["-m", "megatron_rlhf.train",
+                 *F.train_args(one_clipped.actor, one_clipped.prompts, run2, train_iters=2, **FLAGS, clip_grad=0.05),
+                 "--tensor-model-parallel-size", "2", *extra])
+    _compare(one_clipped.run, run2, 2, one_clipped.init, world1, moved=1e-5)
     state = json.loads((run2 / "save" / "iter_0000002" / "trainer" / "state.json").read_text())
     assert state["sequence_parallel"] is bool(extra)
-    m1, m2 = F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log")
-    assert [m["iteration"] for m in m1] == [m["iteration"] for m in m2] == [1, 2]
-    for a, b in zip(m1, m2, strict=True):
-        # every deterministic metric (reward_mean, policy_loss, value_loss, kl, grad norms,
-        # entropy, ...) within 1e-5, relative or absolute (policy_loss is ~1e-7 noise)
-        F.assert_metrics_equal(a, b)
+    # every deterministic metric (reward_mean, policy_loss, value_loss, kl, grad norms,
+    # entropy, ...) within 1e-5, relative or absolute (policy_loss is ~1e-7 noise)
+    for a, b in _metrics_equal(one_clipped, run2, 2):
         # clipping was active: the (pre-clip) norms lie above --clip-grad
         for m in (a, b):
             assert m["actor_grad_norm"] > 0.05 and m["critic_grad_norm"] > 0.05, m
@@ -163,22 +190,17 @@ LAYOUTS = [("2x1x1", "1x2", ()), ("1x1x2", "2x1", (*OVERLAP, "--release-train-co
 
 
 @pytest.mark.parametrize("train_layout, gen_layout, extra", LAYOUTS)
-def test_generation_layout_trains_as_one_layout(world1, tmp_path, train_layout, gen_layout, extra):
+def test_generation_layout_trains_as_one_layout(world1, one, tmp_path, train_layout, gen_layout, extra):
     """Training and inference under a train layout (TP, PP, DP), generation under its own
     (the actor's weights reallocated after every update, the samples regrouped onto the
     train layout's data-parallel ranks): the same updated weights after 2 iterations as one
     process (fp32, the DP test's tolerances), the same metrics (loss parity across layouts)."""
-    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
-    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
-    run1, run2 = tmp_path / "one", tmp_path / "layouts"
-    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, train_iters=2, **FLAGS),
-                        math.prod(int(x) for x in train_layout.split("x")),
-                        [*F.train_args(actor, prompts, run2, train_iters=2, **FLAGS),
-                         "--train-layout", train_layout, "--gen-layout", gen_layout, *extra])
-    _compare(run1, run2, 2, _load(actor, "actor", world1), world1)
-    m1, m2 = F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log")
-    for a, b in zip(m1, m2, strict=True):
-        F.assert_metrics_equal(a, b)
+    run2 = tmp_path / "layouts"
+    torchrun(math.prod(int(x) for x in train_layout.split("x")),
+             ["-m", "megatron_rlhf.train", *F.train_args(one.actor, one.prompts, run2, train_iters=2, **FLAGS),
+              "--train-layout", train_layout, "--gen-layout", gen_layout, *extra])
+    _compare(one.run, run2, 2, one.init, world1)
+    for a, b in _metrics_equal(one, run2, 2):
         assert b["realloc_mb"] > 0 and "time_reallocate_s" in b and "realloc_mb" not in a
     state = json.loads((run2 / "save" / "iter_0000002" / "trainer" / "state.json").read_text())
     for flag, model in (("--ref-layout", "reference"), ("--critic-layout", "critic"),
@@ -187,7 +209,7 @@ def test_generation_layout_trains_as_one_layout(world1, tmp_path, train_layout, 
             assert state[f"{model}_layout"] == extra[extra.index(flag) + 1], state
 
 
-def test_calls_on_disjoint_ranks(world1, tmp_path):
+def test_calls_on_disjoint_ranks(world1, one, tmp_path):
     """ReaLHF's concurrent calls, on 4 ranks: the actor trains at DP=2 on ranks 0-1 while the
     critic trains at DP=2 on ranks 2-3; in the experience the actor's old log-prob
     recompute and the critic's inference copy run on ranks 0-1 while the reference runs on
@@ -197,22 +219,15 @@ def test_calls_on_disjoint_ranks(world1, tmp_path):
     learns from the advantages of the critic's reallocated copy). Trained two iterations,
     saved (each model and optimizer by the ranks that hold it; rank 0 holds no critic),
     resumed for the third: the weights and metrics of one process after 2 and 3 iterations."""
-    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
-    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
-    run1, run2 = tmp_path / "one", tmp_path / "apart"
-    apart = [*F.train_args(actor, prompts, run2, **FLAGS), "--train-layout", "1x1x2",
-             "--critic-layout", "1x1x2@2", "--critic-infer-layout", "1x1x2",
+    run2 = tmp_path / "apart"
+    apart = ["-m", "megatron_rlhf.train", *F.train_args(one.actor, one.prompts, run2, **FLAGS),
+             "--train-layout", "1x1x2", "--critic-layout", "1x1x2@2", "--critic-infer-layout", "1x1x2",
              "--ref-layout", "1x1x2@2", "--gen-layout", "1x4"]
-    _beside_one_process(tmp_path, F.train_args(actor, prompts, run1, **FLAGS, train_iters=3,
-                                               save_interval=2), 4, apart)
-    init = _load(actor, "actor", world1)
-    _compare(run1, run2, 2, init, world1)
-    torchrun(4, ["-m", "megatron_rlhf.train", *apart, "--train-iters", "3", "--load", str(run2 / "save")])
-    _compare(run1, run2, 3, init, world1)
-    m1, m2 = F.read_metrics(run1 / "log"), F.read_metrics(run2 / "log")
-    assert [m["iteration"] for m in m2] == [1, 2, 3]
-    for a, b in zip(m1, m2, strict=True):
-        F.assert_metrics_equal(a, b)
+    torchrun(4, apart)
+    _compare(one.run, run2, 2, one.init, world1)
+    torchrun(4, [*apart, "--train-iters", "3", "--load", str(run2 / "save")])
+    _compare(one.run, run2, 3, one.init, world1)
+    for _, b in _metrics_equal(one, run2, 3):
         assert b["realloc_mb"] > 0 and b["critic_grad_norm"] > 0 and b["actor_grad_norm"] > 0, b
     state = json.loads((run2 / "save" / "iter_0000003" / "trainer" / "state.json").read_text())
     assert (state["train_layout"], state["critic_layout"], state["critic_inf_layout"],

@@ -174,3 +174,70 @@ def test_a_process_with_a_busy_heartbeat_exits_cleanly():
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stderr[-2000:])
+
+
+def test_megatron_decorations_compile_on_their_first_call(monkeypatch):
+    """compile_on_first_call: ``torch.compile`` inside the block defers the real one to the
+    first call (the function form and the ``@torch.compile(...)`` form), compiles once, and
+    is restored on exit."""
+    import torch
+
+    from megatron_rlhf import platform
+
+    compiled = []
+
+    def fake_compile(fn, **kwargs):
+        compiled.append((fn.__name__, kwargs))
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    with platform.compile_on_first_call():
+        def twice(x):
+            return 2 * x
+
+        @torch.compile(mode="max-autotune")
+        def thrice(x):
+            return 3 * x
+
+        f = torch.compile(twice)
+    assert torch.compile is fake_compile and compiled == []
+    assert f(4) == ("compiled", 8) and f(5) == ("compiled", 10)
+    assert thrice(1) == ("compiled", 3)
+    assert compiled == [("twice", {}), ("thrice", {"mode": "max-autotune"})]
+
+
+def test_a_fresh_process_starts_without_dynamo_and_saves_without_spawning():
+    """Start-up on a CPU: after init_distributed and a model build, dynamo is not imported
+    (megatron-core's decorations deferred) and torch.compile is torch's own; a checkpoint
+    save leaves no child process behind (megatron's writer's results queue in process, not a
+    spawned Manager's) and loads back."""
+    script = textwrap.dedent("""
+        import json, multiprocessing, sys, tempfile, torch
+        from megatron_rlhf import platform
+        platform.quiet_third_party_warnings()
+        real = torch.compile
+        platform.init_distributed()
+        from megatron_rlhf.parallel.groups import build_process_groups
+        from megatron_rlhf.parallel.layout import Layout
+        from megatron_rlhf.config import preset
+        from megatron_rlhf.models.builder import build_model
+        from megatron_rlhf.models import checkpoint as ckpt
+        pg = build_process_groups(Layout())
+        model = build_model(preset("tiny"), "actor", pg, dtype=torch.float32, seed=3)
+        dynamo = "torch._dynamo" in sys.modules
+        d = tempfile.mkdtemp()
+        ckpt.save_checkpoint(d, 1, model, pg)
+        again = build_model(preset("tiny"), "actor", pg, dtype=torch.float32, seed=4)
+        ckpt.load_checkpoint(again, pg, d)
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+        print(json.dumps({"dynamo": dynamo, "compile_restored": torch.compile is real,
+                          "children": [p.name for p in multiprocessing.active_children()],
+                          "loaded": same}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r == {"dynamo": False, "compile_restored": True, "children": [], "loaded": True}, r
