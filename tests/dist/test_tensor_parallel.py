@@ -17,10 +17,23 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-untied", "tiny-llama3", "tiny-qwen2", "tiny-mistral"])
-def test_tp2_matches_hf_and_tp2_checkpoint_loads_at_tp1(world1, tmp_path, name):
-    convert.hf_to_mcore(save_hf_llama(name, tmp_path / "hf"), tmp_path / "mcore")
-    torchrun(2, ["tp_checkpoint.py", str(tmp_path / "mcore"), str(tmp_path), name])
+FAMILIES = ["tiny", "tiny-untied", "tiny-llama3", "tiny-qwen2", "tiny-mistral"]
+
+
+@pytest.fixture(scope="module")
+def tp2_results(tmp_path_factory):
+    """Each family converted from HF, then one 2-rank launch for all (tp_checkpoint.py)."""
+    root = tmp_path_factory.mktemp("tp2")
+    for name in FAMILIES:
+        convert.hf_to_mcore(save_hf_llama(name, root / name / "hf"), root / name / "mcore")
+    r = torchrun(2, ["tp_checkpoint.py", str(root), *FAMILIES])
+    assert r.stdout.split().count("OK") == len(FAMILIES), r.stdout[-2000:]
+    return root
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tp2_matches_hf_and_tp2_checkpoint_loads_at_tp1(world1, tp2_results, name):
+    tmp_path = tp2_results / name
     res = torch.load(tmp_path / "result.pt")
 
     hf = make_hf_llama(name)

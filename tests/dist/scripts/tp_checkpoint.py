@@ -1,5 +1,6 @@
-"""Under torchrun (2 ranks): TP=2 logits of a converted checkpoint; save a TP=2 model;
-load it again under a second layout (TP=1 x DP=2) in the same program."""
+"""Under torchrun (2 ranks), for each model family named: TP=2 logits of its converted
+checkpoint (ROOT/NAME/mcore); save a TP=2 model; load it again under a second layout
+(TP=1 x DP=2) in the same program. Results in ROOT/NAME. One launch for every family."""
 
 import sys
 from pathlib import Path
@@ -19,12 +20,17 @@ def ids(vocab):
     return torch.randint(0, vocab, (3, 13), generator=torch.Generator().manual_seed(5))
 
 
-def main(converted: Path, out: Path, preset_name: str):
+def main(root: Path, names: list[str]):
     platform.quiet_third_party_warnings()
     rank, world = platform.init_distributed()
     tp2 = build_process_groups(Layout(tp=2))
     dp2 = build_process_groups(Layout(tp=1, dp=2))  # a second layout of the same ranks
     assert tp2.tp.size() == 2 and dp2.tp.size() == 1 and dp2.dp.size() == 2
+    for name in names:
+        family(rank, tp2, dp2, root / name / "mcore", root / name, name)
+
+
+def family(rank, tp2, dp2, converted: Path, out: Path, preset_name: str):
 
     model = build_model(preset(preset_name), "actor", tp2, dtype=torch.float32, seed=99)
     info = load_checkpoint(model, tp2, converted)
@@ -45,8 +51,8 @@ def main(converted: Path, out: Path, preset_name: str):
     if rank == 0:
         torch.save({"hf_logits_tp2": hf_logits_tp2, "rand_tp2": rand_tp2,
                     "ids": ids(info.config.vocab_size)}, out / "result.pt")
-        print("OK")
+        print("OK", preset_name)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+    main(Path(sys.argv[1]), sys.argv[2:])
