@@ -76,11 +76,13 @@ def compile_on_first_call():
 def import_megatron_core() -> None:
     """Import megatron-core with its ``torch.compile`` decorations deferred
     (:func:`compile_on_first_call`) on a CPU; a plain import on a GPU or when it is loaded."""
+    import importlib
+
     if "megatron.core" in sys.modules or has_cuda():
-        import megatron.core  # noqa: F401
+        importlib.import_module("megatron.core")
         return
     with compile_on_first_call():
-        import megatron.core  # noqa: F401
+        importlib.import_module("megatron.core")
 
 
 def apply_cpu_shim() -> None:
