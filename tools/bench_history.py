@@ -15,7 +15,11 @@ own that lives across the epochs, so its history holds the earlier epochs' answe
 
 - ``off``: plain decoding;
 - ``history``: history drafts, 3 per round (``--num-draft-tokens 3``);
-- ``history-auto``: history drafts, the selector choosing plain or 1..4 per round;
+- ``history-auto``: history drafts, the selector choosing per sample how many of its
+  proposal's drafts (0..4) a round verifies (a ragged round: only real tokens computed);
+- ``history-padded`` / ``history-auto-padded``: the same with every row of a round
+  verifying the round's width, padded (the engine before ragged rounds, and what a
+  graphed round does on a GPU);
 - ``history-auto-8``: the same choosing up to 8 drafts per round;
 - ``history-global-auto``: the same with a global index of the newest 256 responses to any
   prompt (``--history-global 256``);
@@ -50,8 +54,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("off", "history", "history-auto", "history-auto-8", "history-global-auto", "model-auto", "both-auto",
-            "oracle-auto", "oracle-8", "argmax-3", "argmax-auto")
+VARIANTS = ("off", "history", "history-auto", "history-auto-8", "history-global-auto", "history-padded",
+            "history-auto-padded", "model-auto", "both-auto", "oracle-auto", "oracle-8", "argmax-3", "argmax-auto")
+PADDED = "-padded"  # every row verifies the round's width (Generator(ragged=False)): the control
 
 
 def parse_args(argv=None):
@@ -88,6 +93,7 @@ def parse_args(argv=None):
 def spec_of(variant: str):
     from megatron_rlhf.config import SpecConfig
 
+    variant = variant.removesuffix(PADDED)
     return {"off": SpecConfig(0), "history": SpecConfig(3, draft_source="history"),
             "history-auto": SpecConfig("auto", draft_source="history"),
             "history-global-auto": SpecConfig("auto", draft_source="history", history_global=256),
@@ -174,7 +180,8 @@ def worker(args) -> int:
     mine = list(range(rank * per, (rank + 1) * per))
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     engines = {v: Generator(actor, draft if v.startswith(("model", "both")) else None, pad_id=pad,
-                            history=oracle_drafter() if v.startswith(ORACLES) else history_drafter(spec_of(v)))
+                            history=oracle_drafter() if v.startswith(ORACLES) else history_drafter(spec_of(v)),
+                            ragged=not v.endswith(PADDED))
                for v in args.variants}
     migrator = Migrator(pg.dp, MigrationConfig(), platform.device(), tp_group=pg.tp)
     header = {"kind": "header", "checkpoint": str(args.load), "dtype": args.dtype, "ranks": world,

@@ -53,10 +53,11 @@ from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import rng, speculative
 from megatron_rlhf.generation.graphs import CATCH_UP_MAX
 from megatron_rlhf.generation.history import HistoryDrafter
-from megatron_rlhf.generation.incremental import RopeTable, attention_backend, forward_cached, pad_right, prefill
+from megatron_rlhf.generation.incremental import (RopeTable, attention_backend, forward_cached, packed_positions,
+                                                  pad_right, prefill)
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.rollout import GenerationStats, Rollout
-from megatron_rlhf.generation.sampling import logprob_pair, probs_for_sampling, sample
+from megatron_rlhf.generation.sampling import draw, logprob_pair, probs_for_sampling, sample
 from megatron_rlhf.generation.state import Outputs, Rows
 
 
@@ -167,13 +168,17 @@ class Generator:
     """
 
     def __init__(self, actor, draft=None, pad_id: int = 0, selector=None, graphs: str = "auto",
-                 history: HistoryDrafter | None = None):
+                 history: HistoryDrafter | None = None, ragged: bool = True):
         if graphs not in ("auto", "eager", "off"):
             raise ValueError(f"graphs must be auto, eager or off, got {graphs!r}")
         self.actor, self.draft, self.pad_id = actor, draft, pad_id
         self.history = history
         """The history drafter (None: drafts come from ``draft`` only); it lives as long as
         the generator, so an RLHF run's rollouts feed it (:mod:`~megatron_rlhf.generation.history`)."""
+        self.ragged = ragged
+        """History drafts without a draft model, dynamic engine: each row of a round verifies
+        its own number of drafts and only real tokens are computed (:meth:`_ragged_round`);
+        False: every row verifies the round's width, padded (the benchmarks' control)."""
         self.graphs = graphs
         """``auto``: decode steps replay CUDA graphs on a GPU (with ``cuda_graphs`` set in the
         request's :class:`GenerationConfig`), the dynamic step on the CPU; ``eager``: the
@@ -251,6 +256,9 @@ class Generator:
         if len(sids) != len(prompts) or len(set(sids)) != len(sids):
             raise ValueError("sample_ids must give one distinct index per prompt")
         selector = self.selector_for(spec, batch, max_len) if spec.auto and big_n else None
+        # history rounds of the dynamic engine verify each row's own proposal (a graphed
+        # round has fixed shapes: every row verifies the round's width, padded)
+        ragged = self.ragged and self.history is not None and self.draft is None and self._mode is None
         capture_before = self._capture_s()
         stats = GenerationStats(num_draft_tokens=big_n,
                                 mode="auto" if selector else ("fixed" if big_n else "plain"),
@@ -282,8 +290,11 @@ class Generator:
                 rows.compact()
             start, self._upkeep_s, captured = time.perf_counter(), 0.0, self._capture_s()
             looked_up = self._look_up(rows, out, base_n, big_n, stats) if big_n and self.history is not None else None
-            n = self._choose(selector, live, base_n, looked_up)
-            if n:
+            widths = self._widths(selector, looked_up) if looked_up is not None and ragged else None
+            n = int(widths.max()) if widths is not None else self._choose(selector, live, base_n, looked_up)
+            if n and widths is not None:
+                k, after = self._ragged_round(rows, out, cfg, widths, key, rope, stats, looked_up)
+            elif n:
                 k, after = self._spec_round(rows, out, cfg, n, key, rope, d_rope, stats, looked_up)
             else:
                 after = self._plain_step(rows, out, cfg, key, rope, d_rope, big_n > 0 and self.draft is not None)
@@ -291,12 +302,15 @@ class Generator:
             stats.actor_steps += 1
             stats.rounds_by_draft_len[n] += 1
             if selector is not None:  # the draft's upkeep is no round's own cost
-                found = None  # per live row, the drafts that came from the history
-                if looked_up is not None and n:
+                found = tokens = None  # per live row, the drafts that came from the history
+                if widths is not None:  # a ragged round: what each row verified, and the tokens fed
+                    found = widths[torch.tensor(looked_up.alive, device=widths.device)]
+                    tokens = live + int(found.sum())
+                elif looked_up is not None and n:
                     found = torch.tensor(looked_up.found_live, device=k.device).clamp(max=n)
                 # neither the draft's upkeep nor a graph's first capture is a round's own cost
                 spent = time.perf_counter() - start - self._upkeep_s - max(self._capture_s() - captured, 0.0)
-                selector.observe(live, n, spent, k, found)
+                selector.observe(live, n, spent, k, found if n else None, tokens=tokens)
             live = after
         if self.history is not None:  # what is left unfinished here (migrated away) joins too
             for s in sids:
@@ -382,6 +396,21 @@ class Generator:
             dist.broadcast(t, src=dist.get_global_rank(tp, 0), group=tp)
             n = int(t)
         return n
+
+    def _widths(self, selector, looked_up: Lookup) -> torch.Tensor:
+        """Per row, the drafts of its proposal a ragged round verifies ``[R]`` (the same on
+        every TP rank): under a fixed ``n`` its whole proposal, under ``auto`` the selector's
+        choice per sample (:meth:`~megatron_rlhf.generation.strategy.Selector.choose_widths`);
+        0 for a finished row. All 0: a plain step."""
+        widths = looked_up.found
+        if selector is not None:
+            chosen = iter(selector.choose_widths(looked_up.found_live))
+            widths = [next(chosen) if a else 0 for a in looked_up.alive]
+        t = torch.tensor(widths, dtype=torch.long, device=looked_up.tokens.device)
+        tp = self.actor.pg_collection.tp
+        if tp.size() > 1:
+            dist.broadcast(t, src=dist.get_global_rank(tp, 0), group=tp)
+        return t
 
     def _prefill(self, prompts, sids, cfg, key, max_len, big_n, rope, d_rope, out: Outputs,
                  dev) -> Rows:
@@ -650,6 +679,61 @@ class Generator:
                 rows["catch_features"] = a_hidden
         rows["pending"], rows["emitted"] = verdict.next_token, rows["emitted"] + k + 1
         return k_live, None
+
+    def _ragged_round(self, rows: Rows, out: Outputs, cfg, widths: torch.Tensor, key, rope, stats,
+                      looked_up: Lookup):
+        """One verification of history drafts in which row ``r`` verifies the first
+        ``widths[r]`` tokens of its proposal (0: the row takes a plain step; the dynamic
+        engine, no draft model). Only the real tokens are computed: the linear layers,
+        the LM head, the softmax and the draw run on ``live + sum(widths)`` tokens, not on
+        ``rows x (max width + 1)``. Exact (or greedy) verification, so the emitted tokens
+        are plain decoding's whatever the widths. Returns what :meth:`_spec_round` does."""
+        cache, alive = rows.caches["actor"], rows["alive"]
+        cache.lengths[~alive] = 0
+        n = int(widths.max())
+        pending = torch.where(alive, rows["pending"], self.pad_id)
+        base = cache.lengths.clone()
+        drafts_t = looked_up.tokens[:, :n]
+        valid = widths + 1
+        logits = forward_cached(self.actor, cache, torch.cat([pending[:, None], drafts_t], 1), rope,
+                                valid=valid, packed_logits=True)  # [T, V]
+        r_idx, j_idx = packed_positions(valid, n + 1)
+        sid, emitted = rows["sid"], rows["emitted"]
+        if cfg.greedy:
+            probs, drawn = None, logits.argmax(-1)
+        else:
+            probs = probs_for_sampling(logits, cfg)
+            drawn = draw(probs, rng.uniform(key, sid[r_idx], emitted[r_idx] + j_idx, rng.NEXT))
+        grid = torch.full((len(rows), n + 1), -1, dtype=torch.long, device=drawn.device)
+        grid[r_idx, j_idx] = drawn
+        verdict = speculative.accept_drawn(drafts_t, grid, widths)
+        k = verdict.accepted  # [R]
+        emitted_t = torch.cat([drafts_t, drafts_t[:, :1]], 1)  # [R, n+1]; slot k <- next token
+        emitted_t.scatter_(1, k[:, None], verdict.next_token[:, None])
+        lp_packed, slp_packed = logprob_pair(logits, probs, emitted_t[r_idx, j_idx], cfg)
+        lp_grid = torch.zeros(len(rows), n + 1, device=logits.device)
+        lp_grid[r_idx, j_idx] = lp_packed
+        lp = lp_grid.tolist()
+        if slp_packed is lp_packed:
+            slp = lp
+        else:
+            lp_grid[r_idx, j_idx] = slp_packed
+            slp = lp_grid.tolist()
+
+        live = alive.nonzero()[:, 0]
+        ks, ws, toks, sids = k.tolist(), widths.tolist(), emitted_t.tolist(), sid.tolist()
+        drafted = [r for r in live.tolist() if ws[r]]
+        stats.count_accepted([ks[r] for r in drafted], n, [ws[r] for r in drafted])
+        stats.history_verifications += len(drafted)
+        stats.history_drafted += sum(ws[r] for r in drafted)
+        stats.history_accepted += sum(ks[r] for r in drafted)
+        for r in live.tolist():
+            kr = ks[r] + 1
+            if self._emit(out, sids[r], toks[r][:kr], lp[r][:kr], slp[r][:kr]):
+                alive[r] = False
+        cache.truncate(base + 1 + k)  # the actor keeps pending + accepted drafts
+        rows["pending"], rows["emitted"] = verdict.next_token, emitted + k + 1
+        return k[live], None
 
     def _verified_round(self, runner, rows: Rows, out: Outputs, cfg, n: int, width: int, key,
                         stats, looked_up: Lookup):

@@ -165,7 +165,7 @@ def _fold(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.T
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, keys_first: bool | None = None) -> torch.Tensor:
     """Grouped-query attention: ``q [B, H, n, d]``, ``k, v [B, KV, L, d]``, ``mask [B, 1, n, L]``.
 
     A KV group's query heads are adjacent: they are stacked as rows (:func:`_fold`), so k
@@ -182,7 +182,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
       batches, see :func:`~megatron_rlhf.generation.kv_cache.cache_dtype`) the scores come
       from ``k @ q^T`` (the shape bf16 kernels handle best) and the softmax runs in fp32.
       ``bias`` is :func:`group_bias` of ``mask`` in fp32 (made once per forward and shared
-      by the layers; built here when not given).
+      by the layers; built here when not given). ``keys_first``: the scores as ``k @ q^T``
+      (default: for bf16 keys sliced from the cache), so that rows taken out of the cache
+      (:class:`_Ragged`) are computed as the whole cache's are.
     """
     b, h, n, d = q.shape
     if attention_backend(q.device) != "matmul":  # sdpa; flash with an fp32 cache
@@ -192,7 +194,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     g = h // kv
     qg = (q * d ** -0.5).reshape(b, kv, g * n, d)
     bias = group_bias(mask, g, torch.float32) if bias is None else bias
-    if k.dtype == torch.float32 or k.is_contiguous():
+    if keys_first is None:
+        keys_first = not (k.dtype == torch.float32 or k.is_contiguous())
+    if not keys_first:
         scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, KV, g*n, L]
     else:  # bf16 keys sliced from the cache: this product copies them less
         scores = torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2)
@@ -279,6 +283,37 @@ class _Step:
     packing: _Packing | None = None  # the layers' activations hold real tokens only
     position_biases: list | None = None  # per query position (width_invariant): its mask's bias
     seqlens: torch.Tensor | None = None  # flash_seqlens: the attention is flash_attention
+    ragged: "_Ragged | None" = None  # a ragged feed on the CPU: attention of each row's real queries only
+
+
+class _Ragged:
+    """The attention of a ragged feed (rows of ``valid`` real tokens, right-padded to ``n``;
+    :func:`_forward_cached` with ``valid`` on the CPU): every row's first query as one call
+    over all rows (no copy of the cache: what a plain step computes), then the later
+    queries of the rows that have them (a verification's drafting rows) over those rows'
+    keys only. Per query position when the attention is :func:`width_invariant`, else the
+    later positions in one call. Padding queries are not computed (their context is 0)."""
+
+    def __init__(self, valid: torch.Tensor, mask: torch.Tensor, groups: int, per_position: bool):
+        n = mask.shape[2]
+        self.first = group_bias(mask[:, :, :1], groups, torch.float32)
+        self.later = []  # (rows, first position, positions, bias)
+        spans = [(j, j + 1) for j in range(1, n)] if per_position else [(1, n)]
+        for lo, hi in spans:
+            rows = (valid > lo).nonzero()[:, 0]
+            if len(rows):
+                width = hi - lo
+                self.later.append((rows, lo, width, group_bias(mask[rows, :, lo:hi], groups, torch.float32)))
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``q [B, H, n, d]``, ``keys, values [B, KV, L, d]`` -> ``[B, H, n, d]``."""
+        ctx = q.new_zeros(q.shape)
+        ctx[:, :, :1] = attention(q[:, :, :1], keys, values, None, self.first)
+        keys_first = not (keys.dtype == torch.float32 or keys.is_contiguous())  # as the whole cache's
+        for rows, lo, width, bias in self.later:
+            ctx[rows, :, lo:lo + width] = attention(q[rows, :, lo:lo + width], keys[rows], values[rows], None, bias,
+                                                    keys_first)
+        return ctx
 
 
 def _layer_step(layer, idx: int, x, cache, s: _Step):
@@ -312,7 +347,9 @@ def _cached_attention(idx: int, q, k, v, cache, s: _Step):
         return ctx if s.packing is None else s.packing.pack(ctx)
     keys, values = cache.keys[idx][:, :, :s.k_len], cache.values[idx][:, :, :s.k_len]
     q = q.permute(1, 2, 0, 3).to(keys.dtype)
-    if s.position_biases is not None:  # each position as a one-token step computes it
+    if s.ragged is not None:
+        ctx = s.ragged.attention(q, keys, values)
+    elif s.position_biases is not None:  # each position as a one-token step computes it
         ctx = torch.cat([attention(q[:, :, j:j + 1], keys, values, s.mask[:, :, j:j + 1], bias)
                          for j, bias in enumerate(s.position_biases)], 2)
     else:
@@ -453,7 +490,7 @@ def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable, *args, *
 def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
                     last_index: torch.Tensor | None = None, features: torch.Tensor | None = None,
                     return_features: bool = False, valid: torch.Tensor | None = None,
-                    static: bool = False):
+                    static: bool = False, packed_logits: bool = False):
     """Feed ``tokens [B, n]`` after each sample's cached prefix; returns logits.
 
     Logits are ``[B, n, V]`` (vocabulary padding removed, gathered over TP), or ``[B, 1, V]``
@@ -470,8 +507,14 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     the whole cache, positions past each sample's length masked), so every shape and
     address is fixed by the batch and ``n`` (``last_index`` is allowed: a gather; ``valid``
     is not: packing reads the host). Same result as the dynamic step.
+
+    ``packed_logits`` (with ``valid``): logits ``[T, V]`` of the real tokens only, in
+    :func:`packed_positions` order (a ragged verification: no LM head, softmax or draw is
+    spent on padding).
     """
     b, n = tokens.shape
+    if packed_logits and (valid is None or last_index is not None or return_features):
+        raise ValueError("packed_logits needs valid, and neither last_index nor return_features")
     if static and valid is not None:
         raise ValueError("a static step feeds every row n tokens (no packing of the valid ones)")
     if not static:
@@ -490,11 +533,14 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     flash = backend == "flash" and cache.keys[0].dtype in (torch.float16, torch.bfloat16)
     seqlens = flash_seqlens(cache.lengths, n) if flash else None
     tp = model.pg_collection.tp
-    packing = None
+    packing = ragged = None
     if valid is not None and int(valid.min()) < n:
         packing = _Packing(valid, n, b)
+        if backend == "matmul":
+            ragged = _Ragged(valid, mask, groups, biases is not None)
+            bias = biases = None
     step = _Step(*rope.angles(pos, x.dtype), mask, bias, cache.slots(n), k_len,
-                 tp if tp.size() > 1 else None, packing, biases, seqlens)
+                 tp if tp.size() > 1 else None, packing, biases, seqlens, ragged)
     layer_step = _plain_layer_step if plain_layers(model) else _layer_step
     if getattr(model, "feature_fusion", None) is not None:
         if features is None:
@@ -505,7 +551,9 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     for i, layer in enumerate(model.decoder.layers):
         x = layer_step(layer, i, x, cache, step)
     cache.advance(n)
-    if packing is not None:
+    if packed_logits:  # [T, 1, h], position-major like the packing
+        x = x if packing is not None else x.reshape(n * b, 1, x.shape[-1])
+    elif packing is not None:
         x = packing.unpack(x)
     hidden = None
     if return_features:
@@ -523,8 +571,20 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
         logits = model.output_layer.to_vocab(_linear(x, model.output_layer.weight))
     else:
         logits, _ = model.output_layer(x, weight=weight)
+    if packed_logits:
+        return logits[:, 0, : model.mrlhf_config.vocab_size]
     logits = logits.transpose(0, 1)[..., : model.mrlhf_config.vocab_size]
     return (logits, hidden) if return_features else logits
+
+
+def packed_positions(valid: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [T], columns [T])`` of the real tokens of a right-padded ``[B, n]`` feed with
+    ``valid [B]`` real tokens per row, in the order :class:`_Packing` (and
+    ``packed_logits``) holds them: position-major (every row's first token, then every
+    second, ...)."""
+    real = torch.arange(n, device=valid.device)[:, None] < valid[None, :]  # [n, B]
+    cols, rows = real.nonzero(as_tuple=True)
+    return rows, cols
 
 
 PREFILL_CHUNK_TOKENS = {"cpu": 2048, "cuda": 8192}

@@ -97,12 +97,14 @@ class GenerationStats:
             self.mode = other.mode
         self.decode = self.decode or other.decode
 
-    def count_accepted(self, accepted: list[int], n: int) -> None:
-        """A verification of ``n`` drafts: ``accepted`` drafts per live sample (host ints)."""
+    def count_accepted(self, accepted: list[int], n: int, widths: list[int] | None = None) -> None:
+        """A verification of ``n`` drafts: ``accepted`` drafts per live sample (host ints);
+        ``widths``: the drafts each of them verified (a ragged round; default ``n`` each)."""
         self.verifications += len(accepted)
+        widths = [n] * len(accepted) if widths is None else widths
         for i in range(n):
             self.accepted_per_position[i] += sum(k > i for k in accepted)
-            self.drafted_per_position[i] += sum(k >= i for k in accepted)
+            self.drafted_per_position[i] += sum(k >= i and w > i for k, w in zip(accepted, widths))
 
     @property
     def acceptance_per_position(self) -> list[float]:

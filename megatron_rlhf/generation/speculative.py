@@ -49,7 +49,19 @@ def accept_exact(draft_tokens: torch.Tensor, p_probs: torch.Tensor, u_next: torc
     position's token with. Accept drafts while each equals the token drawn at its position;
     emit the drawn token at the first mismatch (or the bonus after all ``n``)."""
     drawn = draw(p_probs, u_next)  # [B, n+1]: plain sampling's tokens at these positions
-    return verdict_from_matches(draft_tokens == drawn[:, :-1], drawn)
+    return accept_drawn(draft_tokens, drawn)
+
+
+def accept_drawn(draft_tokens: torch.Tensor, drawn: torch.Tensor, widths: torch.Tensor | None = None) -> Verdict:
+    """The rule of :func:`accept_exact` given the drawn tokens: ``draft_tokens [B, n]``,
+    ``drawn [B, n+1]`` the token plain sampling draws at each position (the argmax when
+    greedy). ``widths [B]``: the drafts row ``b`` verifies, its first ``widths[b]`` (a
+    ragged round; the rest is padding, never accepted, and ``drawn`` there is not read);
+    default all ``n``."""
+    ok = draft_tokens == drawn[:, :-1]
+    if widths is not None:
+        ok &= torch.arange(ok.shape[1], device=ok.device) < widths[:, None]
+    return verdict_from_matches(ok, drawn)
 
 
 def verdict_from_matches(ok: torch.Tensor, replacement: torch.Tensor) -> Verdict:

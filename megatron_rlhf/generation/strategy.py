@@ -193,15 +193,28 @@ class OnlineCosts:
         self.decay = decay
         self.by_n: dict[int, _Fit] = {}
         self.tokens = _Fit(decay)
+        self.ragged_rounds = 0
+        """Ragged verifications measured (they teach :attr:`tokens` only)."""
 
     def guessing(self) -> bool:
         """Whether drafting's cost is still a guess: no drafting round (``n > 0``) measured,
         and the prior read in proportion to tokens (its rounds' tokens have not spread)."""
         return not any(n for n in self.by_n) and not (self.tokens.w > 0 and self.tokens.spread())
 
-    def observe(self, batch: int, n: int, seconds: float) -> None:
-        self.by_n.setdefault(n, _Fit(self.decay)).add(batch, seconds)
-        self.tokens.add(batch * (n + 1), seconds)
+    def observe(self, batch: int, n: int, seconds: float, tokens: int | None = None) -> None:
+        """A round of ``n`` drafts at ``batch`` live samples took ``seconds``; ``tokens``: the
+        tokens the actor ran when the rows verified widths of their own (a ragged round:
+        it teaches the line over tokens only)."""
+        if tokens is None or n == 0:
+            self.by_n.setdefault(n, _Fit(self.decay)).add(batch, seconds)
+        else:
+            self.ragged_rounds += 1
+        self.tokens.add(batch * (n + 1) if tokens is None else tokens, seconds)
+
+    def tokens_s(self, tokens: int) -> float | None:
+        """Predicted seconds of a round in which the actor runs ``tokens`` tokens (a plain
+        step of that many samples, or a ragged verification); None before any round."""
+        return self.tokens.predict(tokens)
 
     def round_s(self, batch: int, n: int) -> float:
         """Predicted seconds of a round of ``n`` drafts at ``batch`` live samples (0 when
@@ -362,12 +375,53 @@ class Selector:
             return 0  # within the margin of a plain step (DRAFT_MARGIN)
         return n
 
+    def choose_widths(self, found: list[int]) -> list[int]:
+        """Per live sample, how many of its ``found`` history drafts a ragged round verifies
+        (all 0: a plain step). A round's cost is a line over the tokens the actor runs
+        (:meth:`OnlineCosts.tokens_s`), and draft ``i`` of a sample adds ``prod_{j<=i}
+        alpha_j`` expected tokens (the history's acceptance by position); so the drafts are
+        taken in order of that gain while each adds :data:`DRAFT_MARGIN` more tokens than
+        the time its token costs would buy at the round's rate so far. A sample's drafts are taken in
+        order (a prefix), and samples with short or no proposals cost nothing extra. While
+        drafting's cost is a guess (no ragged round measured, no spread in tokens), one
+        round is tried as if it cost a plain step. With a profiled cost table: the longest-proposal choice of
+        :meth:`choose`, each sample verifying at most that many."""
+        batch = len(found)
+        if not isinstance(self.costs, OnlineCosts):
+            n = self.choose(batch, found, max(found, default=0))
+            return [min(f, n) for f in found]
+        plain = self.costs.tokens_s(batch)
+        if not plain or self.history is None:
+            return [0] * batch  # measure a plain step first
+        rates = self.history.rates()
+        gains = []  # (expected tokens added, position, sample)
+        for r, f in enumerate(found):
+            reach = 1.0
+            for i in range(f):
+                reach *= rates[min(i, len(rates) - 1)]
+                gains.append((reach, i, r))
+        gains.sort(key=lambda g: (-g[0], g[1], g[2]))  # a sample's drafts stay in order
+        guessing = not self.costs.ragged_rounds and not self.costs.tokens.spread()
+        best, tokens, seconds = 0, float(batch), plain
+        for k, (gain, _, _) in enumerate(gains, 1):
+            more = plain if guessing else self.costs.tokens_s(batch + k)
+            # the draft must add DRAFT_MARGIN more tokens than its share of the round's
+            # time buys at the round's rate so far (gains fall, the rate rises: stop)
+            if gain * seconds < (1 + DRAFT_MARGIN) * tokens * (more - seconds):
+                break
+            best, tokens, seconds = k, tokens + gain, more
+        widths = [0] * batch
+        for _, i, r in gains[:best]:
+            widths[r] = max(widths[r], i + 1)
+        return widths
+
     def observe(self, batch: int, n: int, seconds: float, accepted: torch.Tensor | None,
-                found: torch.Tensor | None = None) -> None:
+                found: torch.Tensor | None = None, tokens: int | None = None) -> None:
         """A measured round: refresh the latency correction and each source's acceptance
-        (``found [live]``: the drafts of each sample that came from the history)."""
+        (``found [live]``: the drafts of each sample that came from the history; ``tokens``:
+        the tokens a ragged round ran, :meth:`choose_widths`)."""
         if isinstance(self.costs, OnlineCosts):  # the costs are the rounds: nothing to correct
-            self.costs.observe(batch, n, seconds)
+            self.costs.observe(batch, n, seconds, tokens)
         elif (predicted := self.costs.round_s(batch, n)) > 0:
             key = (n, self._octave(batch))
             ratio = seconds / predicted

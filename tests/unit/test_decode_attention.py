@@ -172,3 +172,59 @@ def test_bf16_verification_equals_one_token_steps_bit_for_bit(smollm2_shaped, mo
     assert not inc.width_invariant(torch.bfloat16, "cpu", inc.WIDTH_INVARIANT_MAX_TOKENS + 1)  # prefill
     wide, steps = _verify_vs_steps(smollm2_shaped, 5, LENGTHS)
     assert torch.equal(wide, steps)
+
+
+def _ragged_vs_steps(model, valid: list[int], prompt_lengths) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a ragged verification (row ``r`` feeds ``valid[r]`` real tokens, the rest
+    padding; packed logits) and of one-token steps of every row, at the real tokens."""
+    from megatron_rlhf.generation.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(1)
+    n = max(valid)
+    prompts = [torch.randint(2, 200, (length,), generator=g).tolist() for length in prompt_lengths]
+    toks = torch.randint(2, 200, (len(prompts), n), generator=g)
+    valid_t = torch.tensor(valid)
+    rows, cols = inc.packed_positions(valid_t, n)
+    max_len = max(prompt_lengths) + n
+    out = []
+    for ragged in (True, False):
+        cache, rope = KVCache.for_model(model, len(prompts), max_len), inc.RopeTable(model, max_len)
+        with torch.no_grad():
+            inc.prefill(model, cache, prompts, rope)
+            if ragged:
+                out.append(inc.forward_cached(model, cache, toks, rope, valid=valid_t, packed_logits=True))
+            else:
+                steps = [inc.forward_cached(model, cache, toks[:, i:i + 1], rope) for i in range(n)]
+                out.append(torch.cat(steps, 1)[rows, cols])
+    return out[0], out[1]
+
+
+RAGGED = [1, 5, 3, 1, 2, 5, 1, 1, 4, 1, 2, 1]  # a verification's drafting rows among plain ones
+
+
+def test_ragged_bf16_verification_equals_one_token_steps_bit_for_bit(smollm2_shaped, monkeypatch):
+    """A ragged verification (each row its own number of drafts; only real tokens in the
+    linears, the head and the attention: a row's first query over all rows, the drafting
+    rows' later ones over their own keys) computes each real token as a one-token step
+    does, bit for bit in bf16 (linears row by row, as above)."""
+    monkeypatch.setattr(inc, "_linear", _row_by_row)
+    ragged, steps = _ragged_vs_steps(smollm2_shaped, RAGGED, LENGTHS)
+    assert ragged.shape == (sum(RAGGED), smollm2_shaped.mrlhf_config.vocab_size)
+    assert torch.equal(ragged, steps)
+
+
+@pytest.mark.parametrize("name", ["tiny-untied", "tiny-mha"])
+def test_ragged_fp32_verification_equals_one_token_steps(world1, name):
+    """fp32, through the GEMMs as they run (summation order only)."""
+    model = build_model(preset(name), "actor", world1, dtype=torch.float32, seed=3).eval()
+    ragged, steps = _ragged_vs_steps(model, RAGGED, [5 + 3 * i for i in range(len(RAGGED))])
+    assert (ragged - steps).abs().max() <= TOLERANCE[torch.float32] * steps.abs().max()
+
+
+def test_packed_logits_need_a_ragged_feed(world1):
+    from megatron_rlhf.generation.kv_cache import KVCache
+
+    model = build_model(preset("tiny-untied"), "actor", world1, dtype=torch.float32, seed=3).eval()
+    cache, rope = KVCache.for_model(model, 2, 16), inc.RopeTable(model, 16)
+    with pytest.raises(ValueError, match="packed_logits needs valid"):
+        inc.forward_cached(model, cache, torch.ones(2, 2, dtype=torch.long), rope, packed_logits=True)

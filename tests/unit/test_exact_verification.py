@@ -57,12 +57,16 @@ def plain(models):
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("source", ["history", "model", "both"])
+@pytest.mark.parametrize("source", ["history", "history-padded", "model", "both"])
 def test_drafts_change_no_sample(models, plain, setting, source):
+    """``history``: ragged rounds (each row verifies its own proposal); ``history-padded``:
+    every row the round's width (what a graphed round does)."""
     actor, draft = models
     history = HistoryDrafter() if source != "model" else None
-    ids, stats = _generate(actor, draft if source != "history" else None, history,
-                           SpecConfig(4, draft_source=source), SETTINGS[setting])
+    ragged, source = source == "history", source.removesuffix("-padded")
+    r = Generator(actor, draft if source != "history" else None, history=history, ragged=ragged).generate(
+        _prompts(), SETTINGS[setting], SpecConfig(4, draft_source=source), seed=SEED)
+    ids, stats = r.response_ids, r.stats
     assert torch.equal(ids, plain[setting])
     accepted = sum(stats.accepted_per_position)
     assert stats.verifications and 0 < accepted < 4 * stats.verifications  # drafts accepted and refused
@@ -86,29 +90,34 @@ def test_samples_do_not_depend_on_the_selectors_choices(models, plain, source):
         assert not torch.equal(rejected[0], rejected[1])
 
 
-def _accepts_one_mismatch(draft_tokens, p_probs, u_next):
-    drawn = draw(p_probs, u_next)
+def _accepts_one_mismatch(draft_tokens, drawn, widths=None):
     ok = draft_tokens == drawn[:, :-1]
     ok[:, 0] = True  # sabotage: the first draft token is always taken
+    if widths is not None:
+        ok &= torch.arange(ok.shape[1]) < widths[:, None]
     return speculative.verdict_from_matches(ok, drawn)
 
 
-_EXACT = speculative.accept_exact
+_EXACT = speculative.accept_drawn
 
 
-def _emits_the_draft(draft_tokens, p_probs, u_next):
-    v = _EXACT(draft_tokens, p_probs, u_next)
+def _emits_the_draft(draft_tokens, drawn, widths=None):
+    v = _EXACT(draft_tokens, drawn, widths)
     n = draft_tokens.shape[1]
-    rejected = v.accepted < n
+    rejected = v.accepted < (n if widths is None else widths)
     own = draft_tokens.gather(1, v.accepted.clamp(max=n - 1)[:, None])[:, 0]
     return speculative.Verdict(v.accepted, torch.where(rejected, own, v.next_token))
 
 
+@pytest.mark.parametrize("ragged", [True, False])
 @pytest.mark.parametrize("saboteur", [_accepts_one_mismatch, _emits_the_draft])
-def test_a_sabotaged_exact_rule_changes_samples(models, plain, monkeypatch, saboteur):
-    monkeypatch.setattr(speculative, "accept_exact", saboteur)
-    ids, _ = _generate(models[0], history=HistoryDrafter(), spec=SpecConfig(4, draft_source="history"))
-    assert not torch.equal(ids, plain["T1"])
+def test_a_sabotaged_exact_rule_changes_samples(models, plain, monkeypatch, saboteur, ragged):
+    """The rule every exact verification goes through (:func:`speculative.accept_drawn`:
+    the padded rounds' :func:`speculative.accept_exact` and the ragged rounds), sabotaged."""
+    monkeypatch.setattr(speculative, "accept_drawn", saboteur)
+    r = Generator(models[0], history=HistoryDrafter(), ragged=ragged).generate(
+        _prompts(), SETTINGS["T1"], SpecConfig(4, draft_source="history"), seed=SEED)
+    assert not torch.equal(r.response_ids, plain["T1"])
 
 
 def test_the_token_after_j_accepted_drafts_uses_position_m_plus_j_uniform():
@@ -175,3 +184,34 @@ def test_a_global_index_changes_no_sample(models, plain):
         r = generator.generate(_prompts(), SETTINGS["T1"], spec, seed=seed)
     assert torch.equal(r.response_ids, plain["T1"]) and drafter.stats()["global_responses"] == 2 * len(_prompts())
     assert r.stats.history_accepted > 0
+
+
+def test_a_ragged_round_verifies_each_rows_own_proposal(models, plain, monkeypatch):
+    """Without a draft model each row of a round verifies its own proposal's length (none:
+    the row takes a plain step), and only those tokens reach the LM head: the forward's
+    packed logits hold ``sum(valid)`` rows. Under ``auto`` with random per-sample widths,
+    the tokens are still plain decoding's."""
+    from megatron_rlhf.generation import engine
+
+    seen = []
+
+    def recording(model, cache, tokens, rope, *args, **kw):
+        out = forward_cached(model, cache, tokens, rope, *args, **kw)
+        if kw.get("packed_logits"):
+            seen.append((kw["valid"].tolist(), out.shape[0], tokens.shape[1]))
+        return out
+
+    forward_cached = engine.forward_cached
+    monkeypatch.setattr(engine, "forward_cached", recording)
+    generator = Generator(models[0], history=HistoryDrafter())
+    for seed in (SEED + 1, SEED):  # a first epoch fills the history
+        r = generator.generate(_prompts(), SETTINGS["T1"], SpecConfig(4, draft_source="history"), seed=seed)
+    assert torch.equal(r.response_ids, plain["T1"])
+    assert seen and all(rows == sum(valid) for valid, rows, _ in seen)
+    assert any(min(valid) == 1 and max(valid) > 2 for valid, _, _ in seen), seen  # plain rows beside drafting ones
+    assert any(sum(valid) < len(valid) * width for valid, _, width in seen)  # fewer tokens than padded
+
+    seen.clear()
+    r = Generator(models[0], history=HistoryDrafter(), selector=RandomSelector(4, 3)).generate(
+        _prompts(), SETTINGS["T1"], SpecConfig("auto", draft_source="history"), seed=SEED)
+    assert torch.equal(r.response_ids, plain["T1"]) and len({tuple(v) for v, _, _ in seen}) > 3

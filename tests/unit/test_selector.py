@@ -207,6 +207,62 @@ def test_the_first_drafting_round_is_tried_at_a_fixed_batch(monkeypatch, device)
     assert fresh.choose(32) == 0
 
 
+def _history_selector(per_token: float, fixed: float = 0.04, acceptance: float = 0.8):
+    """A history-only selector whose costs learned ``fixed + per_token * tokens`` from
+    plain steps at batches 1..16 (drafts accepted at ``acceptance``, no exploration bonus)."""
+    sel = Selector(OnlineCosts(), 8, None, Acceptance(8, decay=1.0, prior=acceptance, prior_weight=10.0))
+    for b in range(16, 0, -1):
+        sel.observe(b, 0, fixed + per_token * b, None)
+    return sel
+
+
+@pytest.mark.parametrize("per_token, widths", [
+    (0.0005, [8, 0, 3, 1]),  # verification nearly free (a GPU, or a CPU's long tail): every draft
+    (0.005, [1, 0, 1, 1]),  # a CPU at batch 16: a draft pays while it adds > 0.67 tokens (the first, at 0.8)
+    (0.05, [0, 0, 0, 0]),  # tokens dear, no fixed part to save: plain
+])
+def test_ragged_widths_take_the_drafts_worth_their_tokens(monkeypatch, per_token, widths):
+    """A ragged round (each sample its own width) costs a line over the tokens the actor
+    runs, so each draft is taken for the expected tokens it adds (0.8, 0.64, ...) against
+    what its token costs; a sample with no proposal costs nothing. Batch 4 here, the
+    fixed part 40 ms; the sample proposals are 8, 0, 3 and 1 long."""
+    from megatron_rlhf.generation import strategy
+
+    monkeypatch.setattr(strategy, "EXPLORATION", 0.0)
+    sel = _history_selector(per_token)
+    found = [8, 0, 3, 1]
+    if per_token == 0.005:  # batch 16 (the other 12 proposed nothing)
+        found += [0] * 12
+        widths = widths + [0] * 12
+    assert sel.choose_widths(found) == widths
+
+
+def test_ragged_widths_are_prefixes_chosen_by_gain(monkeypatch):
+    """Gains fall along a sample's proposal, so the chosen drafts are each sample's first
+    ones; with acceptance 1 at the first two positions and 0.2 after, a moderate token
+    cost takes exactly those two."""
+    from megatron_rlhf.generation import strategy
+
+    monkeypatch.setattr(strategy, "EXPLORATION", 0.0)
+    sel = _history_selector(0.005)
+    sel.history.passed = [10.0, 10.0] + [2.0] * 6
+    assert sel.history.rates()[:3] == [1.0, 1.0, 0.2]
+    assert sel.choose_widths([5, 5, 1] + [0] * 13) == [2, 2, 1] + [0] * 13
+
+
+def test_ragged_widths_measure_a_plain_step_first_and_try_once():
+    """Nothing measured: plain. One plain step measured (no spread in tokens): one ragged
+    round is tried as if it cost a plain step (every draft); once it is measured, the line
+    over tokens decides."""
+    sel = Selector(OnlineCosts(), 4, None, Acceptance(4, decay=1.0, prior=0.8, prior_weight=10.0))
+    assert sel.choose_widths([4, 2]) == [0, 0]
+    sel.observe(2, 0, 0.1, None)
+    assert sel.choose_widths([4, 2]) == [4, 2]
+    sel.observe(2, 4, 0.1 * 8 / 2, torch.tensor([1, 1]), torch.tensor([4, 2]), tokens=8)  # 8 tokens, in proportion
+    assert sel.costs.ragged_rounds == 1 and 4 not in sel.costs.by_n
+    assert sel.choose_widths([4, 2]) == [0, 0]  # proportional cost: no draft adds a token per token
+
+
 def test_drafting_must_beat_a_plain_step_by_the_margin(monkeypatch):
     """Drafts accepted at 0.5: one draft emits 1.5 tokens. A verification that costs 1.4
     plain steps promises 7% more tokens per second (within DRAFT_MARGIN: plain); one that
