@@ -16,6 +16,11 @@ shipped arithmetic problems with the chat template:
   exact verification; two epochs per seed, the second drafting from the first's answers);
 * ``batch``: the prompts in one batch of ``--prompts`` against two half batches.
 
+A dtype with ``-before`` (``bf16-before``, ``fp32-before``) runs with the decode numerics
+before the attention read whole multiples of 16 positions and the CPU's bf16 models kept
+an fp32 cache at every batch (``ATTEND_ALIGN`` 1, ``CPU_HALF_CACHE_MIN_BATCH`` 32): the
+same comparisons, side by side.
+
 A flip makes a sample diverge; the tokens after it are not compared. ``flips_per_million``
 = first divergences / tokens compared up to them (and the remaining samples' tokens).
 One line per (dtype, comparison), then a summary table on stderr.
@@ -106,8 +111,13 @@ def main(argv=None) -> int:
               "draft_tokens": args.draft_tokens, "torch": torch.__version__}
     print(json.dumps(header), flush=True)
     rows = []
+    from megatron_rlhf.generation import incremental, kv_cache
+
+    current = incremental.ATTEND_ALIGN, kv_cache.CPU_HALF_CACHE_MIN_BATCH
     for dtype_name in args.dtypes.split(","):
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name.removesuffix("-before")]
+        before = dtype_name.endswith("-before")
+        incremental.ATTEND_ALIGN, kv_cache.CPU_HALF_CACHE_MIN_BATCH = (1, 32) if before else current
         actor = build_model(info.config, "actor", pg, dtype=dtype)
         load_checkpoint(actor, pg, info.path)
         totals = {"verify": [0, 0, 0], "batch": [0, 0, 0]}  # flips, tokens, accepted drafts

@@ -53,8 +53,8 @@ from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import rng, speculative
 from megatron_rlhf.generation.graphs import CATCH_UP_MAX
 from megatron_rlhf.generation.history import HistoryDrafter
-from megatron_rlhf.generation.incremental import (RopeTable, attention_backend, forward_cached, packed_positions,
-                                                  pad_right, prefill)
+from megatron_rlhf.generation.incremental import (RopeTable, aligned_length, attention_backend, forward_cached,
+                                                  packed_positions, pad_right, prefill)
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.rollout import GenerationStats, Rollout
 from megatron_rlhf.generation.sampling import draw, logprob_pair, probs_for_sampling, sample
@@ -247,6 +247,7 @@ class Generator:
         batch = max(len(prompts), 1)
         if migrator is not None:
             max_len, batch = migrator.agree(max_len, batch)
+        max_len = aligned_length(max_len)  # the attention reads whole multiples of ATTEND_ALIGN
         for m in (self.actor, self.draft):
             if m is not None:
                 m.eval()

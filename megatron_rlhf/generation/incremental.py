@@ -229,15 +229,38 @@ def width_invariant(dtype: torch.dtype, device, n: int) -> bool:
             and attention_backend(device) == "matmul")
 
 
+ATTEND_ALIGN = 16
+"""The attention reads a multiple of this many cache positions (:func:`attended_length`),
+and generation sizes its caches to one (:func:`aligned_length`)."""
+
+
+def aligned_length(length: int) -> int:
+    """``length`` rounded up to a multiple of :data:`ATTEND_ALIGN`."""
+    return -(-length // ATTEND_ALIGN) * ATTEND_ALIGN
+
+
 def attended_length(cache, needed: int) -> int:
-    """How many cache positions the attention reads when ``needed`` hold tokens: ``needed``,
-    or on CPU with a half-precision cache the whole cache once ``needed`` reaches half of it.
+    """How many cache positions the attention reads when ``needed`` hold tokens: ``needed``
+    rounded up to a multiple of :data:`ATTEND_ALIGN` (at most the cache), or on CPU with a
+    half-precision cache the whole cache once ``needed`` reaches half of it.
+
+    Rounded, a sample's attention does not depend on how long the batch's longest sample
+    is, nor on how many tokens a forward feeds: a CPU's batched matmuls and softmax sum a
+    row of ``L`` keys in an order that changes with ``L`` in its last few (measured on the
+    2-core EPYC: fp32 results over 61-63 keys differ in the last bit from those over 64; over
+    64, 72, 80, ..., 256 keys, positions past the row's length masked, they are equal), and
+    such a bit, amplified by 30 layers, flips a near-tie draw. With the linears row-invariant
+    (bf16 on the CPUs measured) a decode step then computes each sample as it would in any
+    batch and any verification: DP=1 and DP=2, speculation on and off, agree token for token.
+
     CPU bf16 batched matmuls copy a slice of the cache (its samples lie ``max_len`` apart)
     but read the whole contiguous cache in place: at batch 64 on SmolLM2's shapes, the
     attention over all 146 positions (positions past a sample's length are masked) takes
     what it takes over a slice of 50-70 of them (measured on the 2-core EPYC)."""
     half = cache.keys[0].dtype != torch.float32 and not cache.keys[0].is_cuda
-    return cache.max_len if half and 2 * needed >= cache.max_len else needed
+    if half and 2 * needed >= cache.max_len:
+        return cache.max_len
+    return min(aligned_length(needed), cache.max_len)
 
 
 def group_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:

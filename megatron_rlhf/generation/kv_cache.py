@@ -26,16 +26,22 @@ import torch
 # in bf16 (half the cache bytes read per step) at large ones. Measured on SmolLM2-135M, 2-core
 # AVX512-BF16 EPYC, ~50-75 cached tokens, median decode step with an fp32 / a bf16 cache:
 # batch 4 36.4 / 39.1 ms, 16 52.1 / 51.5, 32 81.1 / 79.5, 64 128.6 / 120.0.
-CPU_HALF_CACHE_MIN_BATCH = 32
+# A cache whose dtype followed the batch made a sample's numerics depend on its batch
+# (DP=1 at 32 samples against DP=2 at 16 each: other logits, other near-tie draws), so by
+# default it does not: fp32 at every batch (7% slower at batch 64, no slower up to 32).
+# A batch size here brings the bf16 cache back from that batch on.
+CPU_HALF_CACHE_MIN_BATCH: int | None = None
 
 
 def cache_dtype(weight: torch.Tensor, batch: int) -> torch.dtype:
     """The cache's dtype for a model whose weights are ``weight``'s: the model's own on GPU
-    and for fp32 models; on CPU, bf16 only from :data:`CPU_HALF_CACHE_MIN_BATCH` samples on
-    (keys and values are computed in bf16 either way: the fp32 cache only widens them)."""
+    and for fp32 models; on CPU fp32 (bf16 from :data:`CPU_HALF_CACHE_MIN_BATCH` samples
+    on when it is set; keys and values are computed in bf16 either way: the fp32 cache only
+    widens them)."""
     if weight.is_cuda or weight.dtype == torch.float32:
         return weight.dtype
-    if weight.dtype == torch.bfloat16 and batch >= CPU_HALF_CACHE_MIN_BATCH:
+    half_from = CPU_HALF_CACHE_MIN_BATCH
+    if weight.dtype == torch.bfloat16 and half_from is not None and batch >= half_from:
         return weight.dtype
     return torch.float32
 

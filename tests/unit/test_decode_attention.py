@@ -228,3 +228,38 @@ def test_packed_logits_need_a_ragged_feed(world1):
     cache, rope = KVCache.for_model(model, 2, 16), inc.RopeTable(model, 16)
     with pytest.raises(ValueError, match="packed_logits needs valid"):
         inc.forward_cached(model, cache, torch.ones(2, 2, dtype=torch.long), rope, packed_logits=True)
+
+
+@pytest.mark.parametrize("align", [inc.ATTEND_ALIGN, 1])
+def test_a_samples_decode_logits_do_not_depend_on_its_batch(world1, monkeypatch, align):
+    """The attention reads whole multiples of ``ATTEND_ALIGN`` cache positions, so a
+    sample's logits through prefill, steps and verifications are the same alone and in a
+    batch whose longest sample reads further: DP=1 against DP=2, any migration, speculation
+    on or off. fp32 (differences of its last bit show in the logits), linears row by row
+    (the GEMM library's row invariance is its own business: bf16 on the CPUs measured).
+    The control, reading exactly the positions needed (``align`` 1), fails: 30 of 36
+    forwards differed on the 2-core EPYC (a row of 61 keys sums in another order than one
+    of 64)."""
+    from megatron_rlhf.generation.kv_cache import KVCache
+
+    monkeypatch.setattr(inc, "_linear", _row_by_row)
+    monkeypatch.setattr(inc, "ATTEND_ALIGN", align)
+    model = build_model(preset("smollm2-135m", num_layers=2), "actor", world1, dtype=torch.float32, seed=2).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 200, (length,), generator=g).tolist() for length in (37, 45, 50, 61, 70, 77)]
+    longer = torch.randint(2, 200, (110,), generator=g).tolist()
+    feeds = [torch.randint(2, 200, (len(prompts) + 1, w), generator=g) for w in (1, 1, 5, 1, 3)]
+
+    def run(batch, rows):
+        cache, rope = KVCache.for_model(model, len(batch), 140), inc.RopeTable(model, 140)
+        with torch.no_grad():
+            out = [inc.prefill(model, cache, batch, rope)]
+            out += [inc.forward_cached(model, cache, f[rows], rope) for f in feeds]
+        return out
+
+    together = run(prompts + [longer], list(range(len(prompts) + 1)))
+    differ = sum(not torch.equal(a[0], t[i]) for i, p in enumerate(prompts)
+                 for a, t in zip(run([p], [i]), together))
+    if align == 1 and differ == 0:  # the control can only fail where the sums depend on the length
+        pytest.skip("this CPU's attention sums do not depend on how many keys a row reads")
+    assert (differ > 0) if align == 1 else (differ == 0)

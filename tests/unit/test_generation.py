@@ -123,17 +123,22 @@ def test_swapped_gemm_is_linear_up_to_rounding():
     assert torch.equal(_linear(xb, wb), torch.nn.functional.linear(xb, wb))  # bf16: F.linear
 
 
-def test_bf16_model_uses_a_bf16_cache_from_large_batches_on(world1):
-    """A bf16 model keeps an fp32 cache below CPU_HALF_CACHE_MIN_BATCH samples and a bf16
-    one from there on (attention through k @ q^T, softmax in fp32): both give the logits of
-    a full bf16 recompute, through prefill, decode steps and verifications."""
+def test_bf16_model_uses_a_bf16_cache_from_large_batches_on(world1, monkeypatch):
+    """A bf16 model keeps an fp32 cache at every batch by default (its numerics then do not
+    depend on the batch); with CPU_HALF_CACHE_MIN_BATCH set, a bf16 one from there on
+    (attention through k @ q^T, softmax in fp32): both give the logits of a full bf16
+    recompute, through prefill, decode steps and verifications."""
+    from megatron_rlhf.generation import kv_cache
+
     model = build_model(preset("tiny"), "actor", world1, dtype=torch.bfloat16, seed=2).eval()
     cfg = model.mrlhf_config
     prompts = PROMPTS * 7
-    assert len(prompts) >= CPU_HALF_CACHE_MIN_BATCH
     w = model.embedding.word_embeddings.weight
+    assert CPU_HALF_CACHE_MIN_BATCH is None and cache_dtype(w, 10 ** 6) == torch.float32
+    monkeypatch.setattr(kv_cache, "CPU_HALF_CACHE_MIN_BATCH", 32)
+    assert len(prompts) >= 32
     assert cache_dtype(w, len(prompts)) == torch.bfloat16
-    assert cache_dtype(w, CPU_HALF_CACHE_MIN_BATCH - 1) == torch.float32
+    assert cache_dtype(w, 31) == torch.float32
     assert cache_dtype(w.float(), len(prompts)) == torch.float32
     longest = max(map(len, prompts))
     caches = [KVCache.for_model(model, len(prompts), 64),
@@ -141,11 +146,11 @@ def test_bf16_model_uses_a_bf16_cache_from_large_batches_on(world1):
               KVCache(cfg.num_layers, len(prompts), 64, cfg.num_query_groups, cfg.kv_channels,
                       torch.float32)]
     assert caches[0].keys[0].dtype == caches[1].keys[0].dtype == torch.bfloat16
-    # sliced keys from the roomy bf16 cache; the tight one is read whole (past the lengths
+    # sliced keys (whole multiples of 16) from the roomy bf16 cache; the tight one is read whole (past the lengths
     # masked) from prefill on; the fp32 cache is always sliced
-    assert attended_length(caches[0], longest + 5) == longest + 5
+    assert attended_length(caches[0], longest + 5) == 16  # rounded up to a multiple of 16
     assert attended_length(caches[1], longest) == longest + 5
-    assert attended_length(caches[2], 64) == 64 and attended_length(caches[2], 40) == 40
+    assert attended_length(caches[2], 64) == 64 and attended_length(caches[2], 40) == 48  # multiples of 16
     rope, g = RopeTable(model, 64), torch.Generator().manual_seed(0)
     steps = [torch.randint(2, 200, (len(prompts), n), generator=g) for n in (1, 3, 1)]
     with torch.no_grad():

@@ -155,7 +155,7 @@ def test_a_graphs_capture_is_not_a_rounds_cost(pair, monkeypatch):
         return real(self, *a, **k)
 
     class Timed(RandomSelector):
-        def observe(self, batch, n, seconds, *rest):
+        def observe(self, batch, n, seconds, *rest, **kw):
             self.seen.append((n, seconds))
 
     monkeypatch.setattr(graphs.StepGraphs, "_graph", slow)
