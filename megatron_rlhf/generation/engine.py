@@ -17,7 +17,11 @@ the actor verifies ``[pending, d1..dn]`` in one forward, a prefix is accepted pe
 accepted and the emitted tokens (with their actor hidden states) become the draft's next
 catch-up. ``n`` is fixed (``--num-draft-tokens N``) or chosen before every round by the
 selector (:mod:`megatron_rlhf.generation.strategy`, ``auto``) from the live batch size,
-the measured step latencies and the observed acceptance. Every choice is lossless.
+the measured step latencies and the observed acceptance. Every choice is lossless. A round
+of history drafts without a draft model is ragged in the dynamic engine: each row verifies
+its own number of drafts (the selector's choice per sample, 0 for a plain step), and only
+real tokens are computed (:meth:`Generator._ragged_round`); a graphed round verifies one
+width for every row.
 
 Drafts come from the draft model, from the rollout's own history
 (:class:`~megatron_rlhf.generation.history.HistoryDrafter`: a sample's prompt and

@@ -193,8 +193,9 @@ class OnlineCosts:
         self.decay = decay
         self.by_n: dict[int, _Fit] = {}
         self.tokens = _Fit(decay)
-        self.ragged_rounds = 0
-        """Ragged verifications measured (they teach :attr:`tokens` only)."""
+        self.drafted = _Fit(decay)
+        """Ragged verifications: the seconds they took beyond a plain step at their batch
+        (:meth:`tokens_s`), against the drafts they verified."""
 
     def guessing(self) -> bool:
         """Whether drafting's cost is still a guess: no drafting round (``n > 0``) measured,
@@ -204,17 +205,25 @@ class OnlineCosts:
     def observe(self, batch: int, n: int, seconds: float, tokens: int | None = None) -> None:
         """A round of ``n`` drafts at ``batch`` live samples took ``seconds``; ``tokens``: the
         tokens the actor ran when the rows verified widths of their own (a ragged round:
-        it teaches the line over tokens only)."""
-        if tokens is None or n == 0:
-            self.by_n.setdefault(n, _Fit(self.decay)).add(batch, seconds)
-        else:
-            self.ragged_rounds += 1
-        self.tokens.add(batch * (n + 1) if tokens is None else tokens, seconds)
+        it teaches :attr:`drafted`, what its drafts cost beyond a plain step)."""
+        if tokens is not None and n > 0:
+            plain = self.tokens_s(batch)
+            self.drafted.add(tokens - batch, max(seconds - (plain or 0.0), 0.0))
+            return
+        self.by_n.setdefault(n, _Fit(self.decay)).add(batch, seconds)
+        self.tokens.add(batch * (n + 1), seconds)
 
     def tokens_s(self, tokens: int) -> float | None:
-        """Predicted seconds of a round in which the actor runs ``tokens`` tokens (a plain
-        step of that many samples, or a ragged verification); None before any round."""
+        """Predicted seconds of a round in which the actor runs ``tokens`` tokens as one
+        each (a plain step of that many samples); None before any round."""
         return self.tokens.predict(tokens)
+
+    def ragged_s(self, batch: int, drafts: int) -> float | None:
+        """Predicted seconds of a ragged round verifying ``drafts`` drafts among ``batch``
+        samples: a plain step plus what drafts have cost beyond one (None: no ragged round
+        measured yet; before their numbers spread, in proportion to the drafts)."""
+        plain, extra = self.tokens_s(batch), self.drafted.predict(drafts) if drafts else 0.0
+        return None if plain is None or extra is None else plain + extra
 
     def round_s(self, batch: int, n: int) -> float:
         """Predicted seconds of a round of ``n`` drafts at ``batch`` live samples (0 when
@@ -377,15 +386,16 @@ class Selector:
 
     def choose_widths(self, found: list[int]) -> list[int]:
         """Per live sample, how many of its ``found`` history drafts a ragged round verifies
-        (all 0: a plain step). A round's cost is a line over the tokens the actor runs
-        (:meth:`OnlineCosts.tokens_s`), and draft ``i`` of a sample adds ``prod_{j<=i}
-        alpha_j`` expected tokens (the history's acceptance by position); so the drafts are
-        taken in order of that gain while each adds :data:`DRAFT_MARGIN` more tokens than
-        the time its token costs would buy at the round's rate so far. A sample's drafts are taken in
-        order (a prefix), and samples with short or no proposals cost nothing extra. While
-        drafting's cost is a guess (no ragged round measured, no spread in tokens), one
-        round is tried as if it cost a plain step. With a profiled cost table: the longest-proposal choice of
-        :meth:`choose`, each sample verifying at most that many."""
+        (all 0: a plain step). Draft ``i`` of a sample adds ``prod_{j<=i} alpha_j``
+        expected tokens (the history's acceptance by position); so the drafts are
+        taken in order of that gain, as many as give the most expected tokens per second,
+        when that beats a plain step by :data:`DRAFT_MARGIN`. A round costs a plain step at
+        its batch plus what drafts have cost beyond one (:meth:`OnlineCosts.ragged_s`: the
+        drafting rows' later positions and the round's own overhead). A sample's drafts
+        are taken in order (a prefix), and samples with short or no proposals cost nothing
+        extra. While no ragged round is measured, one is tried as if it cost a plain step.
+        With a profiled cost table: the longest-proposal choice of :meth:`choose`, each
+        sample verifying at most that many."""
         batch = len(found)
         if not isinstance(self.costs, OnlineCosts):
             n = self.choose(batch, found, max(found, default=0))
@@ -401,15 +411,15 @@ class Selector:
                 reach *= rates[min(i, len(rates) - 1)]
                 gains.append((reach, i, r))
         gains.sort(key=lambda g: (-g[0], g[1], g[2]))  # a sample's drafts stay in order
-        guessing = not self.costs.ragged_rounds and not self.costs.tokens.spread()
-        best, tokens, seconds = 0, float(batch), plain
+        best, best_rate, tokens = 0, batch / plain, float(batch)
         for k, (gain, _, _) in enumerate(gains, 1):
-            more = plain if guessing else self.costs.tokens_s(batch + k)
-            # the draft must add DRAFT_MARGIN more tokens than its share of the round's
-            # time buys at the round's rate so far (gains fall, the rate rises: stop)
-            if gain * seconds < (1 + DRAFT_MARGIN) * tokens * (more - seconds):
-                break
-            best, tokens, seconds = k, tokens + gain, more
+            tokens += gain
+            # no ragged round measured yet: try one as if it cost a plain step
+            seconds = self.costs.ragged_s(batch, k) or plain
+            if tokens / seconds > best_rate:
+                best, best_rate = k, tokens / seconds
+        if best and best_rate < (1 + DRAFT_MARGIN) * batch / plain:
+            best = 0  # within the margin of a plain step
         widths = [0] * batch
         for _, i, r in gains[:best]:
             widths[r] = max(widths[r], i + 1)

@@ -207,60 +207,61 @@ def test_the_first_drafting_round_is_tried_at_a_fixed_batch(monkeypatch, device)
     assert fresh.choose(32) == 0
 
 
-def _history_selector(per_token: float, fixed: float = 0.04, acceptance: float = 0.8):
-    """A history-only selector whose costs learned ``fixed + per_token * tokens`` from
-    plain steps at batches 1..16 (drafts accepted at ``acceptance``, no exploration bonus)."""
+def _history_selector(draft_cost: float, per_token: float = 0.005, fixed: float = 0.04,
+                      acceptance: float = 0.8):
+    """A history-only selector whose costs were learned from plain steps at batches 1..16
+    (``fixed + per_token * batch``) and from ragged rounds whose drafts cost ``draft_cost``
+    each beyond a plain step (drafts accepted at ``acceptance``, no exploration bonus)."""
     sel = Selector(OnlineCosts(), 8, None, Acceptance(8, decay=1.0, prior=acceptance, prior_weight=10.0))
     for b in range(16, 0, -1):
         sel.observe(b, 0, fixed + per_token * b, None)
+    for drafts in (4, 16, 8):
+        sel.observe(8, 2, fixed + per_token * 8 + draft_cost * drafts, None, tokens=8 + drafts)
     return sel
 
 
-@pytest.mark.parametrize("per_token, widths", [
-    (0.0005, [8, 0, 3, 1]),  # verification nearly free (a GPU, or a CPU's long tail): every draft
-    (0.005, [1, 0, 1, 1]),  # a CPU at batch 16: a draft pays while it adds > 0.67 tokens (the first, at 0.8)
-    (0.05, [0, 0, 0, 0]),  # tokens dear, no fixed part to save: plain
+@pytest.mark.parametrize("draft_cost, widths", [
+    (0.0005, [8, 0, 3, 1]),  # drafts nearly free (a GPU, or a CPU's long tail): every one
+    (0.05, [0, 0, 0, 0]),  # drafts dear: plain
 ])
-def test_ragged_widths_take_the_drafts_worth_their_tokens(monkeypatch, per_token, widths):
-    """A ragged round (each sample its own width) costs a line over the tokens the actor
-    runs, so each draft is taken for the expected tokens it adds (0.8, 0.64, ...) against
-    what its token costs; a sample with no proposal costs nothing. Batch 4 here, the
-    fixed part 40 ms; the sample proposals are 8, 0, 3 and 1 long."""
+def test_ragged_widths_take_the_drafts_worth_their_cost(monkeypatch, draft_cost, widths):
+    """A ragged round (each sample its own width) costs a plain step plus what its drafts
+    cost beyond one (learned from the ragged rounds measured), and draft ``i`` of a sample
+    adds the expected tokens 0.8 ** (i + 1); a sample with no proposal costs nothing.
+    Batch 4 (plain step 60 ms); the proposals are 8, 0, 3 and 1 long."""
     from megatron_rlhf.generation import strategy
 
     monkeypatch.setattr(strategy, "EXPLORATION", 0.0)
-    sel = _history_selector(per_token)
-    found = [8, 0, 3, 1]
-    if per_token == 0.005:  # batch 16 (the other 12 proposed nothing)
-        found += [0] * 12
-        widths = widths + [0] * 12
-    assert sel.choose_widths(found) == widths
+    sel = _history_selector(draft_cost)
+    assert sel.costs.ragged_s(4, 12) == pytest.approx(0.06 + 12 * draft_cost)
+    assert sel.choose_widths([8, 0, 3, 1]) == widths
 
 
 def test_ragged_widths_are_prefixes_chosen_by_gain(monkeypatch):
     """Gains fall along a sample's proposal, so the chosen drafts are each sample's first
-    ones; with acceptance 1 at the first two positions and 0.2 after, a moderate token
-    cost takes exactly those two."""
+    ones: with acceptance 1 at the first two positions and 0.2 after, at batch 16 (plain
+    step 120 ms, 3 ms a draft) exactly those two (and the third sample's one) pay; at 5 ms
+    a draft the gain, 4% more tokens per second, is within the margin of a plain step."""
     from megatron_rlhf.generation import strategy
 
     monkeypatch.setattr(strategy, "EXPLORATION", 0.0)
-    sel = _history_selector(0.005)
-    sel.history.passed = [10.0, 10.0] + [2.0] * 6
-    assert sel.history.rates()[:3] == [1.0, 1.0, 0.2]
-    assert sel.choose_widths([5, 5, 1] + [0] * 13) == [2, 2, 1] + [0] * 13
+    for cost, widths in ((0.003, [2, 2, 1]), (0.005, [0, 0, 0])):
+        sel = _history_selector(cost)
+        sel.history.passed = [10.0, 10.0] + [2.0] * 6
+        assert sel.history.rates()[:3] == [1.0, 1.0, 0.2]
+        assert sel.choose_widths([5, 5, 1] + [0] * 13) == widths + [0] * 13, cost
 
 
 def test_ragged_widths_measure_a_plain_step_first_and_try_once():
-    """Nothing measured: plain. One plain step measured (no spread in tokens): one ragged
-    round is tried as if it cost a plain step (every draft); once it is measured, the line
-    over tokens decides."""
+    """Nothing measured: plain. Plain steps measured but no ragged round: one is tried as
+    if it cost a plain step (every draft); once measured dear, plain again."""
     sel = Selector(OnlineCosts(), 4, None, Acceptance(4, decay=1.0, prior=0.8, prior_weight=10.0))
     assert sel.choose_widths([4, 2]) == [0, 0]
     sel.observe(2, 0, 0.1, None)
-    assert sel.choose_widths([4, 2]) == [4, 2]
-    sel.observe(2, 4, 0.1 * 8 / 2, torch.tensor([1, 1]), torch.tensor([4, 2]), tokens=8)  # 8 tokens, in proportion
-    assert sel.costs.ragged_rounds == 1 and 4 not in sel.costs.by_n
-    assert sel.choose_widths([4, 2]) == [0, 0]  # proportional cost: no draft adds a token per token
+    assert sel.costs.ragged_s(2, 6) is None and sel.choose_widths([4, 2]) == [4, 2]
+    sel.observe(2, 4, 0.1 + 6 * 0.05, torch.tensor([1, 1]), torch.tensor([4, 2]), tokens=8)
+    assert 4 not in sel.costs.by_n and sel.costs.ragged_s(2, 6) == pytest.approx(0.4)
+    assert sel.choose_widths([4, 2]) == [0, 0]  # a draft costs half a plain step: none pays
 
 
 def test_drafting_must_beat_a_plain_step_by_the_margin(monkeypatch):
