@@ -21,6 +21,9 @@ how often the actor accepts the draft. So before each round the selector picks t
   is known before the round: each sample's expected tokens count its own proposal's
   length (:func:`expected_tokens_mixed`).
 - A draft length must promise :data:`DRAFT_MARGIN` more tokens per second than a plain step.
+- History drafts without a draft model, dynamic engine: rounds are ragged, and
+  :meth:`Selector.choose_widths` picks each sample's own number of drafts (the drafts with
+  the most expected tokens, priced by what drafts cost beyond a plain step).
 
 Whatever it picks, each round is lossless: the choice only decides how many tokens the
 draft proposes before the actor decides.

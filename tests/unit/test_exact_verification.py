@@ -21,7 +21,6 @@ from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import speculative
 from megatron_rlhf.generation.engine import Generator, Lookup
 from megatron_rlhf.generation.history import HistoryDrafter
-from megatron_rlhf.generation.sampling import draw
 
 from gen_fixtures import PROMPTS, RandomSelector, actor_and_draft
 
