@@ -1,5 +1,6 @@
 """Under torchrun (2 ranks): greedy generation at TP=2 equals TP=1 (a second layout of the
-same ranks), plain and speculative (standalone and feature drafts), on tiny models with
+same ranks), plain and speculative (standalone and feature drafts, history drafts in ragged
+rounds, also sampled under auto), on tiny models with
 EOS mid-batch, one prompt at a time as in a batch; the modules' own forward equals the
 plain-layer path at both TP sizes; the decode attention (both backends, fp32 and bf16,
 dynamic and static steps) equals the whole-sequence forward on padded GQA batches at TP=2,
@@ -11,6 +12,7 @@ from gen_fixtures import PROMPTS, actor_and_draft, decode_attention_error, featu
 from megatron_rlhf import platform
 from megatron_rlhf.config import GenerationConfig, SpecConfig, preset
 from megatron_rlhf.generation.engine import Generator
+from megatron_rlhf.generation.history import HistoryDrafter
 from megatron_rlhf.generation import incremental, kv_cache
 from megatron_rlhf.generation.incremental import plain_layers
 from megatron_rlhf.models.builder import build_model
@@ -41,6 +43,14 @@ def run(pg, eos):
     sampled = GenerationConfig(max_new_tokens=12, temperature=1.0)
     out["sampled"] = Generator(actor, draft).generate(PROMPTS, sampled, SpecConfig(2), seed=3)
     out["sampled_auto"] = Generator(actor, draft).generate(PROMPTS, sampled, SpecConfig("auto"), seed=3)
+    # history drafts: ragged rounds (each row its own width; under auto the widths are the
+    # first TP rank's), the second call drafting from the first's answers
+    out["sampled_plain"] = Generator(actor).generate(PROMPTS, sampled, seed=3)
+    for name, spec, params in (("history", SpecConfig(3, draft_source="history"), cfg),
+                               ("history_auto", SpecConfig("auto", draft_source="history"), sampled)):
+        gen = Generator(actor, history=HistoryDrafter())
+        gen.generate(PROMPTS, params, spec, seed=4)
+        out[name] = gen.generate(PROMPTS, params, spec, seed=3)
     return out
 
 
@@ -75,14 +85,16 @@ def main():
     assert "eos" in a["plain"].finish_reasons
     assert a["feature3"].stats.accepted_tokens > 0
     assert a["feature3"].stats.accepted_tokens == b["feature3"].stats.accepted_tokens
-    for key in ("plain", "modules", 1, 3, "feature1", "feature3", "auto"):
+    assert a["history"].stats.history_accepted > 0
+    assert a["history_auto"].responses() == a["sampled_plain"].responses()  # exact verification
+    for key in ("plain", "modules", 1, 3, "feature1", "feature3", "auto", "history"):
         assert a[key].responses() == a["plain"].responses(), f"TP=2 {key} != TP=2 plain"
         assert a[key].responses() == b[key].responses(), f"TP=2 {key} != TP=1 {key}"
     for key in ("single", "single1"):
         assert a[key] == a["plain"].responses(), f"TP=2 {key} != TP=2 plain"
         assert a[key] == b[key], f"TP=2 {key} != TP=1 {key}"
     # every rank of the TP group drew the same sampled tokens (and made the same choices)
-    for key in ("sampled", "sampled_auto"):
+    for key in ("sampled", "sampled_auto", "history_auto"):
         mine = a[key].response_ids
         other = [torch.zeros_like(mine) for _ in range(2)]
         torch.distributed.all_gather(other, mine, group=tp2.tp)
