@@ -24,6 +24,9 @@ own that lives across the epochs, so its history holds the earlier epochs' answe
 - ``history-global-auto``: the same with a global index of the newest 256 responses to any
   prompt (``--history-global 256``);
 - ``model-auto`` / ``both-auto`` (with ``--draft-load``): the draft model, or both sources;
+- ``model-3`` / ``model-3-rejection``: the draft model's 3 drafts per round verified exactly
+  (the draft proposes with the actor's uniform) or by rejection sampling (its own uniform;
+  the tokens then differ from ``off``'s: ``same_tokens`` false by design);
 - ``oracle-auto`` / ``oracle-8``: the ceiling of any draft on this machine. The drafter
   proposes each sample's next tokens from ``off``'s answer to it in this epoch (same
   seed, exact verification: the tokens this run emits, up to an fp32 near-tie flip), so
@@ -35,7 +38,7 @@ own that lives across the epochs, so its history holds the earlier epochs' answe
   rest of the chain is never read), 3 per round or the selector's choice up to 8. The
   history's drafts are estimates of these.
 
-All verification is exact, so every variant emits the same tokens (checked: a variant
+Verification is exact (but in ``model-3-rejection``), so every variant emits the same tokens (checked: a variant
 whose samples differ from ``off``'s is reported, ``same_tokens`` false). Per variant and
 epoch one line: makespan (max over ranks of the wall time of ``generate``), new tokens,
 tokens per second, accepted tokens per verification (all, and from the history), rounds
@@ -55,7 +58,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("off", "history", "history-auto", "history-auto-8", "history-global-auto", "history-padded",
-            "history-auto-padded", "model-auto", "both-auto", "oracle-auto", "oracle-8", "argmax-3", "argmax-auto")
+            "history-auto-padded", "model-auto", "both-auto", "model-3", "model-3-rejection", "oracle-auto", "oracle-8",
+            "argmax-3", "argmax-auto")
 PADDED = "-padded"  # every row verifies the round's width (Generator(ragged=False)): the control
 
 
@@ -103,6 +107,8 @@ def spec_of(variant: str):
             "argmax-3": SpecConfig(3, draft_source="history"),
             "argmax-auto": SpecConfig("auto", draft_source="history", max_draft_tokens=8),
             "model-auto": SpecConfig("auto", draft_source="model"),
+            "model-3": SpecConfig(3, draft_source="model"),
+            "model-3-rejection": SpecConfig(3, draft_source="model", verify="rejection"),
             "both-auto": SpecConfig("auto", draft_source="both")}[variant]
 
 

@@ -1,14 +1,17 @@
 """Benchmark RLHF iterations with speculative generation on vs off (JSON lines).
 
-    python tools/bench_rlhf.py --actor-load CKPT --draft-load DRAFT [--nproc 2] [--iters 6] \\
-        [--num-draft-tokens 1 2 auto auto+mig] [--repeats 1] [--draft-distill] \\
-        [-- EXTRA TRAIN FLAGS]
+    python tools/bench_rlhf.py --actor-load CKPT [--draft-load DRAFT] [--task grpo|ppo] [--nproc 2] \\
+        [--iters 6] [--num-draft-tokens 1 2 auto auto+mig history+mig both+mig] [--repeats 1] \\
+        [--draft-distill] [-- EXTRA TRAIN FLAGS]
 
 Runs ``python -m megatron_rlhf.train`` (under torchrun, ``--nproc`` ranks, one thread each
 unless OMP_NUM_THREADS is set) once per variant and round, with the same seed, prompts,
-batch and flags (the demo's settings by default). Variants: plain decoding (always, the
-reference) and each ``--num-draft-tokens`` value: ``N`` (fixed draft length), ``auto`` (the
-workload-aware selector; it learns its costs as it runs), either with
+batch and flags: ``--task grpo`` (default) those of ``make demo`` (GRPO with the math
+verifier on the shipped problems, bf16), ``--task ppo`` those of ``DEMO=ppo make demo``.
+Variants: plain decoding (always, the reference) and each ``--num-draft-tokens`` value:
+``N`` (fixed draft length), ``auto`` (the workload-aware selector; it learns its costs as it
+runs), ``history`` / ``both`` (``--draft-source history``: drafts from the rollout's own
+history, no draft model; ``both``: the history and the draft model; under ``auto``), each with
 ``+mig`` for sample migration between the DP ranks (``--sample-migration on``; every
 other variant runs with ``--sample-migration off``, and ``plain+mig`` is plain decoding
 with migration). With ``--repeats R`` every variant runs R times, the variants of a round
@@ -41,31 +44,55 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generation import cpu_model, draft_variant  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-DEMO_FLAGS = ["--reward-fn", "concise", "--global-batch-size", "8", "--rollout-n", "2",
-              "--micro-batch-size", "8", "--max-new-tokens", "40", "--temperature", "1.0",
-              "--lr", "1e-5", "--critic-lr", "2e-5", "--lr-warmup-iters", "2", "--kl-coef", "0.01",
-              "--clip-grad", "1.0"]  # examples/cpu_demo.sh
+TASK_FLAGS = {  # examples/cpu_demo.sh
+    "ppo": ["--reward-fn", "concise", "--global-batch-size", "8", "--rollout-n", "2",
+            "--micro-batch-size", "8", "--max-new-tokens", "40", "--temperature", "1.0",
+            "--lr", "1e-5", "--critic-lr", "2e-5", "--lr-warmup-iters", "2", "--kl-coef", "0.01",
+            "--clip-grad", "1.0"],
+    "grpo": ["--bf16", "--prompts", str(ROOT / "megatron_rlhf" / "data" / "math_train.jsonl"), "--reward-fn", "math",
+             "--advantage-estimator", "grpo", "--global-batch-size", "8", "--rollout-n", "4",
+             "--micro-batch-size", "8", "--num-mini-batches", "2", "--max-new-tokens", "128",
+             "--temperature", "0.8", "--filter-groups", "--filter-max-tries", "3", "--lr", "5e-5",
+             "--lr-warmup-iters", "1", "--kl-coef", "0.0", "--clip-grad", "1.0", "--recompute-granularity", "full"],
+}
+DEMO_FLAGS = TASK_FLAGS["ppo"]
 STAGES = ("time_rollout_s", "time_experience_s", "time_train_s", "time_draft_s")
+SOURCES = ("history", "both")  # variants drafting (also) from the rollout's history, under auto
 
 
-def parse_variant(text: str) -> tuple[str, int | str, bool]:
-    """``N`` / ``auto`` / ``plain``, optionally ``+mig`` -> (name, num_draft_tokens, migrate)."""
+def parse_variant(text: str) -> tuple[str, int | str, bool, str | None]:
+    """``N`` / ``auto`` / ``plain`` / ``history`` / ``both``, optionally ``+mig`` ->
+    (name, num_draft_tokens, migrate, draft source: None for the draft model)."""
+    base, plus, suffix = text.strip().partition("+")
+    if base in SOURCES:
+        _, migrate = draft_variant("auto" + plus + suffix)
+        return base + ("+mig" if migrate else ""), "auto", migrate, base
     n, migrate = draft_variant(text)
     name = "plain" if n == 0 else (f"spec n={n}" if isinstance(n, int) else "auto")
-    return name + ("+mig" if migrate else ""), n, migrate
+    return name + ("+mig" if migrate else ""), n, migrate, None
+
+
+def uses_model(variant) -> bool:
+    """Whether a variant needs ``--draft-load``."""
+    _, n, _, source = variant
+    return bool(n) and source != "history"
 
 
 def run_variant(args, variant, extra: list[str], log: Path) -> list[dict]:
-    name, n, migrate = variant
+    name, n, migrate, source = variant
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "-m", "megatron_rlhf.train", "--actor-load", args.actor_load,
            "--train-iters", str(args.iters), "--log-dir", str(log), "--seed", str(args.seed),
-           "--sample-migration", "on" if migrate else "off", *DEMO_FLAGS, *extra]
+           "--sample-migration", "on" if migrate else "off", *TASK_FLAGS[args.task], *extra]
+    if source is not None:
+        cmd += ["--draft-source", source]
+    if n and uses_model(variant):
+        cmd += ["--draft-load", args.draft_load]
     if n:
-        cmd += ["--draft-load", args.draft_load, "--num-draft-tokens", str(n)]
+        cmd += ["--num-draft-tokens", str(n)]
         if n == "auto" and args.max_draft_tokens:
             cmd += ["--max-draft-tokens", str(args.max_draft_tokens)]
-        if args.draft_distill:
+        if args.draft_distill and uses_model(variant):
             cmd.append("--draft-distill")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONWARNINGS="ignore")
@@ -77,7 +104,7 @@ def run_variant(args, variant, extra: list[str], log: Path) -> list[dict]:
 
 
 def summarise(rows: list[dict], variant, r: int, args) -> dict:
-    name, n, migrate = variant
+    name, n, migrate, _ = variant
     steady = rows[1:] or rows  # the first iteration pays one-off allocations
     mean = lambda k: statistics.fmean(x.get(k, 0.0) for x in steady)  # noqa: E731
     it = mean("time_iteration_s")
@@ -140,14 +167,16 @@ def table(runs: dict[str, list[dict]], compares: dict[str, dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--actor-load", required=True)
-    p.add_argument("--draft-load", required=True)
+    p.add_argument("--draft-load", default=None, help="a draft model (variants N, auto, both)")
+    p.add_argument("--task", choices=sorted(TASK_FLAGS), default="grpo",
+                   help="the demo whose settings to run: grpo (make demo) or ppo (DEMO=ppo make demo)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--repeats", type=int, default=1, help="rounds of every variant (ratios: median)")
     p.add_argument("--num-draft-tokens", type=parse_variant, nargs="+",
                    default=[parse_variant(x) for x in ("1", "2", "auto", "auto+mig")],
-                   help="variants besides plain: N, auto, plain+mig, each optionally +mig")
+                   help="variants besides plain: N, auto, history, both, plain+mig, each optionally +mig")
     p.add_argument("--max-draft-tokens", type=int, default=None, help="largest n auto considers")
     p.add_argument("--draft-distill", action="store_true", help="also distil the draft in the loop")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more train flags")
@@ -159,12 +188,15 @@ def main(argv=None) -> int:
         p.error(f"variants repeat: {names}")
     if args.repeats < 1 or args.iters < 1:
         p.error("--repeats and --iters must be >= 1")
+    if args.draft_load is None and any(uses_model(v) for v in variants):
+        p.error("variants N, auto and both need --draft-load (history drafts need none)")
     print(json.dumps({"kind": "header", "machine": cpu_model(), "cores": os.cpu_count(), "nproc": args.nproc,
                       "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
                       "loadavg": os.getloadavg(),
                       "actor": args.actor_load, "draft": args.draft_load, "iters": args.iters,
                       "seed": args.seed, "repeats": args.repeats, "variants": names,
-                      "train_flags": DEMO_FLAGS + extra, "draft_distill": args.draft_distill}), flush=True)
+                      "task": args.task, "train_flags": TASK_FLAGS[args.task] + extra,
+                      "draft_distill": args.draft_distill}), flush=True)
     runs = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):

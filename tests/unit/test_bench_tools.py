@@ -32,8 +32,12 @@ def test_draft_lengths_and_variants_parse():
         gen.parse_args(["--num-draft-tokens", "0,auto"])
     assert [roll.parse_variant(x) for x in ("off", "2", "auto", "auto+mig")] == [
         ("off", 0, False), ("2", 2, False), ("auto", "auto", False), ("auto+mig", "auto", True)]
-    assert rlhf.parse_variant("auto+mig") == ("auto+mig", "auto", True)
-    assert rlhf.parse_variant("2") == ("spec n=2", 2, False)
+    assert rlhf.parse_variant("auto+mig") == ("auto+mig", "auto", True, None)
+    assert rlhf.parse_variant("2") == ("spec n=2", 2, False, None)
+    assert rlhf.parse_variant("history+mig") == ("history+mig", "auto", True, "history")
+    assert not rlhf.uses_model(rlhf.parse_variant("history")) and rlhf.uses_model(rlhf.parse_variant("both"))
+    with pytest.raises(SystemExit):  # the model's variants need a draft
+        rlhf.main(["--actor-load", "x", "--num-draft-tokens", "auto"])
     for bad in ("x", "2+fast", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             roll.parse_variant(bad)
