@@ -51,7 +51,7 @@ def validate(args: argparse.Namespace):
     """Check flags, checkpoint files, layout and prompts; no collectives. Returns the plan."""
     from megatron_rlhf.data.prompts import load_prompts
     from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
-    from megatron_rlhf.generation.engine import check_request
+    from megatron_rlhf.generation.request import check_request
     from megatron_rlhf.models.checkpoint import read_checkpoint
 
     gen = dataclass_from_namespace(GenerationConfig, args)

@@ -60,6 +60,7 @@ from megatron_rlhf.generation.history import HistoryDrafter
 from megatron_rlhf.generation.incremental import (RopeTable, aligned_length, attention_backend, forward_cached,
                                                   packed_positions, pad_right, prefill)
 from megatron_rlhf.generation.kv_cache import KVCache
+from megatron_rlhf.generation.request import check_draft, check_request
 from megatron_rlhf.generation.rollout import GenerationStats, Rollout
 from megatron_rlhf.generation.sampling import draw, logprob_pair, probs_for_sampling, sample
 from megatron_rlhf.generation.state import Outputs, Rows
@@ -99,61 +100,12 @@ def _count_history(stats: GenerationStats, ks: list[int], looked_up: Lookup, n: 
     stats.history_accepted += sum(min(k, f) for k, f in zip(ks, found))
 
 
-
-
 def _logprob_pair(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor,
                   cfg: GenerationConfig):
     """(log pi at T=1, log of the sampling distribution) of ``tokens [...]``; lists per row."""
     lp, slp = logprob_pair(logits, probs, tokens, cfg)
     lps = lp.tolist()
     return lps, (lps if slp is lp else slp.tolist())
-
-
-def check_draft(actor_cfg, draft_cfg) -> None:
-    """A draft must share the actor's tokenizer (vocabulary)."""
-    if draft_cfg.vocab_size != actor_cfg.vocab_size:
-        raise ValueError(
-            f"the draft's vocabulary ({draft_cfg.vocab_size} tokens) differs from the actor's "
-            f"({actor_cfg.vocab_size}): a draft must share the actor's tokenizer"
-        )
-    if draft_cfg.feature_draft and draft_cfg.hidden_size != actor_cfg.hidden_size:
-        raise ValueError(
-            f"the feature draft reads hidden states of width {draft_cfg.hidden_size}, the actor's "
-            f"are {actor_cfg.hidden_size}: distil the draft from this actor (tools/train_draft.py)"
-        )
-
-
-def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig,
-                  actor_cfg, draft_cfg=None, allow_empty: bool = False, history: bool = False) -> int:
-    """Validate a request against the model configs (no models, no collectives needed).
-
-    Returns the KV-cache length the request needs.
-    """
-    if not prompts and not allow_empty:
-        raise ValueError("no prompts to generate from")
-    if not spec.auto and spec.num_draft_tokens and draft_cfg is None and not history:
-        raise ValueError("--num-draft-tokens > 0 needs a draft: a draft model (--draft-load) "
-                         "or --draft-source history")
-    if draft_cfg is not None:
-        check_draft(actor_cfg, draft_cfg)
-    limit = actor_cfg.max_position_embeddings
-    if draft_cfg is not None:
-        limit = min(limit, draft_cfg.max_position_embeddings)
-    extra = spec.base_tokens(draft_cfg is not None or history) + 1  # longer drafts fit where room is left
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {i} is empty")
-        if len(p) + cfg.max_new_tokens + extra > limit:
-            raise ValueError(
-                f"prompt {i} has {len(p)} tokens: with max_new_tokens {cfg.max_new_tokens} "
-                f"(+{extra} for verification) it exceeds the cache of {limit} positions; "
-                "shorten the prompt or lower --max-new-tokens"
-            )
-    longest = max((len(p) for p in prompts), default=0)
-    for c in (actor_cfg, draft_cfg):
-        if c is not None:
-            c.check_attention_span(longest + cfg.max_new_tokens)
-    return longest + cfg.max_new_tokens + extra
 
 
 def history_drafter(spec: SpecConfig) -> HistoryDrafter | None:

@@ -104,7 +104,7 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
     """Validate a run from files alone (no collectives); raises ValueError saying what to change."""
     from megatron_rlhf.data.prompts import encode_record, load_prompts
     from megatron_rlhf.data.tokenizer import load_tokenizer
-    from megatron_rlhf.generation.engine import check_draft
+    from megatron_rlhf.generation.request import check_draft
     from megatron_rlhf.rlhf.rewards import get_reward_fn, takes_answer_key
     from megatron_rlhf.rlhf.state import find_training_checkpoint, read_training_state
 
