@@ -91,10 +91,9 @@ class Lookup:
         return self.tokens[:, :n], found
 
 
-def _count_history(stats: GenerationStats, ks: list[int], looked_up: Lookup, n: int) -> None:
-    """A graphed round's history counts: ``ks`` drafts accepted per live row, of which
-    those within the row's first ``found`` came from the history."""
-    found = [min(f, n) for f in looked_up.found_live]
+def _count_history(stats: GenerationStats, ks: list[int], found: list[int]) -> None:
+    """A round's history counts: ``ks`` drafts accepted per verifying row, of which those
+    within the row's first ``found`` came from the history."""
     stats.history_verifications += len(ks)
     stats.history_drafted += sum(found)
     stats.history_accepted += sum(min(k, f) for k, f in zip(ks, found))
@@ -259,15 +258,15 @@ class Generator:
             stats.actor_steps += 1
             stats.rounds_by_draft_len[n] += 1
             if selector is not None:  # the draft's upkeep is no round's own cost
-                found = tokens = None  # per live row, the drafts that came from the history
-                if widths is not None:  # a ragged round: what each row verified, and the tokens fed
+                found = drafts = None  # per live row, the drafts that came from the history
+                if widths is not None:  # a ragged round: what each row verified, and in all
                     found = widths[torch.tensor(looked_up.alive, device=widths.device)]
-                    tokens = live + int(found.sum())
+                    drafts = int(found.sum())
                 elif looked_up is not None and n:
                     found = torch.tensor(looked_up.found_live, device=k.device).clamp(max=n)
                 # neither the draft's upkeep nor a graph's first capture is a round's own cost
                 spent = time.perf_counter() - start - self._upkeep_s - max(self._capture_s() - captured, 0.0)
-                selector.observe(live, n, spent, k, found if n else None, tokens=tokens)
+                selector.observe(live, n, spent, k, found if n else None, drafts=drafts)
             live = after
         if self.history is not None:  # what is left unfinished here (migrated away) joins too
             for s in sids:
@@ -661,29 +660,27 @@ class Generator:
         else:
             probs = probs_for_sampling(logits, cfg)
             drawn = draw(probs, rng.uniform(key, sid[r_idx], emitted[r_idx] + j_idx, rng.NEXT))
-        grid = torch.full((len(rows), n + 1), -1, dtype=torch.long, device=drawn.device)
-        grid[r_idx, j_idx] = drawn
-        verdict = speculative.accept_drawn(drafts_t, grid, widths)
+        drawn_grid = torch.full((len(rows), n + 1), -1, dtype=torch.long, device=drawn.device)
+        drawn_grid[r_idx, j_idx] = drawn
+        verdict = speculative.accept_drawn(drafts_t, drawn_grid, widths)
         k = verdict.accepted  # [R]
         emitted_t = torch.cat([drafts_t, drafts_t[:, :1]], 1)  # [R, n+1]; slot k <- next token
         emitted_t.scatter_(1, k[:, None], verdict.next_token[:, None])
         lp_packed, slp_packed = logprob_pair(logits, probs, emitted_t[r_idx, j_idx], cfg)
-        lp_grid = torch.zeros(len(rows), n + 1, device=logits.device)
-        lp_grid[r_idx, j_idx] = lp_packed
-        lp = lp_grid.tolist()
-        if slp_packed is lp_packed:
-            slp = lp
-        else:
-            lp_grid[r_idx, j_idx] = slp_packed
-            slp = lp_grid.tolist()
+
+        def on_grid(packed: torch.Tensor) -> list[list[float]]:  # [T] -> per row [n+1]
+            grid = torch.zeros(len(rows), n + 1, device=packed.device)
+            grid[r_idx, j_idx] = packed
+            return grid.tolist()
+
+        lp = on_grid(lp_packed)
+        slp = lp if slp_packed is lp_packed else on_grid(slp_packed)
 
         live = alive.nonzero()[:, 0]
         ks, ws, toks, sids = k.tolist(), widths.tolist(), emitted_t.tolist(), sid.tolist()
-        drafted = [r for r in live.tolist() if ws[r]]
+        drafted = [r for r in live.tolist() if ws[r]]  # rows with widths 0 took a plain step
         stats.count_accepted([ks[r] for r in drafted], n, [ws[r] for r in drafted])
-        stats.history_verifications += len(drafted)
-        stats.history_drafted += sum(ws[r] for r in drafted)
-        stats.history_accepted += sum(ks[r] for r in drafted)
+        _count_history(stats, [ks[r] for r in drafted], [ws[r] for r in drafted])
         for r in live.tolist():
             kr = ks[r] + 1
             if self._emit(out, sids[r], toks[r][:kr], lp[r][:kr], slp[r][:kr]):
@@ -702,7 +699,7 @@ class Generator:
         eos = self.eos if out.stop_on_eos else None
         res = runner.verify_step(rows, looked_up.tokens, n, width, cfg, out.max_new, eos, self.pad_id)
         ks, live = self._take_verified(res, n, width, out, stats)
-        _count_history(stats, ks, looked_up, n)
+        _count_history(stats, ks, [min(f, n) for f in looked_up.found_live])
         return torch.tensor(ks, dtype=torch.long), live
 
     def _drafted_round(self, runner, d_runner, rows: Rows, out: Outputs, cfg, n: int, key, stats,
@@ -718,7 +715,7 @@ class Generator:
         res = runner.draft_step(d_runner, rows, n, cfg, out.max_new, eos, self.pad_id, history)
         ks, live = self._take_verified(res, n, n, out, stats)
         if looked_up is not None:
-            _count_history(stats, ks, looked_up, n)
+            _count_history(stats, ks, [min(f, n) for f in looked_up.found_live])
         stats.draft_steps += n
         r = len(rows)
         rows["catch_tokens"], rows["catch_count"] = runner.drawn[:r, :n + 1].clone(), runner.accepted[:r] + 1

@@ -194,14 +194,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     g = h // kv
     qg = (q * d ** -0.5).reshape(b, kv, g * n, d)
     bias = group_bias(mask, g, torch.float32) if bias is None else bias
-    if keys_first is None:
-        keys_first = not (k.dtype == torch.float32 or k.is_contiguous())
-    if not keys_first:
+    if not (_keys_first(k) if keys_first is None else keys_first):
         scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, KV, g*n, L]
     else:  # bf16 keys sliced from the cache: this product copies them less
         scores = torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2)
     scores = scores.float().add_(bias)
     return torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(b, h, n, d)
+
+
+def _keys_first(k: torch.Tensor) -> bool:
+    """Whether :func:`attention` takes the scores as ``k @ q^T``: for bf16 keys sliced from
+    the cache (this product copies them less)."""
+    return not (k.dtype == torch.float32 or k.is_contiguous())
 
 
 WIDTH_INVARIANT_MAX_TOKENS = 17
@@ -332,7 +336,7 @@ class _Ragged:
         """``q [B, H, n, d]``, ``keys, values [B, KV, L, d]`` -> ``[B, H, n, d]``."""
         ctx = q.new_zeros(q.shape)
         ctx[:, :, :1] = attention(q[:, :, :1], keys, values, None, self.first)
-        keys_first = not (keys.dtype == torch.float32 or keys.is_contiguous())  # as the whole cache's
+        keys_first = _keys_first(keys)  # the rows taken out are computed as the whole cache's
         for rows, lo, width, bias in self.later:
             ctx[rows, :, lo:lo + width] = attention(q[rows, :, lo:lo + width], keys[rows], values[rows], None, bias,
                                                     keys_first)

@@ -205,13 +205,13 @@ class OnlineCosts:
         and the prior read in proportion to tokens (its rounds' tokens have not spread)."""
         return not any(n for n in self.by_n) and not (self.tokens.w > 0 and self.tokens.spread())
 
-    def observe(self, batch: int, n: int, seconds: float, tokens: int | None = None) -> None:
-        """A round of ``n`` drafts at ``batch`` live samples took ``seconds``; ``tokens``: the
-        tokens the actor ran when the rows verified widths of their own (a ragged round:
-        it teaches :attr:`drafted`, what its drafts cost beyond a plain step)."""
-        if tokens is not None and n > 0:
+    def observe(self, batch: int, n: int, seconds: float, drafts: int | None = None) -> None:
+        """A round of ``n`` drafts at ``batch`` live samples took ``seconds``; ``drafts``: the
+        drafts it verified in all when the rows verified widths of their own (a ragged
+        round: it teaches :attr:`drafted`, what its drafts cost beyond a plain step)."""
+        if drafts is not None and n > 0:
             plain = self.tokens_s(batch)
-            self.drafted.add(tokens - batch, max(seconds - (plain or 0.0), 0.0))
+            self.drafted.add(drafts, max(seconds - (plain or 0.0), 0.0))
             return
         self.by_n.setdefault(n, _Fit(self.decay)).add(batch, seconds)
         self.tokens.add(batch * (n + 1), seconds)
@@ -429,12 +429,12 @@ class Selector:
         return widths
 
     def observe(self, batch: int, n: int, seconds: float, accepted: torch.Tensor | None,
-                found: torch.Tensor | None = None, tokens: int | None = None) -> None:
+                found: torch.Tensor | None = None, drafts: int | None = None) -> None:
         """A measured round: refresh the latency correction and each source's acceptance
-        (``found [live]``: the drafts of each sample that came from the history; ``tokens``:
-        the tokens a ragged round ran, :meth:`choose_widths`)."""
+        (``found [live]``: the drafts of each sample that came from the history; ``drafts``:
+        the drafts a ragged round verified in all, :meth:`choose_widths`)."""
         if isinstance(self.costs, OnlineCosts):  # the costs are the rounds: nothing to correct
-            self.costs.observe(batch, n, seconds, tokens)
+            self.costs.observe(batch, n, seconds, drafts)
         elif (predicted := self.costs.round_s(batch, n)) > 0:
             key = (n, self._octave(batch))
             ratio = seconds / predicted

@@ -216,7 +216,7 @@ def _history_selector(draft_cost: float, per_token: float = 0.005, fixed: float 
     for b in range(16, 0, -1):
         sel.observe(b, 0, fixed + per_token * b, None)
     for drafts in (4, 16, 8):
-        sel.observe(8, 2, fixed + per_token * 8 + draft_cost * drafts, None, tokens=8 + drafts)
+        sel.observe(8, 2, fixed + per_token * 8 + draft_cost * drafts, None, drafts=drafts)
     return sel
 
 
@@ -259,7 +259,7 @@ def test_ragged_widths_measure_a_plain_step_first_and_try_once():
     assert sel.choose_widths([4, 2]) == [0, 0]
     sel.observe(2, 0, 0.1, None)
     assert sel.costs.ragged_s(2, 6) is None and sel.choose_widths([4, 2]) == [4, 2]
-    sel.observe(2, 4, 0.1 + 6 * 0.05, torch.tensor([1, 1]), torch.tensor([4, 2]), tokens=8)
+    sel.observe(2, 4, 0.1 + 6 * 0.05, torch.tensor([1, 1]), torch.tensor([4, 2]), drafts=6)
     assert 4 not in sel.costs.by_n and sel.costs.ragged_s(2, 6) == pytest.approx(0.4)
     assert sel.choose_widths([4, 2]) == [0, 0]  # a draft costs half a plain step: none pays
 
