@@ -136,7 +136,7 @@ class RandomSelector:
         self.choices.append(int(torch.randint(0, top + 1, (1,), generator=self.gen)))
         return self.choices[-1]
 
-    def choose_widths(self, found: list[int]) -> list[int]:
+    def choose_widths(self, found: list[int], remaining=None) -> list[int]:
         """A ragged round: each sample verifies a random number of its proposal's drafts."""
         widths = [int(torch.randint(0, f + 1, (1,), generator=self.gen)) for f in found]
         self.choices.append(max(widths, default=0))

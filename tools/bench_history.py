@@ -20,6 +20,8 @@ own that lives across the epochs, so its history holds the earlier epochs' answe
 - ``history-padded`` / ``history-auto-padded``: the same with every row of a round
   verifying the round's width, padded (the engine before ragged rounds, and what a
   graphed round does on a GPU);
+- ``history-auto-flat``: ``history-auto`` with every sample weighing the same in the
+  selector (no prediction of what each has left: the selector before length-aware widths);
 - ``history-auto-8``: the same choosing up to 8 drafts per round;
 - ``history-global-auto``: the same with a global index of the newest 256 responses to any
   prompt (``--history-global 256``);
@@ -57,7 +59,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("off", "history", "history-auto", "history-auto-8", "history-global-auto", "history-padded",
+VARIANTS = ("off", "history", "history-auto", "history-auto-flat", "history-auto-8", "history-global-auto", "history-padded",
             "history-auto-padded", "model-auto", "both-auto", "model-3", "model-3-rejection", "oracle-auto", "oracle-8",
             "argmax-3", "argmax-auto")
 PADDED = "-padded"  # every row verifies the round's width (Generator(ragged=False)): the control
@@ -100,6 +102,7 @@ def spec_of(variant: str):
     variant = variant.removesuffix(PADDED)
     return {"off": SpecConfig(0), "history": SpecConfig(3, draft_source="history"),
             "history-auto": SpecConfig("auto", draft_source="history"),
+            "history-auto-flat": SpecConfig("auto", draft_source="history"),
             "history-global-auto": SpecConfig("auto", draft_source="history", history_global=256),
             "history-auto-8": SpecConfig("auto", draft_source="history", max_draft_tokens=8),
             "oracle-auto": SpecConfig("auto", draft_source="history", max_draft_tokens=8),
@@ -128,6 +131,29 @@ def oracle_drafter():
             return self.answers.get(sample, [])[done:done + n]
 
     return OracleDrafter()
+
+
+def flat_drafter():
+    """A :class:`HistoryDrafter` that predicts the same tokens left for every sample (the
+    selector then weighs every sample alike: the control of length-aware widths)."""
+    from megatron_rlhf.generation.history import HistoryDrafter
+
+    class FlatDrafter(HistoryDrafter):
+        def remaining(self, sample: int, limit: int) -> float:
+            return 1.0
+
+    return FlatDrafter()
+
+
+def drafter_of(variant: str):
+    """The history drafter of ``variant``'s generator (None: no history drafts)."""
+    from megatron_rlhf.generation.engine import history_drafter
+
+    if variant.startswith(ORACLES):
+        return oracle_drafter()
+    if variant.endswith("-flat"):
+        return flat_drafter()
+    return history_drafter(spec_of(variant))
 
 
 ORACLES = ("oracle", "argmax")  # variants whose drafter reads off's answers (they run after it)
@@ -159,7 +185,7 @@ def worker(args) -> int:
     from megatron_rlhf.config import GenerationConfig, MigrationConfig
     from megatron_rlhf.data.prompts import MATH_TRAIN, load_prompts
     from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
-    from megatron_rlhf.generation.engine import Generator, history_drafter
+    from megatron_rlhf.generation.engine import Generator
     from megatron_rlhf.generation.migration import Migrator
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.checkpoint import load_checkpoint, read_checkpoint
@@ -186,7 +212,7 @@ def worker(args) -> int:
     mine = list(range(rank * per, (rank + 1) * per))
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     engines = {v: Generator(actor, draft if v.startswith(("model", "both")) else None, pad_id=pad,
-                            history=oracle_drafter() if v.startswith(ORACLES) else history_drafter(spec_of(v)),
+                            history=drafter_of(v),
                             ragged=not v.endswith(PADDED))
                for v in args.variants}
     migrator = Migrator(pg.dp, MigrationConfig(), platform.device(), tp_group=pg.tp)

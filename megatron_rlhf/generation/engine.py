@@ -78,11 +78,19 @@ class Lookup:
     """Per row, whether it was alive when looked up."""
     room: int
     """Drafts a round may feed every live row (its cache has room for them)."""
+    remaining: list[float] | None = None
+    """Per row, the tokens its sample is expected to emit still (0 for a finished row;
+    :meth:`HistoryDrafter.remaining`; None: not predicted)."""
 
     @property
     def found_live(self) -> list[int]:
         """``found`` of the live rows, in row order."""
         return [f for f, a in zip(self.found, self.alive) if a]
+
+    @property
+    def remaining_live(self) -> list[float] | None:
+        """``remaining`` of the live rows, in row order."""
+        return None if self.remaining is None else [m for m, a in zip(self.remaining, self.alive) if a]
 
     def drafts(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A round of ``n`` drafts' share of the history: ``tokens [R, n]`` and per row the
@@ -268,11 +276,12 @@ class Generator:
                 spent = time.perf_counter() - start - self._upkeep_s - max(self._capture_s() - captured, 0.0)
                 selector.observe(live, n, spent, k, found if n else None, drafts=drafts)
             live = after
-        if self.history is not None:  # what is left unfinished here (migrated away) joins too
-            for s in sids:
-                self.history.finish(s)
         if migrator is not None:
             migrator.return_results(out, sids)
+        if self.history is not None:  # what finished elsewhere (migrated away) joins too, whole
+            for s in sids:
+                self.history.finish(s, out.tokens[s])
+            self.history.drop_live()  # samples that passed through here and finished elsewhere
         stats.elapsed_s = time.perf_counter() - t0
         stats.graph_capture_s = self._capture_s() - capture_before
         stats.decode = self._decode_mode(dev)
@@ -360,7 +369,7 @@ class Generator:
         0 for a finished row. All 0: a plain step."""
         widths = looked_up.found
         if selector is not None:
-            chosen = iter(selector.choose_widths(looked_up.found_live))
+            chosen = iter(selector.choose_widths(looked_up.found_live, looked_up.remaining_live))
             widths = [next(chosen) if a else 0 for a in looked_up.alive]
         t = torch.tensor(widths, dtype=torch.long, device=looked_up.tokens.device)
         tp = self.actor.pg_collection.tp
@@ -492,20 +501,22 @@ class Generator:
         filled = max((length for length, a in zip(state[2], alive) if a), default=0)
         room = cache.max_len - filled - 1
         cap = max(min(width, room), n)
-        tokens, found = [], []
+        tokens, found, remaining = [], [], []
         for r, s in enumerate(sids):
-            prop = []
+            prop, left = [], 0.0
             if alive[r]:
-                if s not in history.live:  # arrived by migration: rebuild its drafting state
+                if history.emitted(s) != len(out.tokens[s]):  # arrived by migration: rebuild its drafting state
                     plen = int(rows["prompt_len"][r])
                     history.begin(s, rows["prompt"][r, :plen].tolist(), out.tokens.get(s, []))
                 prop = history.propose(s, min(history.max_tokens(s, n), cap))
+                left = history.remaining(s, out.max_new - len(out.tokens[s]))
             tokens.append(prop + [self.pad_id] * (width - len(prop)))
             found.append(len(prop))
+            remaining.append(left)
         stats.history_s += time.perf_counter() - start
         dev = rows["sid"].device
         return Lookup(torch.tensor(tokens, dtype=torch.long, device=dev).view(len(sids), width),
-                      found, alive, max(room, n))
+                      found, alive, max(room, n), remaining)
 
     def _buffer(self, rows: Rows, tok: torch.Tensor, hidden: torch.Tensor | None, d_rope) -> None:
         """Append ``tok [R]`` (and its actor hidden state ``[R, h]``) to the draft's catch-up

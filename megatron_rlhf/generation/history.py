@@ -26,6 +26,13 @@ match drafts far and an uncertain one drafts little (SuffixDecoding's adaptive l
 Samples that run long draft up to ``long_boost`` times more (DAS: the long tail of a
 rollout is where drafting pays).
 
+The drafter also predicts how many tokens a live sample has left (:meth:`remaining`), from
+the lengths of the responses its prompt had before (earlier epochs, finished siblings) and
+of recent responses to any prompt: the mean excess of those longer than what the sample has
+emitted. The selector spends drafts first on the samples predicted to finish last (DAS's
+length-aware budget: the rollout ends with its longest sample, so a draft accepted there
+shortens the rollout, one accepted in a sample about to finish does not).
+
 The drafter changes no sample under exact verification
 (:func:`~megatron_rlhf.generation.speculative.accept_exact`): it only decides how many
 positions a verification covers. So its contents may differ between runs, ranks and
@@ -36,6 +43,9 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+
+LENGTHS_KEPT = 1024
+"""Response lengths (any prompt) kept for :meth:`HistoryDrafter.remaining`."""
 
 from megatron_rlhf.config import HISTORY_LONG_BOOST
 
@@ -111,6 +121,10 @@ class _PromptHistory:
         self.responses: deque[list[int]] = deque()
         """Finished responses kept (prompt + response documents), oldest first."""
 
+    def lengths(self) -> list[int]:
+        """The kept responses' lengths (tokens after the prompt)."""
+        return [len(doc) - len(self.prompt) for doc in self.responses]
+
 
 class HistoryDrafter:
     """Drafts for the live samples of a generator from the history of their prompts.
@@ -140,11 +154,15 @@ class HistoryDrafter:
         self.min_confidence, self.long_boost, self.long_after = min_confidence, long_boost, long_after
         self.prompts: OrderedDict[tuple, _PromptHistory] = OrderedDict()
         self.live: dict[int, _Live] = {}
+        self.lengths: deque[int] = deque(maxlen=LENGTHS_KEPT)
+        """The newest responses' lengths, any prompt (:meth:`remaining`)."""
 
     # ------------------------------------------------------------------ samples
     def begin(self, sample: int, prompt: list[int], response: list[int] = ()) -> None:
         """Start drafting for ``sample`` (a global sample index) answering ``prompt``; a
-        migrated sample arrives with its ``response`` so far."""
+        migrated sample arrives with its ``response`` so far (what this drafter held of it
+        from an earlier stay is forgotten)."""
+        self.drop(sample)
         key = tuple(prompt)
         history = self.prompts.get(key)
         if history is None:
@@ -155,6 +173,23 @@ class HistoryDrafter:
         self.live[sample] = _Live(history, doc, len(prompt))
         self._index(self.live[sample])
         self._trim_prompts()
+
+    def emitted(self, sample: int) -> int | None:
+        """The tokens of ``sample``'s response this drafter holds (None: not live here)."""
+        live = self.live.get(sample)
+        return None if live is None else len(live.doc) - len(live.history.prompt)
+
+    def drop(self, sample: int) -> None:
+        """Forget a live ``sample`` without keeping its response (one that migrated away
+        and finished elsewhere, or left for good)."""
+        live = self.live.pop(sample, None)
+        if live is not None:
+            live.history.index.add(live.doc[:live.indexed], start=len(live.history.prompt), sign=-1)
+
+    def drop_live(self) -> None:
+        """:meth:`drop` every live sample (what a finished rollout left behind)."""
+        for sample in list(self.live):
+            self.drop(sample)
 
     def _index(self, live: _Live) -> None:
         if live.indexed < len(live.doc):
@@ -168,15 +203,23 @@ class HistoryDrafter:
             live.doc.extend(tokens)
             self._index(live)
 
-    def finish(self, sample: int) -> None:
+    def finish(self, sample: int, response: list[int] | None = None) -> None:
         """``sample`` is done: its response stays in its prompt's history (the oldest
-        response beyond ``max_responses`` is forgotten)."""
+        response beyond ``max_responses`` is forgotten). ``response``: the whole response,
+        where this drafter saw only its beginning (a sample that migrated away and back)."""
+        if response is not None and sample in self.live:
+            live = self.live[sample]
+            start = len(live.history.prompt)
+            if list(response[:len(live.doc) - start]) != live.doc[start:]:  # not what it held: anew
+                self.begin(sample, list(live.history.prompt))
+            self.extend(sample, list(response[self.emitted(sample):]))
         live = self.live.pop(sample, None)
         if live is None:
             return
-        self._index(live)
         history = live.history
+        self._index(live)
         history.responses.append(live.doc)
+        self.lengths.append(len(live.doc) - len(history.prompt))
         while len(history.responses) > self.max_responses:  # forget what the oldest added
             history.index.add(history.responses.popleft(), start=len(history.prompt), sign=-1)
         if self.global_index is not None:
@@ -202,6 +245,19 @@ class HistoryDrafter:
         live = self.live[sample]
         emitted = len(live.doc) - len(live.history.prompt)
         return n * self.long_boost if emitted >= self.long_after else n
+
+    def remaining(self, sample: int, limit: int) -> float:
+        """The tokens ``sample`` is expected to emit still (at most ``limit``, the budget it
+        has left): the mean excess over what it has emitted of the earlier responses to its
+        prompt that ran longer, else of the newest responses to any prompt that did; a
+        sample longer than all of them is expected to run as long again."""
+        live = self.live[sample]
+        emitted = len(live.doc) - len(live.history.prompt)
+        for pool in (live.history.lengths(), self.lengths):
+            longer = [n - emitted for n in pool if n > emitted]
+            if longer:
+                return float(min(sum(longer) / len(longer), limit))
+        return float(min(max(emitted, 1), limit))
 
     def propose(self, sample: int, n: int) -> list[int]:
         """Up to ``n`` draft tokens continuing ``sample``'s document (fewer, or none, where

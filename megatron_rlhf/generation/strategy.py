@@ -387,12 +387,16 @@ class Selector:
             return 0  # within the margin of a plain step (DRAFT_MARGIN)
         return n
 
-    def choose_widths(self, found: list[int]) -> list[int]:
+    def choose_widths(self, found: list[int], remaining: list[float] | None = None) -> list[int]:
         """Per live sample, how many of its ``found`` history drafts a ragged round verifies
         (all 0: a plain step). Draft ``i`` of a sample adds ``prod_{j<=i} alpha_j``
-        expected tokens (the history's acceptance by position); so the drafts are
-        taken in order of that gain, as many as give the most expected tokens per second,
-        when that beats a plain step by :data:`DRAFT_MARGIN`. A round costs a plain step at
+        expected tokens (the history's acceptance by position), weighted by how much the
+        sample decides when the rollout ends: ``remaining`` (the tokens each sample is
+        expected to emit still) over the most any live sample has left (DAS's length-aware
+        budget: a token gained by the sample that finishes last shortens the rollout, one
+        gained by a sample about to finish does not; None: every sample weighs 1). The
+        drafts are taken in order of that gain, as many as give the most weighted tokens
+        per second, when that beats a plain step's by :data:`DRAFT_MARGIN`. A round costs a plain step at
         its batch plus what drafts have cost beyond one (:meth:`OnlineCosts.ragged_s`: the
         drafting rows' later positions and the round's own overhead). A sample's drafts
         are taken in order (a prefix), and samples with short or no proposals cost nothing
@@ -407,21 +411,23 @@ class Selector:
         if not plain or self.history is None:
             return [0] * batch  # measure a plain step first
         rates = self.history.rates()
-        gains = []  # (expected tokens added, position, sample)
+        weights = _weights(remaining, batch)
+        gains = []  # (weighted expected tokens added, position, sample)
         for r, f in enumerate(found):
-            reach = 1.0
+            reach = weights[r]
             for i in range(f):
                 reach *= rates[min(i, len(rates) - 1)]
                 gains.append((reach, i, r))
         gains.sort(key=lambda g: (-g[0], g[1], g[2]))  # a sample's drafts stay in order
-        best, best_rate, tokens = 0, batch / plain, float(batch)
+        plain_tokens = sum(weights)
+        best, best_rate, tokens = 0, plain_tokens / plain, plain_tokens
         for k, (gain, _, _) in enumerate(gains, 1):
             tokens += gain
             # no ragged round measured yet: try one as if it cost a plain step
             seconds = self.costs.ragged_s(batch, k) or plain
             if tokens / seconds > best_rate:
                 best, best_rate = k, tokens / seconds
-        if best and best_rate < (1 + DRAFT_MARGIN) * batch / plain:
+        if best and best_rate < (1 + DRAFT_MARGIN) * plain_tokens / plain:
             best = 0  # within the margin of a plain step
         widths = [0] * batch
         for _, i, r in gains[:best]:
@@ -444,6 +450,15 @@ class Selector:
             self.history.observe(accepted if found is not None else None, n, hi=found)
         if self.acceptance is not None:
             self.acceptance.observe(accepted, n, lo=found)
+
+
+def _weights(remaining: list[float] | None, batch: int) -> list[float]:
+    """Per live sample, its ``remaining`` tokens over the most any has left (1 for all when
+    nothing is predicted)."""
+    top = max(remaining, default=0.0) if remaining is not None else 0.0
+    if top <= 0:
+        return [1.0] * batch
+    return [max(m, 0.0) / top for m in remaining]
 
 
 # ---------------------------------------------------------------------------- profiling

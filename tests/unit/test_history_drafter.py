@@ -117,3 +117,66 @@ def test_bad_bounds_are_refused():
         HistoryDrafter(min_confidence=1.5)
     with pytest.raises(ValueError, match="global_responses"):
         HistoryDrafter(global_responses=-1)
+
+
+def test_what_a_sample_has_left_is_predicted_from_earlier_lengths():
+    """Remaining tokens: the mean excess of the prompt's earlier responses that ran longer
+    than the sample has (10 and 30 tokens: at 4 emitted, 16 left; at 12, only the 30 ran
+    longer: 18); past all of them the newest responses to any prompt; past those too, as
+    long again as it ran; never more than the budget left."""
+    drafter = HistoryDrafter()
+    prompt, other = [1, 2, 3], [7, 8]
+    for sid, n in ((0, 10), (1, 30)):
+        drafter.begin(sid, prompt)
+        drafter.finish(sid, [5] * n)
+    drafter.begin(2, other)
+    drafter.finish(2, [6] * 50)
+    drafter.begin(3, prompt)
+    drafter.extend(3, [5] * 4)
+    assert drafter.remaining(3, 100) == 16
+    drafter.extend(3, [5] * 8)
+    assert drafter.remaining(3, 100) == 18
+    assert drafter.remaining(3, 10) == 10  # the budget left
+    drafter.extend(3, [5] * 28)  # 40 emitted: longer than the prompt's, not the 50 of another
+    assert drafter.remaining(3, 100) == 10
+    drafter.extend(3, [5] * 20)  # 60: longer than every response known
+    assert drafter.remaining(3, 100) == 60
+    fresh = HistoryDrafter()
+    fresh.begin(0, [9, 9])  # nothing known, nothing emitted: one token
+    assert fresh.remaining(0, 100) == 1
+
+
+def test_a_response_finished_elsewhere_joins_whole():
+    """A sample that migrated away was seen here only in part: its whole response joins
+    the history when it comes back (drafts and lengths count all of it); one that does not
+    continue what the history holds is refused."""
+    drafter = HistoryDrafter(max_match=2)
+    drafter.begin(0, [1, 2])
+    drafter.extend(0, [3, 4])  # all this rank saw before the sample migrated
+    drafter.finish(0, [3, 4, 5, 6, 7])
+    assert drafter.prompts[(1, 2)].responses[-1] == [1, 2, 3, 4, 5, 6, 7]
+    assert list(drafter.lengths) == [5]
+    drafter.begin(1, [1, 2])
+    drafter.extend(1, [3, 4, 5])
+    assert drafter.propose(1, 2) == [6, 7]
+    drafter.begin(2, [1, 2])
+    drafter.extend(2, [3, 9])  # held from an earlier stay, not how the sample went on
+    drafter.finish(2, [3, 4, 5])
+    assert drafter.prompts[(1, 2)].responses[-1] == [1, 2, 3, 4, 5]
+    assert drafter.prompts[(1, 2)].index.next_token([3])[0] == 4  # (3, 9) forgotten
+
+
+def test_a_sample_back_from_elsewhere_and_one_left_behind_are_forgotten():
+    """A sample that comes back to a rank it left starts anew (what was held of it is
+    forgotten, not counted twice); live samples a rollout leaves behind (finished on
+    another rank) are dropped with all they added."""
+    drafter = HistoryDrafter(max_match=2)
+    drafter.begin(0, [1, 2])
+    before = {k: [v[0], dict(v[1])] for k, v in drafter.prompts[(1, 2)].index.table.items()}
+    drafter.extend(0, [3, 4])
+    drafter.begin(0, [1, 2], [3, 4, 5])
+    assert drafter.emitted(0) == 3
+    assert drafter.prompts[(1, 2)].index.table[(3,)] == [1, {4: 1}]
+    drafter.drop_live()
+    assert drafter.emitted(0) is None and not drafter.live
+    assert {k: [v[0], dict(v[1])] for k, v in drafter.prompts[(1, 2)].index.table.items()} == before

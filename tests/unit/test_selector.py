@@ -237,6 +237,24 @@ def test_ragged_widths_take_the_drafts_worth_their_cost(monkeypatch, draft_cost,
     assert sel.choose_widths([8, 0, 3, 1]) == widths
 
 
+def test_ragged_widths_go_to_the_samples_expected_to_finish_last(monkeypatch):
+    """At batch 16 (plain step 120 ms, 5 ms a draft, acceptance 0.8) drafts pay too little
+    when every sample weighs the same (at most 8% more tokens per second: within the
+    margin), so a flat choice is a plain step. A rollout ends with its longest sample:
+    when one sample is expected to emit 100 more tokens and the rest 5, a token gained
+    there is worth 20 gained elsewhere, and that sample (or the two long ones) verify their
+    whole proposals while the others take a plain step. Equal predictions are the flat choice."""
+    from megatron_rlhf.generation import strategy
+
+    monkeypatch.setattr(strategy, "EXPLORATION", 0.0)
+    sel = _history_selector(0.005)
+    found = [6] * 16
+    assert sel.choose_widths(found) == [0] * 16
+    assert sel.choose_widths(found, [5.0] * 15 + [100.0]) == [0] * 15 + [6]
+    assert sel.choose_widths(found, [100.0, 100.0] + [5.0] * 14) == [6, 6] + [0] * 14
+    assert sel.choose_widths(found, [50.0] * 16) == [0] * 16
+
+
 def test_ragged_widths_are_prefixes_chosen_by_gain(monkeypatch):
     """Gains fall along a sample's proposal, so the chosen drafts are each sample's first
     ones: with acceptance 1 at the first two positions and 0.2 after, at batch 16 (plain
