@@ -26,10 +26,10 @@ PROMPTS = ["ab", "cde", "fghi", "jklmn", "opqrst", "uv", "wxy", "zabc", "defgh",
 """16 short lowercase prompts, 2-6 letters."""
 
 VOLATILE = ("time_", "eval/time_", "peak_mem", "mem_", "gen_tokens_per_s", "gen_idle_", "gen_migrat", "gen_rounds_by",
-            "realloc_")
-"""Metric keys that depend on the machine or the layout (memory), or on how the samples were spread over the
-data-parallel ranks (rounds, migrations, idle time), not on the numbers (excluded from
-equality)."""
+            "realloc_", "gen_decode")
+"""Metric keys that depend on the machine or the layout (memory), on how the samples were spread over the
+data-parallel ranks (rounds, migrations, idle time), or on how decode steps ran, not on the
+numbers (excluded from equality)."""
 
 
 # ---------------------------------------------------------------------------- files

@@ -409,6 +409,7 @@ class RLHFTrainer:
             "gen_tokens_per_s": new / max(elapsed, 1e-9),
             "accepted_length": 1.0 + acc / ver if ver else 1.0,
             "gen_draft_round_frac": drafting / max(steps, 1),
+            "gen_decode": s.decode,  # the decode attention backend, and whether steps replay CUDA graphs
             **({"gen_history_accepted_length": 1.0 + h_acc / max(h_ver, 1),
                 "gen_history_acceptance": h_acc / max(h_drafted, 1),
                 "gen_history_s_max": history_s} if self.spec.uses_history else {}),

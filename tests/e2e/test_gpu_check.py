@@ -55,6 +55,9 @@ def test_gpu_check_smoke(tmp_path):
     assert "total wall time" in printed and "all stages run passed" in printed
     for name in ("measurements.jsonl", "table.txt", "ppo_metrics.jsonl", "grpo_metrics.jsonl"):
         assert (out / name).stat().st_size > 0, name
+        if name.endswith("metrics.jsonl"):  # the training runs log how decode steps ran
+            first = json.loads((out / name).read_text().splitlines()[0])
+            assert first["gen_decode"].startswith("matmul attention"), first.get("gen_decode")
     rows = [json.loads(x) for x in (out / "measurements.jsonl").read_text().splitlines()]
     assert {r["stage"] for r in rows} >= {"convert", "greedy", "decode_bf16", "bench", "verify",
                                           "padded", "ppo", "grpo", "speculative_equality", "goal",
