@@ -165,7 +165,7 @@ def _fold(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.T
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-              bias: torch.Tensor | None = None, keys_first: bool | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention: ``q [B, H, n, d]``, ``k, v [B, KV, L, d]``, ``mask [B, 1, n, L]``.
 
     A KV group's query heads are adjacent: they are stacked as rows (:func:`_fold`), so k
@@ -182,9 +182,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
       batches, see :func:`~megatron_rlhf.generation.kv_cache.cache_dtype`) the scores come
       from ``k @ q^T`` (the shape bf16 kernels handle best) and the softmax runs in fp32.
       ``bias`` is :func:`group_bias` of ``mask`` in fp32 (made once per forward and shared
-      by the layers; built here when not given). ``keys_first``: the scores as ``k @ q^T``
-      (default: for bf16 keys sliced from the cache), so that rows taken out of the cache
-      (:class:`_Ragged`) are computed as the whole cache's are.
+      by the layers; built here when not given).
     """
     b, h, n, d = q.shape
     if attention_backend(q.device) != "matmul":  # sdpa; flash with an fp32 cache
@@ -194,18 +192,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     g = h // kv
     qg = (q * d ** -0.5).reshape(b, kv, g * n, d)
     bias = group_bias(mask, g, torch.float32) if bias is None else bias
-    if not (_keys_first(k) if keys_first is None else keys_first):
+    if k.dtype == torch.float32 or k.is_contiguous():
         scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, KV, g*n, L]
     else:  # bf16 keys sliced from the cache: this product copies them less
         scores = torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2)
     scores = scores.float().add_(bias)
     return torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(b, h, n, d)
-
-
-def _keys_first(k: torch.Tensor) -> bool:
-    """Whether :func:`attention` takes the scores as ``k @ q^T``: for bf16 keys sliced from
-    the cache (this product copies them less)."""
-    return not (k.dtype == torch.float32 or k.is_contiguous())
 
 
 WIDTH_INVARIANT_MAX_TOKENS = 17
@@ -310,37 +302,31 @@ class _Step:
     packing: _Packing | None = None  # the layers' activations hold real tokens only
     position_biases: list | None = None  # per query position (width_invariant): its mask's bias
     seqlens: torch.Tensor | None = None  # flash_seqlens: the attention is flash_attention
-    ragged: "_Ragged | None" = None  # a ragged feed on the CPU: attention of each row's real queries only
+    ragged: "_Ragged | None" = None  # a ragged feed on the CPU: the first query, then the later ones
 
 
 class _Ragged:
     """The attention of a ragged feed (rows of ``valid`` real tokens, right-padded to ``n``;
     :func:`_forward_cached` with ``valid`` on the CPU): every row's first query as one call
-    over all rows (no copy of the cache: what a plain step computes), then the later
-    queries of the rows that have them (a verification's drafting rows) over those rows'
-    keys only. Per query position when the attention is :func:`width_invariant`, else the
-    later positions in one call. Padding queries are not computed (their context is 0)."""
+    over all rows (what a plain step computes), then the later positions, per query
+    position when the attention is :func:`width_invariant` (each then as a one-token step
+    of the batch computes it), else in one call. Every call reads the whole batch's cache
+    in place: the padding queries of rows that verify fewer drafts are computed too (over
+    their own keys; the packing drops their outputs), which costs far less than copying the
+    drafting rows' keys and values out of the cache for every position of every layer (a
+    copy per position per layer took ~40% of a bf16 ragged round of SmolLM2 at batch 16)."""
 
-    def __init__(self, valid: torch.Tensor, mask: torch.Tensor, groups: int, per_position: bool):
+    def __init__(self, mask: torch.Tensor, groups: int, per_position: bool):
         n = mask.shape[2]
         self.first = group_bias(mask[:, :, :1], groups, torch.float32)
-        self.later = []  # (rows, first position, positions, bias)
         spans = [(j, j + 1) for j in range(1, n)] if per_position else [(1, n)]
-        for lo, hi in spans:
-            rows = (valid > lo).nonzero()[:, 0]
-            if len(rows):
-                width = hi - lo
-                self.later.append((rows, lo, width, group_bias(mask[rows, :, lo:hi], groups, torch.float32)))
+        self.later = [(lo, hi, group_bias(mask[:, :, lo:hi], groups, torch.float32)) for lo, hi in spans]
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """``q [B, H, n, d]``, ``keys, values [B, KV, L, d]`` -> ``[B, H, n, d]``."""
-        ctx = q.new_zeros(q.shape)
-        ctx[:, :, :1] = attention(q[:, :, :1], keys, values, None, self.first)
-        keys_first = _keys_first(keys)  # the rows taken out are computed as the whole cache's
-        for rows, lo, width, bias in self.later:
-            ctx[rows, :, lo:lo + width] = attention(q[rows, :, lo:lo + width], keys[rows], values[rows], None, bias,
-                                                    keys_first)
-        return ctx
+        parts = [attention(q[:, :, :1], keys, values, None, self.first)]
+        parts += [attention(q[:, :, lo:hi], keys, values, None, bias) for lo, hi, bias in self.later]
+        return torch.cat(parts, 2)
 
 
 def _layer_step(layer, idx: int, x, cache, s: _Step):
@@ -564,7 +550,7 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     if valid is not None and int(valid.min()) < n:
         packing = _Packing(valid, n, b)
         if backend == "matmul":
-            ragged = _Ragged(valid, mask, groups, biases is not None)
+            ragged = _Ragged(mask, groups, biases is not None)
             bias = biases = None
     step = _Step(*rope.angles(pos, x.dtype), mask, bias, cache.slots(n), k_len,
                  tp if tp.size() > 1 else None, packing, biases, seqlens, ragged)

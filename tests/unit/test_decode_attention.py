@@ -204,9 +204,9 @@ RAGGED = [1, 5, 3, 1, 2, 5, 1, 1, 4, 1, 2, 1]  # a verification's drafting rows 
 
 def test_ragged_bf16_verification_equals_one_token_steps_bit_for_bit(smollm2_shaped, monkeypatch):
     """A ragged verification (each row its own number of drafts; only real tokens in the
-    linears, the head and the attention: a row's first query over all rows, the drafting
-    rows' later ones over their own keys) computes each real token as a one-token step
-    does, bit for bit in bf16 (linears row by row, as above)."""
+    linears and the head; the attention one query position at a time over all rows, the
+    cache read in place) computes each real token as a one-token step does, bit for bit in
+    bf16 (linears row by row, as above)."""
     monkeypatch.setattr(inc, "_linear", _row_by_row)
     ragged, steps = _ragged_vs_steps(smollm2_shaped, RAGGED, LENGTHS)
     assert ragged.shape == (sum(RAGGED), smollm2_shaped.mrlhf_config.vocab_size)
