@@ -44,10 +44,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from megatron_rlhf.config import HISTORY_LONG_BOOST
+
 LENGTHS_KEPT = 1024
 """Response lengths (any prompt) kept for :meth:`HistoryDrafter.remaining`."""
-
-from megatron_rlhf.config import HISTORY_LONG_BOOST
 
 
 class NgramIndex:
