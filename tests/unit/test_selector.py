@@ -255,6 +255,32 @@ def test_ragged_widths_go_to_the_samples_expected_to_finish_last(monkeypatch):
     assert sel.choose_widths(found, [50.0] * 16) == [0] * 16
 
 
+def test_large_ragged_rounds_do_not_price_small_ones_out():
+    """What drafts cost beyond a plain step is a line through the origin. The first ragged
+    rounds of a run may be a held-out evaluation's, 90-100 rows verifying 384-450 drafts
+    (about 5 ms each; a round with few drafts among 90 rows costs much beyond a plain step
+    too, what grows with the batch, not the drafts); a free
+    intercept fitted to them priced any later round of a few rows at a second beyond a
+    plain step, so nothing drafted again and nothing corrected it. Through the origin the
+    same rounds price a draft at about 5 ms, and a round of 3 rows with two 4-draft
+    proposals (acceptance 0.8) drafts them."""
+    from megatron_rlhf.generation import strategy
+
+    sel = Selector(OnlineCosts(), 4, None, Acceptance(4, decay=1.0, prior=0.8, prior_weight=10.0))
+    for b in range(100, 0, -3):
+        sel.observe(b, 0, 0.05 + 0.003 * b, None)
+    rounds = ((384, 1.98), (450, 2.10), (420, 2.05), (60, 1.20))  # (drafts, seconds beyond a plain step)
+    for drafts, extra in rounds:
+        sel.observe(95, 4, 0.05 + 0.003 * 95 + extra, None, drafts=drafts)
+    assert 0.004 < sel.costs.drafted.predict(1) < 0.006
+    assert sel.costs.ragged_s(3, 8) < 0.059 + 8 * 0.006
+    assert sel.choose_widths([4, 4, 0]) == [4, 4, 0]
+    free = strategy._Fit(1.0)  # the free line over the same rounds: the intercept
+    for drafts, extra in rounds:
+        free.add(drafts, extra)
+    assert free.predict(8) > 1.0
+
+
 def test_ragged_widths_are_prefixes_chosen_by_gain(monkeypatch):
     """Gains fall along a sample's proposal, so the chosen drafts are each sample's first
     ones: with acceptance 1 at the first two positions and 0.2 after, at batch 16 (plain
