@@ -160,7 +160,8 @@ class _Fit:
 
     def predict(self, x: float) -> float | None:
         """None before any observation; a line through the origin (the mean's cost per
-        unit) until the observations spread (:meth:`spread`)."""
+        unit) until the observations spread (:meth:`spread`); with ``origin`` always a line
+        through the origin, its slope by least squares."""
         if self.w == 0:
             return None
         if self.origin:
