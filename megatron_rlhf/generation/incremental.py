@@ -300,34 +300,36 @@ class _Step:
     k_len: int
     tp: object = None  # the TP group when its size > 1 (for the plain layer path's all-reduce)
     packing: _Packing | None = None  # the layers' activations hold real tokens only
-    position_biases: list | None = None  # per query position (width_invariant): its mask's bias
     seqlens: torch.Tensor | None = None  # flash_seqlens: the attention is flash_attention
-    ragged: "_Ragged | None" = None  # a ragged feed on the CPU: the first query, then the later ones
+    spans: "_Spans | None" = None  # the attention in spans of query positions (CPU: _Spans.of)
 
 
-class _Ragged:
-    """The attention of a ragged feed (rows of ``valid`` real tokens, right-padded to ``n``;
-    :func:`_forward_cached` with ``valid`` on the CPU): every row's first query as one call
-    over all rows (what a plain step computes), then the later positions, per query
-    position when the attention is :func:`width_invariant` (each then as a one-token step
-    of the batch computes it), else in one call. Every call reads the whole batch's cache
-    in place: the padding queries of rows that verify fewer drafts are computed too (over
-    their own keys; the packing drops their outputs), which costs less than copying the
-    drafting rows' keys and values out of the cache for every position of every layer, as
-    this did before (bf16 SmolLM2 on one EPYC core, 16 rows of which 8 verify 4 drafts:
-    205 ms a round against 217)."""
+class _Spans:
+    """The matmul attention in spans of query positions ``[lo, hi)``, one call per span,
+    each over the whole batch's cache in place, with its own part of the mask's bias."""
 
-    def __init__(self, mask: torch.Tensor, groups: int, per_position: bool):
+    def __init__(self, mask: torch.Tensor, groups: int, spans: list[tuple[int, int]]):
+        self.spans = [(lo, hi, group_bias(mask[:, :, lo:hi], groups, torch.float32)) for lo, hi in spans]
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, groups: int, invariant: bool, ragged: bool) -> "_Spans | None":
+        """The spans of a forward of ``n`` query positions (``mask [B, 1, n, L]``), or None
+        (one call): one position at a time when the attention is :func:`width_invariant`
+        (each then as a one-token step of the batch computes it); for a ``ragged`` feed (rows
+        of ``valid`` real tokens, right-padded) otherwise, every row's first query (what a
+        plain step computes), then the later positions. The padding queries of rows that
+        verify fewer drafts are computed too (over their own keys; the packing drops their
+        outputs): less than copying the drafting rows' keys and values out of the cache for
+        every position of every layer, as ragged rounds did before (bf16 SmolLM2 on one EPYC
+        core, 16 rows of which 8 verify 4 drafts: 205 ms a round against 217)."""
         n = mask.shape[2]
-        self.first = group_bias(mask[:, :, :1], groups, torch.float32)
-        spans = [(j, j + 1) for j in range(1, n)] if per_position else [(1, n)]
-        self.later = [(lo, hi, group_bias(mask[:, :, lo:hi], groups, torch.float32)) for lo, hi in spans]
+        if invariant:
+            return cls(mask, groups, [(j, j + 1) for j in range(n)])
+        return cls(mask, groups, [(0, 1), (1, n)]) if ragged else None
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """``q [B, H, n, d]``, ``keys, values [B, KV, L, d]`` -> ``[B, H, n, d]``."""
-        parts = [attention(q[:, :, :1], keys, values, None, self.first)]
-        parts += [attention(q[:, :, lo:hi], keys, values, None, bias) for lo, hi, bias in self.later]
-        return torch.cat(parts, 2)
+        return torch.cat([attention(q[:, :, lo:hi], keys, values, None, bias) for lo, hi, bias in self.spans], 2)
 
 
 def _layer_step(layer, idx: int, x, cache, s: _Step):
@@ -361,11 +363,8 @@ def _cached_attention(idx: int, q, k, v, cache, s: _Step):
         return ctx if s.packing is None else s.packing.pack(ctx)
     keys, values = cache.keys[idx][:, :, :s.k_len], cache.values[idx][:, :, :s.k_len]
     q = q.permute(1, 2, 0, 3).to(keys.dtype)
-    if s.ragged is not None:
-        ctx = s.ragged.attention(q, keys, values)
-    elif s.position_biases is not None:  # each position as a one-token step computes it
-        ctx = torch.cat([attention(q[:, :, j:j + 1], keys, values, s.mask[:, :, j:j + 1], bias)
-                         for j, bias in enumerate(s.position_biases)], 2)
+    if s.spans is not None:
+        ctx = s.spans.attention(q, keys, values)
     else:
         ctx = attention(q, keys, values, s.mask, s.bias)  # [B, heads, n, d]
     b, n = q.shape[0], q.shape[2]
@@ -539,22 +538,19 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     x = model.embedding(input_ids=tokens, position_ids=pos)  # [n, B, h]
     cfg = model.mrlhf_config
     groups = cfg.num_attention_heads // cfg.num_query_groups
-    biases = ([group_bias(mask[:, :, j:j + 1], groups, torch.float32) for j in range(n)]
-              if width_invariant(x.dtype, x.device, n) else None)
     backend = attention_backend(x.device)
-    bias = None if biases or backend != "matmul" else group_bias(mask, groups, torch.float32)
     # flash needs a half-precision cache (an fp32 one goes through SDPA)
     flash = backend == "flash" and cache.keys[0].dtype in (torch.float16, torch.bfloat16)
     seqlens = flash_seqlens(cache.lengths, n) if flash else None
     tp = model.pg_collection.tp
-    packing = ragged = None
+    packing = spans = bias = None
     if valid is not None and int(valid.min()) < n:
         packing = _Packing(valid, n, b)
-        if backend == "matmul":
-            ragged = _Ragged(mask, groups, biases is not None)
-            bias = biases = None
+    if backend == "matmul":
+        spans = _Spans.of(mask, groups, width_invariant(x.dtype, x.device, n), packing is not None)
+        bias = group_bias(mask, groups, torch.float32) if spans is None else None
     step = _Step(*rope.angles(pos, x.dtype), mask, bias, cache.slots(n), k_len,
-                 tp if tp.size() > 1 else None, packing, biases, seqlens, ragged)
+                 tp if tp.size() > 1 else None, packing, seqlens, spans)
     layer_step = _plain_layer_step if plain_layers(model) else _layer_step
     if getattr(model, "feature_fusion", None) is not None:
         if features is None:
