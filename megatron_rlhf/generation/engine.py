@@ -82,15 +82,19 @@ class Lookup:
     """Per row, the tokens its sample is expected to emit still (0 for a finished row;
     :meth:`HistoryDrafter.remaining`; None: not predicted)."""
 
+    def _of_live(self, per_row: list | None) -> list | None:
+        """``per_row``'s values of the live rows, in row order."""
+        return None if per_row is None else [v for v, a in zip(per_row, self.alive) if a]
+
     @property
     def found_live(self) -> list[int]:
         """``found`` of the live rows, in row order."""
-        return [f for f, a in zip(self.found, self.alive) if a]
+        return self._of_live(self.found)
 
     @property
     def remaining_live(self) -> list[float] | None:
         """``remaining`` of the live rows, in row order."""
-        return None if self.remaining is None else [m for m, a in zip(self.remaining, self.alive) if a]
+        return self._of_live(self.remaining)
 
     def drafts(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A round of ``n`` drafts' share of the history: ``tokens [R, n]`` and per row the

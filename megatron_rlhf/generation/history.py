@@ -242,18 +242,15 @@ class HistoryDrafter:
     # ------------------------------------------------------------------ drafting
     def max_tokens(self, sample: int, n: int) -> int:
         """The most tokens ``sample`` may draft in a round of width ``n``: more for a long-running sample."""
-        live = self.live[sample]
-        emitted = len(live.doc) - len(live.history.prompt)
-        return n * self.long_boost if emitted >= self.long_after else n
+        return n * self.long_boost if self.emitted(sample) >= self.long_after else n
 
     def remaining(self, sample: int, limit: int) -> float:
         """The tokens ``sample`` is expected to emit still (at most ``limit``, the budget it
         has left): the mean excess over what it has emitted of the earlier responses to its
         prompt that ran longer, else of the newest responses to any prompt that did; a
         sample longer than all of them is expected to run as long again."""
-        live = self.live[sample]
-        emitted = len(live.doc) - len(live.history.prompt)
-        for pool in (live.history.lengths(), self.lengths):
+        emitted = self.emitted(sample)
+        for pool in (self.live[sample].history.lengths(), self.lengths):
             longer = [n - emitted for n in pool if n > emitted]
             if longer:
                 return float(min(sum(longer) / len(longer), limit))
