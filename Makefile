@@ -9,7 +9,7 @@ OUT     ?= out/demo
 ITERS   ?= 16
 DEMO    ?= grpo
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast behaviour-check clean
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# the fixed-seed runs of this tree against BASE's, bit for bit (tests/behaviour)
+behaviour-check: $(STAMP)
+	BEHAVIOUR_BASE=$(or $(BASE),337a440) $(BIN)/python -m pytest -q tests/behaviour
 
 clean:
 	rm -rf out .pytest_cache

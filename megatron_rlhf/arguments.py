@@ -212,7 +212,7 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
 
 
 def dtype_from_args(args: argparse.Namespace) -> torch.dtype:
-    from megatron_rlhf.platform import default_dtype
+    from megatron_rlhf.runtime import default_dtype
 
     return default_dtype(args.bf16)
 

@@ -81,9 +81,9 @@ def validate(args: argparse.Namespace):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
 
-    platform.quiet_third_party_warnings()
+    runtime.quiet_third_party_warnings()
     gen, spec, infos, tokenizer, prompts = arguments.validated(validate, args)
     migration = arguments.validated(arguments.migration_config_from_args, args)
 
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     from megatron_rlhf.parallel.layout import Layout
 
     tp = args.tensor_model_parallel_size
-    rank, world = platform.init_distributed(seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
+    rank, world = runtime.init_distributed(seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
     layout = Layout.for_world(world, tp=tp)
     pg = build_process_groups(layout)
     dtype = arguments.dtype_from_args(args)
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     if migration.enabled(layout.dp):
         from megatron_rlhf.generation.migration import Migrator
 
-        migrator = Migrator(pg.dp, migration, platform.device(), tp_group=pg.tp)
+        migrator = Migrator(pg.dp, migration, runtime.device(), tp_group=pg.tp)
     # with migration every replica takes part in every batch (the first replica has the most)
     batches = -(-len(range(0, len(prompts), layout.dp)) // args.batch_size) if migrator else None
     results, totals = [], GenerationStats()
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     gathered = _gather(pg, results, totals)
     if rank == 0:
         _report(args, tokenizer, gathered)
-    platform.shutdown()
+    runtime.shutdown()
     return 0
 
 

@@ -66,9 +66,9 @@ def validate(args: argparse.Namespace):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
 
-    platform.quiet_third_party_warnings()
+    runtime.quiet_third_party_warnings()
     plan = arguments.validated(validate, args)
 
     # --- distributed from here on ---
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     from megatron_rlhf.rlhf.build import build_trainer, one_layout
     from megatron_rlhf.rlhf.rewards import RewardError
 
-    rank, world = platform.init_distributed(seed=plan.loop.seed,
+    rank, world = runtime.init_distributed(seed=plan.loop.seed,
                                             timeout_minutes=args.distributed_timeout_minutes)
     train_layout, gen_layout = plan.par.layouts(world)
     pg = build_process_groups(train_layout)
@@ -86,15 +86,15 @@ def main(argv=None) -> int:
         history = trainer.run()
     except RewardError as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr)
-        platform.shutdown()
+        runtime.shutdown()
         return 3
     except RuntimeError as e:  # a lost node: name its ranks (the process group is broken)
-        return platform.exit_on_lost_peers(e, f"rank {rank}: ")
+        return runtime.exit_on_lost_peers(e, f"rank {rank}: ")
     if rank == 0 and history:
         last = history[-1]
         print(f"done: {len(history)} iterations, last reward {last['reward_mean']:.4f}",
               file=sys.stderr)
-    platform.shutdown()
+    runtime.shutdown()
     return 0
 
 

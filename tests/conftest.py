@@ -4,12 +4,12 @@ import pytest
 @pytest.fixture(scope="session")
 def world1():
     """A one-process gloo world and the TP=1 process groups (shim applied)."""
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
     from megatron_rlhf.parallel.groups import build_process_groups
     from megatron_rlhf.parallel.layout import Layout
 
-    platform.quiet_third_party_warnings()
-    platform.init_distributed()
+    runtime.quiet_third_party_warnings()
+    runtime.init_distributed()
     return build_process_groups(Layout())
 
 

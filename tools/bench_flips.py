@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
     from megatron_rlhf.config import GenerationConfig, SpecConfig
     from megatron_rlhf.data.prompts import MATH_TRAIN, load_prompts
     from megatron_rlhf.generation.engine import Generator
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     from megatron_rlhf.parallel.groups import build_process_groups
     from megatron_rlhf.parallel.layout import Layout
 
-    platform.quiet_third_party_warnings()
-    platform.init_distributed()
+    runtime.quiet_third_party_warnings()
+    runtime.init_distributed()
     torch.set_num_threads(1)
     pg = build_process_groups(Layout())
     ckpt = args.load or converted(ROOT / "out" / "flips" / "smollm2-mcore")
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['dtype']} | {r['of']} vs {r['against']} | {r['tokens']} | {r['flips']} | "
               f"{r['flips_per_million']:.0f} |", file=sys.stderr)
-    platform.shutdown()
+    runtime.shutdown()
     return 0
 
 

@@ -310,9 +310,9 @@ def summary(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
 
-    platform.quiet_third_party_warnings()
+    runtime.quiet_third_party_warnings()
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's per-tensor progress bar
     from megatron_rlhf.data.prompts import load_prompts
     from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
@@ -321,7 +321,7 @@ def main(argv=None) -> int:
     from megatron_rlhf.parallel.groups import build_process_groups
     from megatron_rlhf.parallel.layout import Layout
 
-    _, world = platform.init_distributed(seed=args.seed)
+    _, world = runtime.init_distributed(seed=args.seed)
     if world != 1:
         print(f"error: the benchmark runs on one process (world size {world}); use python", file=sys.stderr)
         return 2
@@ -427,7 +427,7 @@ def main(argv=None) -> int:
     print(summary(report.rows), file=sys.stderr)
     print(f"load average at the start {report.rows[0]['loadavg']}, at the end {os.getloadavg()} "
           f"({os.cpu_count()} cores; other processes skew every number)", file=sys.stderr)
-    platform.shutdown()
+    runtime.shutdown()
     return 0
 
 

@@ -164,13 +164,15 @@ def greedy_answers(actor, prompts: list[list[int]], answers: list[list[int]], pa
     the answer's own prefix (a few samples per whole-sequence forward)."""
     import torch
 
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
+
+    from megatron_rlhf.data.padding import padded
     from megatron_rlhf.models.forward import lm_logits
 
     out = []
     for i in range(0, len(prompts), 4):
         pairs = list(zip(prompts[i:i + 4], answers[i:i + 4]))
-        ids = platform.padded([p + a for p, a in pairs], pad, torch.long, platform.device())
+        ids = padded([p + a for p, a in pairs], pad, torch.long, runtime.device())
         with torch.no_grad():
             logits = lm_logits(actor, ids)
         out += [logits[j, len(p) - 1:len(p) + len(a) - 1].argmax(-1).tolist() for j, (p, a) in enumerate(pairs)]
@@ -181,7 +183,7 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
     from megatron_rlhf.config import GenerationConfig, MigrationConfig
     from megatron_rlhf.data.prompts import MATH_TRAIN, load_prompts
     from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
@@ -192,8 +194,8 @@ def worker(args) -> int:
     from megatron_rlhf.parallel.groups import build_process_groups
     from megatron_rlhf.parallel.layout import Layout
 
-    platform.quiet_third_party_warnings()
-    rank, world = platform.init_distributed(seed=args.seed)
+    runtime.quiet_third_party_warnings()
+    rank, world = runtime.init_distributed(seed=args.seed)
     pg = build_process_groups(Layout.for_world(world, tp=1))
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     info = read_checkpoint(args.load)
@@ -215,7 +217,7 @@ def worker(args) -> int:
                             history=drafter_of(v),
                             ragged=not v.endswith(PADDED))
                for v in args.variants}
-    migrator = Migrator(pg.dp, MigrationConfig(), platform.device(), tp_group=pg.tp)
+    migrator = Migrator(pg.dp, MigrationConfig(), runtime.device(), tp_group=pg.tp)
     header = {"kind": "header", "checkpoint": str(args.load), "dtype": args.dtype, "ranks": world,
               "prompts": args.prompts, "rollout_n": args.rollout_n, "epochs": args.epochs,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
@@ -281,7 +283,7 @@ def worker(args) -> int:
             print(f"| {r['epoch']} | {r['variant']} | {r['makespan_s']:.1f} | {r['tokens_per_s']:.1f} | "
                   f"{r['speedup']:.2f}x | {r['accepted_length']:.2f} ({'-' if h is None else f'{h:.2f}'}) | "
                   f"{r['draft_round_frac']:.2f} | {r['same_tokens']} |", file=sys.stderr)
-    platform.shutdown()
+    runtime.shutdown()
     return 0
 
 

@@ -48,15 +48,15 @@ def write_model(out: Path, tokenizer_dir: Path, role: str = "actor") -> None:
     code = f"""
 import torch
 from transformers import AutoTokenizer
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import preset
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.checkpoint import save_checkpoint
 from megatron_rlhf.parallel.groups import build_process_groups
 from megatron_rlhf.parallel.layout import Layout
 if __name__ == "__main__":
-    platform.quiet_third_party_warnings()
-    platform.init_distributed()
+    runtime.quiet_third_party_warnings()
+    runtime.init_distributed()
     pg = build_process_groups(Layout())
     cfg = preset("smollm2-135m", num_attention_heads=8, num_query_groups=4, kv_channels=72)
     model = build_model(cfg, {role!r}, pg, dtype=torch.float32, seed=0)

@@ -282,7 +282,7 @@ def goals_record(variants: dict) -> dict | None:
 def worker(args) -> int:
     import torch.distributed as dist
 
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
     from megatron_rlhf.config import GenerationConfig, MigrationConfig, SpecConfig
     from megatron_rlhf.data.prompts import load_prompts
     from megatron_rlhf.data.tokenizer import encode_prompt, load_tokenizer
@@ -292,8 +292,8 @@ def worker(args) -> int:
     from megatron_rlhf.parallel.groups import build_process_groups
     from megatron_rlhf.parallel.layout import Layout
 
-    platform.quiet_third_party_warnings()
-    rank, world = platform.init_distributed(seed=args.seed)
+    runtime.quiet_third_party_warnings()
+    rank, world = runtime.init_distributed(seed=args.seed)
     if world != args.nproc:
         print(f"note: launched with {world} ranks, --nproc {args.nproc} ignored", file=sys.stderr)
     if args.global_batch % (args.rollout_n * world):
@@ -374,7 +374,7 @@ def worker(args) -> int:
         print(summary(report.rows), file=sys.stderr)
         print(f"load average at the start {report.rows[0]['loadavg']}, at the end {os.getloadavg()} "
               f"({os.cpu_count()} cores; other processes skew every number)", file=sys.stderr)
-    platform.shutdown()
+    runtime.shutdown()
     return 0
 
 

@@ -30,11 +30,11 @@ def main(argv=None) -> int:
     b.add_argument("--bf16", action="store_true", help="write bf16 tensors (default fp32)")
     args = p.parse_args(argv)
 
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
     from megatron_rlhf.arguments import validated
     from megatron_rlhf.models import convert
 
-    platform.quiet_third_party_warnings()
+    runtime.quiet_third_party_warnings()
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     if args.command == "hf-to-mcore":

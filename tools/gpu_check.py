@@ -243,12 +243,12 @@ class Check(DecodeStages):
     # ------------------------------------------------------------------ models
     def init_dist(self):
         if self.pg is None:
-            from megatron_rlhf import platform
+            from megatron_rlhf import runtime
             from megatron_rlhf.parallel.groups import build_process_groups
             from megatron_rlhf.parallel.layout import Layout
 
-            platform.quiet_third_party_warnings()
-            platform.init_distributed(seed=self.args.seed)
+            runtime.quiet_third_party_warnings()
+            runtime.init_distributed(seed=self.args.seed)
             self.pg = build_process_groups(Layout())
         return self.pg
 
@@ -575,9 +575,9 @@ def main(argv=None) -> int:
     if not args.work:
         shutil.rmtree(check.work, ignore_errors=True)
     if check.pg is not None:
-        from megatron_rlhf import platform
+        from megatron_rlhf import runtime
 
-        platform.shutdown()
+        runtime.shutdown()
     return 0 if check.report.passed() else 1
 
 

@@ -441,7 +441,7 @@ def optimizer_step(model, pg):
     the parameter count and the shard's."""
     import torch.distributed as dist
 
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
     from megatron_rlhf.config import OptimConfig
     from megatron_rlhf.rlhf.optim import build_trainee
 
@@ -452,7 +452,7 @@ def optimizer_step(model, pg):
         p.main_grad.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
 
     def step():
-        with platform.cuda_as_cpu():
+        with runtime.cuda_as_cpu():
             t.optimizer.step()
 
     total = sum(p.numel() for p in params)
@@ -621,20 +621,20 @@ def main(argv=None) -> int:
         sys.exit("profile_costs.py: --layers, --repeats, --passes, --tokens and --batches must be >= 1")
     from memory_plan import model_config
 
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
 
     try:
         cfg = model_config(args.model)
     except ValueError as e:
         sys.exit(f"profile_costs.py: {e}")
-    platform.quiet_third_party_warnings()
-    rank, world = platform.init_distributed()
+    runtime.quiet_third_party_warnings()
+    rank, world = runtime.init_distributed()
     key = cache_key(args, cfg, world)
     if not args.force and cached(args.out, key):
         if rank == 0:
             print(f"profile_costs.py: {args.out} already profiles {key['shape']} on {world} ranks "
                   f"x {key['threads']} threads, {args.dtype} (--force to measure again)", file=sys.stderr)
-        platform.shutdown()
+        runtime.shutdown()
         return 0
     import torch.distributed as dist
 
@@ -700,7 +700,7 @@ def main(argv=None) -> int:
         print(f"profile_costs.py: wrote {args.out} ({key['shape']}, {world} ranks x "
               f"{key['threads']} threads, {args.dtype}) in {elapsed:.1f} s", file=sys.stderr)
     dist.barrier()
-    platform.shutdown()
+    runtime.shutdown()
     return 0
 
 

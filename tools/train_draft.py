@@ -285,9 +285,9 @@ def log(msg: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
 
-    platform.quiet_third_party_warnings()
+    runtime.quiet_third_party_warnings()
     from megatron_rlhf import arguments
 
     info, cfg, tokenizer, train_prompts, held = arguments.validated(validate, args)
@@ -298,7 +298,7 @@ def main(argv=None) -> int:
     from megatron_rlhf.parallel.groups import build_process_groups
     from megatron_rlhf.parallel.layout import Layout
 
-    platform.init_distributed(seed=args.seed)
+    runtime.init_distributed(seed=args.seed)
     pg = build_process_groups(Layout(tp=args.tensor_model_parallel_size))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     target = build_model(info.config, "actor", pg, dtype=dtype, seed=args.seed).eval()
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
         "heldout_mean_accepted_length": after, "eval_draft_tokens": args.eval_draft_tokens,
         "temperature": args.temperature})
     log(f"wrote {out}")
-    platform.shutdown()
+    runtime.shutdown()
     return 0
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
+from megatron_rlhf.data.padding import padded
 
 
 @dataclass
@@ -186,10 +187,10 @@ def token_batch(rows: list[list[Example]], pad_id: int, device=None) -> TokenBat
         ids.append(i_row)
         seg.append(s_row)
         mask.append(m_row)
-    dev = platform.device() if device is None else device
-    return TokenBatch(platform.padded(ids, pad_id, torch.long, dev, width),
-                      platform.padded(seg, 0, torch.long, dev, width),
-                      platform.padded(mask, 0, torch.long, dev, width),
+    dev = runtime.device() if device is None else device
+    return TokenBatch(padded(ids, pad_id, torch.long, dev, width),
+                      padded(seg, 0, torch.long, dev, width),
+                      padded(mask, 0, torch.long, dev, width),
                       torch.tensor(last, dtype=torch.long, device=dev))
 
 

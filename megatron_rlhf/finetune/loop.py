@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import FinetuneConfig
 from megatron_rlhf.data.sampler import batch_indices
 from megatron_rlhf.finetune import data as D
@@ -67,8 +67,8 @@ class FinetuneTrainer:
     def _denominator(self, records: list) -> torch.Tensor:
         """The step's targets on all ranks: response tokens (SFT) or pairs."""
         local = sum(e.targets for e in records) if self.cfg.loss == "sft" else len(records)
-        return platform.all_reduce(torch.tensor(float(local), dtype=torch.float64,
-                                                device=platform.device()), group=self.pg.dp)
+        return runtime.all_reduce(torch.tensor(float(local), dtype=torch.float64,
+                                                device=runtime.device()), group=self.pg.dp)
 
     def _loss(self, out, mb: D.TokenBatch, sums: dict):
         """Sum of this micro-batch's per-target losses (and metric sums into ``sums``)."""
@@ -102,7 +102,7 @@ class FinetuneTrainer:
         memory while the policy trains (as PPO's reference does between experience stages)."""
         from megatron_rlhf.rlhf import offload
 
-        offload.move_model(self.reference, platform.device())
+        offload.move_model(self.reference, runtime.device())
         for mb in mbs:
             mb.ref = self._sequence_logprobs(self.reference, forward(self.reference, mb), mb)
         offload.move_model(self.reference, torch.device("cpu"))
@@ -148,8 +148,8 @@ class FinetuneTrainer:
         names = sorted(sums)
         if not names:
             return {}
-        vals = platform.all_reduce(torch.stack([torch.as_tensor(sums[n], dtype=torch.float64,
-                                                                device=platform.device())
+        vals = runtime.all_reduce(torch.stack([torch.as_tensor(sums[n], dtype=torch.float64,
+                                                                device=runtime.device())
                                                 for n in names]), group=self.pg.dp)
         s = dict(zip(names, vals.tolist()))
         if self.cfg.loss == "sft":
@@ -184,5 +184,5 @@ class FinetuneTrainer:
 def _add(sums: dict, **values) -> None:
     for k, v in values.items():
         v = v.detach().double() if torch.is_tensor(v) else torch.tensor(
-            float(v), dtype=torch.float64, device=platform.device())
+            float(v), dtype=torch.float64, device=runtime.device())
         sums[k] = v + sums[k].to(v.device) if k in sums else v

@@ -95,7 +95,7 @@ def validate(args: argparse.Namespace) -> FinetunePlan:
 
 def run(plan: FinetunePlan, timeout_minutes: float = 30) -> list[dict]:
     """Build on this rank and train (collectives from here on)."""
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
     from megatron_rlhf.finetune.loop import FinetuneTrainer
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.checkpoint import load_checkpoint
@@ -106,7 +106,7 @@ def run(plan: FinetunePlan, timeout_minutes: float = 30) -> list[dict]:
     from megatron_rlhf.rlhf.state import load_trainer_states, save_training
 
     cfg = plan.cfg
-    platform.init_distributed(seed=cfg.seed, timeout_minutes=timeout_minutes)
+    runtime.init_distributed(seed=cfg.seed, timeout_minutes=timeout_minutes)
     pg = build_process_groups(Layout(tp=plan.tp, dp=plan.world_size // plan.tp))
     role = "reward" if plan.name == "reward" else "actor"
     model = build_model(plan.info.config, role, pg, dtype=plan.dtype, seed=cfg.seed)
@@ -131,7 +131,7 @@ def run(plan: FinetunePlan, timeout_minutes: float = 30) -> list[dict]:
 
     tok = plan.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else plan.info.config.eos_token_id
-    log = MetricsLog(plan.log_dir, platform.is_rank0(), resume_from=start)
+    log = MetricsLog(plan.log_dir, runtime.is_rank0(), resume_from=start)
     trainer = FinetuneTrainer(cfg, t, plan.train, plan.held_out, pg, pad, reference=reference,
                               log=log, save=save if plan.save_dir else None, start=start)
     history = trainer.run()
@@ -151,16 +151,16 @@ def parser(stage: str, prog: str, doc: str) -> argparse.ArgumentParser:
 
 def main(argv, stage: str, prog: str, doc: str) -> int:
     args = parser(stage, prog, doc).parse_args(argv)
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
 
-    platform.quiet_third_party_warnings()
+    runtime.quiet_third_party_warnings()
     plan = arguments.validated(validate, args)
     try:
         history = run(plan, timeout_minutes=args.distributed_timeout_minutes)
     except RuntimeError as e:  # a lost node: name its ranks (the process group is broken)
-        return platform.exit_on_lost_peers(e)
-    if platform.is_rank0() and history:
+        return runtime.exit_on_lost_peers(e)
+    if runtime.is_rank0() and history:
         last = {k: round(v, 4) for k, v in history[-1].items() if isinstance(v, float)}
         print(f"done: {len(history)} steps, last {last}", file=sys.stderr)
-    platform.shutdown()
+    runtime.shutdown()
     return 0

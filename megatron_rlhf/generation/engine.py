@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf import platform
+from megatron_rlhf.data.padding import padded
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import rng, speculative
 from megatron_rlhf.generation.graphs import CATCH_UP_MAX
@@ -789,11 +789,11 @@ class Generator:
         lengths = torch.tensor([len(out.tokens[s]) for s in sids], dtype=torch.long, device=dev)
         stats.new_tokens = sum(len(out.tokens[s]) for s in sids)
         return Rollout(prompt_ids=[list(p) for p in prompts],
-                       response_ids=platform.padded([out.tokens[s] for s in sids], self.pad_id,
+                       response_ids=padded([out.tokens[s] for s in sids], self.pad_id,
                                                     torch.long, dev),
-                       response_logprobs=platform.padded([out.logprobs[s] for s in sids], 0.0,
+                       response_logprobs=padded([out.logprobs[s] for s in sids], 0.0,
                                                          torch.float32, dev),
-                       sampling_logprobs=platform.padded([out.sampling_logprobs[s] for s in sids],
+                       sampling_logprobs=padded([out.sampling_logprobs[s] for s in sids],
                                                          0.0, torch.float32, dev),
                        lengths=lengths, finish_reasons=[out.reasons[s] for s in sids],
                        stats=stats)

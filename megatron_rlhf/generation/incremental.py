@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_rlhf import platform
+from megatron_rlhf.data.padding import padded
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.models import sequence_parallel
 
@@ -694,4 +694,4 @@ def _prefill_rows(model, cache, suffixes: list[list[int]], rope: RopeTable, pad_
 
 def pad_right(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
     """``[B, longest]`` right-padded token ids."""
-    return platform.padded(seqs, pad_id, torch.long, device)
+    return padded(seqs, pad_id, torch.long, device)

@@ -15,7 +15,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import ModelConfig, check_role
 
 VALUE_ROLES = ("critic", "reward")
@@ -24,7 +24,7 @@ VALUE_ROLES = ("critic", "reward")
 @functools.cache
 def transformer_engine_available() -> bool:
     """True when Transformer-Engine imports and a GPU is present."""
-    if not platform.has_cuda():
+    if not runtime.has_cuda():
         return False
     try:
         importlib.import_module("transformer_engine")
@@ -38,7 +38,7 @@ def fused_softmax_available() -> bool:
     """True when megatron's fused masked-softmax kernel (built only with apex) imports and a
     GPU is present: megatron's ``FusedScaleMaskSoftmax`` imports ``scaled_masked_softmax_cuda``
     at the first half-precision call when ``masked_softmax_fusion`` is on, and raises without it."""
-    return platform.has_cuda() and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
+    return runtime.has_cuda() and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
 
 
 def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 1,
@@ -50,7 +50,7 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 
     ``tp > 1`` only): :mod:`megatron_rlhf.models.sequence_parallel`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    on_gpu = platform.has_cuda()
+    on_gpu = runtime.has_cuda()
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -170,7 +170,7 @@ def build_model(
     cfg.check_tensor_parallel(tp)
     cfg.check_pipeline_parallel(pp)
     stage = pg_collection.pp.rank()
-    dtype = dtype or platform.default_dtype()
+    dtype = dtype or runtime.default_dtype()
     if use_te is None:
         use_te = transformer_engine_available()
     config = transformer_config(cfg, tp, dtype, pp, recompute, sequence_parallel)
@@ -179,9 +179,9 @@ def build_model(
         from megatron_rlhf.models.sequence_parallel import block_spec
 
         spec = block_spec(spec, cfg.num_layers // pp)
-    platform.seed_model_parallel_rng(seed, pg_collection.tp.rank())
+    runtime.seed_model_parallel_rng(seed, pg_collection.tp.rank())
     # (a tied embedding's last-stage copy is synchronised with ``.cuda()`` under PP)
-    with torch.random.fork_rng(devices=[]), platform.cuda_as_cpu():
+    with torch.random.fork_rng(devices=[]), runtime.cuda_as_cpu():
         torch.manual_seed(seed)
         value = role in VALUE_ROLES
         model = GPTModel(
@@ -215,4 +215,4 @@ def build_model(
             attach_feature_fusion(model)
     # Like Megatron-LM's Float16Module: every parameter in the model dtype (megatron's torch
     # norms are created in fp32 whatever params_dtype says).
-    return model.to(device=platform.device(), dtype=dtype)
+    return model.to(device=runtime.device(), dtype=dtype)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.models import hf_mapping
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
@@ -16,7 +16,7 @@ from megatron_rlhf.parallel.layout import Layout
 
 
 def _single_process_groups():
-    rank, world = platform.init_distributed()
+    rank, world = runtime.init_distributed()
     if world != 1:
         raise RuntimeError(
             f"checkpoint conversion runs on one process; got world size {world} (run it with "

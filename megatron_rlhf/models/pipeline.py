@@ -24,7 +24,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.models import sequence_parallel
 from megatron_rlhf.models.forward import masked_forward
 
@@ -111,7 +111,7 @@ def _schedule(model, micro_batches: list, loss_func, forward_only: bool) -> list
         return model_output(chunk, mb), partial(loss_func, mb)
 
     run = get_forward_backward_func(pp_size=pg.pp.size())
-    with platform.cuda_as_cpu():
+    with runtime.cuda_as_cpu():
         return run(forward_step_func=step, data_iterator=iter(micro_batches), model=[model],
                    num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
                    forward_only=forward_only, p2p_communicator=P2PCommunicator(pg.pp, config),
@@ -119,7 +119,7 @@ def _schedule(model, micro_batches: list, loss_func, forward_only: bool) -> list
 
 
 def _object_device():
-    return torch.device("cuda", torch.cuda.current_device()) if platform.has_cuda() else None
+    return torch.device("cuda", torch.cuda.current_device()) if runtime.has_cuda() else None
 
 
 def _to(obj, dev):

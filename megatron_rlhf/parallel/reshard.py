@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 
 
 def _copy_service():
-    if platform.has_cuda():
+    if runtime.has_cuda():
         from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService
 
         return NCCLCopyService()
@@ -95,7 +95,7 @@ class Reallocator:
         with torch.no_grad(), _without_tied_copy(dst):
             swap_model_weights(src, dst, self._service)
         _sync_tied_copy(dst)
-        if platform.has_cuda():
+        if runtime.has_cuda():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         return ReallocationStats(seconds, *_planned_bytes(dst))

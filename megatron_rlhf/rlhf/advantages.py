@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import ADVANTAGE_ESTIMATORS  # one list, also validated by PPOConfig
 
 
@@ -48,7 +48,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 def _global_sum(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """``t`` summed over the ranks of ``group`` (unchanged without a group)."""
-    return t if group is None else platform.all_reduce(t, group=group)
+    return t if group is None else runtime.all_reduce(t, group=group)
 
 
 def masked_whiten(x: Tensor, mask: Tensor, group: dist.ProcessGroup | None = None,

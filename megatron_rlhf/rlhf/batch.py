@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatron_rlhf import platform
+from megatron_rlhf.data.padding import padded
 from megatron_rlhf.config import GenerationConfig
 
 
@@ -123,9 +123,9 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int, devi
     (default: this rank's): prompts left-padded to the longest, responses right-padded."""
     p = max(len(x) for x in prompts)
     t = max(1, max(len(x) for x in responses))
-    prompt_ids = platform.padded(prompts, pad_id, torch.long, device, width=p, left=True)
-    response_ids = platform.padded(responses, pad_id, torch.long, device, width=t)
-    lens = platform.padded([[len(x), len(y)] for x, y in zip(prompts, responses)], 0, torch.long, device)
+    prompt_ids = padded(prompts, pad_id, torch.long, device, width=p, left=True)
+    response_ids = padded(responses, pad_id, torch.long, device, width=t)
+    lens = padded([[len(x), len(y)] for x, y in zip(prompts, responses)], 0, torch.long, device)
     cols = torch.arange(p + t, device=lens.device)
     att = ((cols >= p - lens[:, :1]) & (cols < p + lens[:, 1:])).long()
     return torch.cat([prompt_ids, response_ids], 1), att, att[:, p:].float()

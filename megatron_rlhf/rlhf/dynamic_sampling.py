@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
+from megatron_rlhf.data import padding
 from megatron_rlhf.generation.rollout import GenerationStats, Rollout
 
 
@@ -33,12 +34,12 @@ def gather_rollout(parts: list[Rollout], picks: list[tuple[int, int]], pad_id: i
     its statistics are the sum of every part's (all of them were generated)."""
     rows = [(parts[p], i) for p, i in picks]
     lengths = [int(r.lengths[i]) for r, i in rows]
-    dev = platform.device()
+    dev = runtime.device()
     width = max([1] + lengths)
 
     def padded(name: str, fill, dtype) -> torch.Tensor:
-        return platform.padded([getattr(r, name)[i, :n].tolist() for (r, i), n in zip(rows, lengths)],
-                               fill, dtype, dev, width)
+        return padding.padded([getattr(r, name)[i, :n].tolist() for (r, i), n in zip(rows, lengths)],
+                                      fill, dtype, dev, width)
 
     stats = GenerationStats()
     for part in parts:

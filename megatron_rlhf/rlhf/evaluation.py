@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import EvalConfig
 
 
@@ -39,8 +39,8 @@ def eval_metrics(scores: torch.Tensor, lengths: torch.Tensor, k: int, threshold:
     local = torch.tensor([float(scores.double().sum()), float(correct.sum()), float(len(correct)),
                           float(lengths.double().sum()),
                           float(correct.view(-1, k).amax(dim=1).sum()) if len(correct) else 0.0],
-                         dtype=torch.float64, device=platform.device())
-    total, right, n, tokens, solved = platform.all_reduce(local, group=group).tolist()
+                         dtype=torch.float64, device=runtime.device())
+    total, right, n, tokens, solved = runtime.all_reduce(local, group=group).tolist()
     out = {"eval/reward_mean": total / max(n, 1), "eval/accuracy": right / max(n, 1),
            "eval/response_length": tokens / max(n, 1), "eval/responses": n}
     if k > 1:

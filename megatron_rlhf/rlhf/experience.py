@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
+from megatron_rlhf.data.padding import padded
 from megatron_rlhf.config import GenerationConfig, PPOConfig, RewardConfig
 from megatron_rlhf.models.forward import logits_of, values_of
 from megatron_rlhf.models.pipeline import map_micro_batches, pipelined
@@ -146,7 +147,7 @@ class ExperienceMaker:
         (:meth:`score`, penalties included), else computed here."""
         cfg, mbs = self.cfg, self.cfg.micro_batch_size
         responses = rollout.responses()
-        dev = platform.device()
+        dev = runtime.device()
         exp = self._batch(prompts, responses)
         mask = exp.response_mask
         exp.old_logprobs = _pad_to(generation_logprobs(rollout, self.gen).float(), mask.shape[1]) * mask
@@ -179,7 +180,7 @@ class ExperienceMaker:
 
     def _batch(self, prompts: list[list[int]], responses: list[list[int]]) -> Experience:
         """An Experience of token lists, every per-token field zero (to be filled)."""
-        ids, att, mask = pack(prompts, responses, self.pad_id, platform.device())
+        ids, att, mask = pack(prompts, responses, self.pad_id, runtime.device())
         zeros = torch.zeros_like(mask)
         return Experience(input_ids=ids, attention_mask=att, response_mask=mask, old_logprobs=zeros,
                           ref_logprobs=zeros, scores=torch.zeros(len(prompts), device=mask.device),
@@ -218,7 +219,7 @@ class ExperienceMaker:
         mine = [self._tables[name][s] for s in sample_ids]
         if mine[0].dim() == 0:
             return torch.stack(mine).to(exp.response_mask.device)
-        return platform.padded(mine, 0, mine[0].dtype, width=exp.response_mask.shape[1])
+        return padded(mine, 0, mine[0].dtype, width=exp.response_mask.shape[1])
 
     def on_layout(self, exp: Experience, name: str, sample_ids: list[int]) -> Experience:
         """The batch that training call ``name`` (``actor_train``, ``critic_train``: on a
@@ -236,7 +237,7 @@ class ExperienceMaker:
         batch = self._batch([tok[0] for tok, _ in theirs], [tok[1] for tok, _ in theirs])
         width = batch.response_mask.shape[1]
         for j, f in enumerate(fields):
-            setattr(batch, f, platform.padded([cols[j] for _, cols in theirs], 0, host[f].dtype, width=width))
+            setattr(batch, f, padded([cols[j] for _, cols in theirs], 0, host[f].dtype, width=width))
         return batch
 
     def take_reward_stats(self) -> dict:
@@ -282,7 +283,7 @@ class ExperienceMaker:
                 for name in self.reward_stats:
                     self.reward_stats[name] += int(counts.get(name, 0))
         except RewardError as e:
-            error, scores = e, torch.zeros(len(prompts), device=platform.device())
+            error, scores = e, torch.zeros(len(prompts), device=runtime.device())
         _stop_together(error)
         return scores
 
@@ -304,7 +305,7 @@ def overlong_penalty(lengths: torch.Tensor, limit: int, buffer: int, penalty: fl
 def _stop_together(error: Exception | None) -> None:
     """Raise on every rank of the world if any rank failed, so none waits forever in a
     collective."""
-    failed = platform.all_reduce(torch.tensor([0 if error is None else 1], device=platform.device()),
+    failed = runtime.all_reduce(torch.tensor([0 if error is None else 1], device=runtime.device()),
                                  dist.ReduceOp.MAX)
     if error is not None:
         raise error

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 
 
 def _move(t: torch.Tensor, device) -> torch.Tensor:
@@ -28,7 +28,7 @@ def _move(t: torch.Tensor, device) -> torch.Tensor:
 
 def move_model(model: torch.nn.Module, device) -> None:
     """Move parameters and buffers in place (the module's tensors keep their identity)."""
-    if not platform.has_cuda():
+    if not runtime.has_cuda():
         return
     device = torch.device(device)
     for p in model.parameters():
@@ -100,7 +100,7 @@ def park_trainee(t, host: bool, move=None) -> None:
     CPU a no-op, unless ``move(tensor, host)`` is given (tests: the same bookkeeping with
     copies). Parking twice, or restoring what is not parked, changes nothing."""
     if move is None:
-        if not platform.has_cuda():
+        if not runtime.has_cuda():
             return
         move = _move_tensor
     if t.parked == host:
@@ -108,7 +108,7 @@ def park_trainee(t, host: bool, move=None) -> None:
     for holder, key in optimizer_tensors(t):
         holder[key] = move(holder[key], host)
     t.parked = host
-    if platform.has_cuda():
+    if runtime.has_cuda():
         if host:
             t.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
         else:
@@ -126,7 +126,7 @@ def release_weights(t, host: bool, force: bool = False) -> None:
     brings the bytes back into the same storages, so every parameter, view and optimizer
     reference stays valid. On CPU a no-op unless ``force`` (tests: the same bookkeeping).
     Releasing twice, or restoring what is not released, changes nothing."""
-    if not (platform.has_cuda() or force) or (t.released is not False) == host:
+    if not (runtime.has_cuda() or force) or (t.released is not False) == host:
         return
     if host:
         t.released = []
@@ -136,32 +136,32 @@ def release_weights(t, host: bool, force: bool = False) -> None:
             if storage.nbytes() == 0 or storage.data_ptr() in seen:
                 continue
             seen.add(storage.data_ptr())
-            keep = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=platform.has_cuda())
+            keep = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=runtime.has_cuda())
             keep.untyped_storage().copy_(storage, non_blocking=True)
             t.released.append((storage, keep))
-        if platform.has_cuda():
+        if runtime.has_cuda():
             torch.cuda.synchronize()
         for storage, _ in t.released:
             storage.resize_(0)
-        if platform.has_cuda():
+        if runtime.has_cuda():
             torch.cuda.empty_cache()
         return
     for storage, keep in t.released:
         storage.resize_(keep.numel())
         storage.copy_(keep.untyped_storage(), non_blocking=True)
-    if platform.has_cuda():
+    if runtime.has_cuda():
         torch.cuda.synchronize()
     t.released = False
 
 
 def _move_tensor(t: torch.Tensor, host: bool) -> torch.Tensor:
-    return _move(t, torch.device("cpu") if host else platform.device())
+    return _move(t, torch.device("cpu") if host else runtime.device())
 
 
 class StageMemory:
     """Times each stage and records the peak memory of this process during it
     (``peak_mem_<stage>_gb``, GiB): on a GPU CUDA's peak allocated memory, on the CPU the
-    peak resident size (:func:`~megatron_rlhf.platform.peak_host_memory_bytes`). Where the
+    peak resident size (:func:`~megatron_rlhf.runtime.peak_host_memory_bytes`). Where the
     host peak cannot be restarted at the stage's start, the stage has no peak metric rather
     than the process's lifetime peak."""
 
@@ -170,10 +170,10 @@ class StageMemory:
 
     @contextlib.contextmanager
     def stage(self, name: str):
-        cuda = platform.has_cuda()
+        cuda = runtime.has_cuda()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        host = not cuda and platform.reset_peak_host_memory()
+        host = not cuda and runtime.reset_peak_host_memory()
         self.metrics.pop(f"peak_mem_{name}_gb", None)  # never a previous call's value
         t0 = time.perf_counter()
         try:
@@ -182,6 +182,6 @@ class StageMemory:
             if cuda:
                 torch.cuda.synchronize()
                 self.metrics[f"peak_mem_{name}_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            elif host and (peak := platform.peak_host_memory_bytes()) is not None:
+            elif host and (peak := runtime.peak_host_memory_bytes()) is not None:
                 self.metrics[f"peak_mem_{name}_gb"] = peak / 2**30
             self.metrics[f"time_{name}_s"] = time.perf_counter() - t0

@@ -14,7 +14,7 @@ optimizer, with a warmup + cosine learning rate.
 - Clipping is megatron's: one global norm over every rank of the model, TP-sharded
   parameters counted once per shard and replicated ones once.
 
-On CPU megatron's optimizer runs inside :func:`megatron_rlhf.platform.cuda_as_cpu`.
+On CPU megatron's optimizer runs inside :func:`megatron_rlhf.runtime.cuda_as_cpu`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import OptimConfig
 
 
@@ -58,7 +58,7 @@ class Trainee:
         returns the gradient norm before clipping (the same on every rank)."""
         from megatron.core.distributed import finalize_model_grads
 
-        with platform.cuda_as_cpu():  # DP reduction; a tied embedding's two PP copies summed
+        with runtime.cuda_as_cpu():  # DP reduction; a tied embedding's two PP copies summed
             finalize_model_grads([self.ddp], pg_collection=self.pg)
             ok, norm, _ = self.optimizer.step()
         if not ok:  # bf16 has no loss scale: a skipped step means inf/nan gradients
@@ -73,7 +73,7 @@ class Trainee:
         ``overlap_param_gather``): before anything reads the weights other than the modules'
         own forwards (decoding's plain-layer path, reallocation, checkpoints)."""
         if self.params_pending:
-            with platform.cuda_as_cpu():
+            with runtime.cuda_as_cpu():
                 self.ddp.start_param_sync(force_sync=True)
             self.params_pending = False
 
@@ -87,7 +87,7 @@ class Trainee:
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
-        with platform.cuda_as_cpu():
+        with runtime.cuda_as_cpu():
             self.optimizer.zero_grad()
 
 
@@ -139,13 +139,13 @@ def build_trainee(model: torch.nn.Module, pg, cfg: OptimConfig, lr: float,
 
     dtype = next(p.dtype for p in model.parameters())
     model.config.calculate_per_token_loss = True  # sum over DP: losses are global token means
-    overlap = platform.has_cuda() if cfg.overlap_grad_reduce is None else cfg.overlap_grad_reduce
+    overlap = runtime.has_cuda() if cfg.overlap_grad_reduce is None else cfg.overlap_grad_reduce
     gather = overlap and cfg.use_distributed_optimizer if cfg.overlap_param_gather is None \
         else cfg.overlap_param_gather
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, overlap_param_gather=gather,
         use_distributed_optimizer=cfg.use_distributed_optimizer)
-    with platform.cuda_as_cpu():
+    with runtime.cuda_as_cpu():
         ddp = DistributedDataParallel(model.config, ddp_cfg, model, pg_collection=pg)
         opt_cfg = OptimizerConfig(
             optimizer="adam", lr=lr, min_lr=0.0, weight_decay=cfg.weight_decay,

@@ -88,13 +88,13 @@ def _placeholder_adam_states(optimizer) -> None:
 
 def _optimizer_state(t, is_loading: bool) -> dict:
     """The trainee's optimizer state as a sharded state dict in model space."""
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
     from megatron_rlhf.models.checkpoint import sharded_state_dict
 
     model_sd = sharded_state_dict(t.model, t.pg)
     if is_loading:
         _placeholder_adam_states(t.optimizer)
-    with platform.cuda_as_cpu():
+    with runtime.cuda_as_cpu():
         sd = {"optimizer": t.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                           metadata=OPTIM_SHARDING)}
     if is_loading:  # megatron's load_state_dict allocates the states it loads, step apart
@@ -202,7 +202,7 @@ def load_trainer_states(d: Path, trainees: dict) -> None:
     -> Trainee, None on the ranks outside its layout)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
 
     meta = read_training_state(d)
     for name, t in trainees.items():
@@ -211,7 +211,7 @@ def load_trainer_states(d: Path, trainees: dict) -> None:
             continue
         state = dist_checkpointing.load(_optimizer_state(t, is_loading=True),
                                         str(d / "trainer" / f"optim_{name}"))
-        with platform.cuda_as_cpu():
+        with runtime.cuda_as_cpu():
             _load_optimizer(t.optimizer, state["optimizer"])
         t.scheduler.load_state_dict(meta["schedulers"][name])
     rng = d / "trainer" / f"rng_{dist.get_rank():05d}.pt"

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import GenerationConfig, LoopConfig, MigrationConfig, PPOConfig, SpecConfig
 from megatron_rlhf.data.sampler import batch_indices
 from megatron_rlhf.rlhf import offload, placement
@@ -139,7 +139,7 @@ class RLHFTrainer:
         """Call (reference, reward, critic: inference; critic_train) -> the process groups
         of its own layout (None on the ranks outside one over part of the world)."""
         # (None: on GPU; only where the actor generates on a copy of its own)
-        release = platform.has_cuda() if release_train_copy is None else release_train_copy
+        release = runtime.has_cuda() if release_train_copy is None else release_train_copy
         self.release_train_copy = release and models.actor_gen is not None
         self.gen_pg = gen_pg if gen_pg is not None else pg
         from megatron_rlhf.parallel.reshard import Reallocator
@@ -159,7 +159,7 @@ class RLHFTrainer:
         if migration.enabled(self.gen_pg.dp.size()):
             from megatron_rlhf.generation.migration import Migrator
 
-            self.migrator = Migrator(self.gen_pg.dp, migration, platform.device(), tp_group=self.gen_pg.tp)
+            self.migrator = Migrator(self.gen_pg.dp, migration, runtime.device(), tp_group=self.gen_pg.tp)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[dict]:
@@ -226,17 +226,17 @@ class RLHFTrainer:
         holds its share of groups whose rewards differ (:mod:`~megatron_rlhf.rlhf.dynamic_sampling`)."""
         per_rank = self.ppo.global_batch_size // self.pg.dp.size()
         keep = GroupFilter(need=per_rank, n=self.ppo.rollout_n)
-        dev = platform.device()
+        dev = runtime.device()
         for round_ in range(self.ppo.filter_max_tries):
             ids, texts, sids, metas = self._my_samples(it, self.gen_pg.dp, round_)
             generated = self._generate(ids, sids, self.gen, iteration_seed(self.loop.seed, it))
             scores = self.maker.score(ids, texts, generated, sids[0], metas)
             keep.add(generated, scores, (ids, texts, sids, metas))
-            short = platform.all_reduce(torch.tensor([float(keep.short)], device=dev), dist.ReduceOp.MAX)
+            short = runtime.all_reduce(torch.tensor([float(keep.short)], device=dev), dist.ReduceOp.MAX)
             if not short.item():
                 break
         rollout, scores, (ids, texts, sids, metas), counts = keep.batch(self.generator.pad_id)
-        totals = platform.all_reduce(torch.tensor(list(counts.values()), dtype=torch.float64, device=dev),
+        totals = runtime.all_reduce(torch.tensor(list(counts.values()), dtype=torch.float64, device=dev),
                                      group=self.pg.dp).tolist()
         metrics = dict(zip(counts, totals), filter_rounds=float(keep.rounds))
         return rollout, scores, ids, texts, sids, metas, metrics
@@ -261,7 +261,7 @@ class RLHFTrainer:
 
     def iteration(self, it: int) -> dict:
         m, stages = self.m, offload.StageMemory()
-        host, dev = torch.device("cpu"), platform.device()
+        host, dev = torch.device("cpu"), runtime.device()
         scores, extra = None, {}
         with stages.stage("rollout"):
             if self.ppo.filter_groups:  # (one layout: the generating ranks train)
@@ -290,7 +290,7 @@ class RLHFTrainer:
                 offload.move_model(extra_model, host)
         metrics = self._rollout_metrics(generated, rollout, exp)
         counts = self.maker.take_reward_stats()
-        totals = platform.all_reduce(torch.tensor([float(v) for v in counts.values()], dtype=torch.float64,
+        totals = runtime.all_reduce(torch.tensor([float(v) for v in counts.values()], dtype=torch.float64,
                                                   device=dev), group=self.pg.dp).tolist()
         metrics.update(dict(zip(counts, totals)), **extra)
         with stages.stage("train"):
@@ -312,7 +312,7 @@ class RLHFTrainer:
                     received += move(src, copy).bytes_received
                     if copy is m.critic_inf:  # (it waits on the host until the next experience)
                         offload.move_model(copy, host)
-            moved = platform.all_reduce(torch.tensor([float(received)], dtype=torch.float64, device=dev))
+            moved = runtime.all_reduce(torch.tensor([float(received)], dtype=torch.float64, device=dev))
             metrics["realloc_mb"] = float(moved) / 2**20
         if m.draft_trainee is not None and not m.draft_on_train_layout:
             with stages.stage("draft"):
@@ -384,10 +384,10 @@ class RLHFTrainer:
                                 s.migration_s, s.graph_capture_s, s.history_s], dtype=torch.float64, device=dev)
         hist = torch.tensor(s.rounds_by_draft_len + [s.migrated_out, s.migration_bytes],
                             dtype=torch.float64, device=dev)
-        local = platform.all_reduce(local, group=self.pg.dp)
-        gen = platform.all_reduce(gen, group=self.gen_pg.dp)
-        slowest = platform.all_reduce(slowest, dist.ReduceOp.MAX, self.gen_pg.dp)
-        hist = platform.all_reduce(hist, group=self.gen_pg.dp).tolist()
+        local = runtime.all_reduce(local, group=self.pg.dp)
+        gen = runtime.all_reduce(gen, group=self.gen_pg.dp)
+        slowest = runtime.all_reduce(slowest, dist.ReduceOp.MAX, self.gen_pg.dp)
+        hist = runtime.all_reduce(hist, group=self.gen_pg.dp).tolist()
         rsum, rsq, kl, tokens, n, eos = local.tolist()
         new, ver, acc, h_ver, h_drafted, h_acc, steps, drafting = gen.tolist()
         elapsed, idle, idle_frac, mig_s, capture_s, history_s = slowest.tolist()

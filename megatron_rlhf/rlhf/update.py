@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import PPOConfig
 from megatron_rlhf.models.forward import logits_of, values_of
 from megatron_rlhf.models.pipeline import forward_backward, from_last_stage, model_output, pipelined
@@ -44,13 +44,13 @@ class _Sums:
     def means(self, tokens: torch.Tensor, group) -> dict:
         names = sorted(self.values)
         t = torch.stack([self.values[n].to(tokens.device) for n in names] + [tokens.double()])
-        t = platform.all_reduce(t, group=group)
+        t = runtime.all_reduce(t, group=group)
         t = (t[:-1] / t[-1].clamp(min=1)).tolist()
         return dict(zip(names, t))
 
 
 def _global_tokens(mask: torch.Tensor, group) -> torch.Tensor:
-    return platform.all_reduce(mask.sum().double(), group=group).clamp(min=1)
+    return runtime.all_reduce(mask.sum().double(), group=group).clamp(min=1)
 
 
 def loss_weights(mask: torch.Tensor, agg: str, group, horizon: int | None = None) -> torch.Tensor:
@@ -66,7 +66,7 @@ def loss_weights(mask: torch.Tensor, agg: str, group, horizon: int | None = None
     mask = mask.float()
     if agg == "token-mean":
         return mask / _global_tokens(mask, group).float()
-    seqs = platform.all_reduce(torch.tensor(float(mask.shape[0]), dtype=torch.float64,
+    seqs = runtime.all_reduce(torch.tensor(float(mask.shape[0]), dtype=torch.float64,
                                             device=mask.device), group=group).clamp(min=1).float()
     if agg == "seq-mean-token-mean":
         return mask / (mask.sum(-1, keepdim=True).clamp(min=1) * seqs)
@@ -212,7 +212,7 @@ def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk:
             (kl + reg).backward()
         sums += torch.stack([kl.detach(), reg.detach()]).double()
     t.step()
-    kl, reg = platform.all_reduce(sums, group=t.pg.dp).tolist()
+    kl, reg = runtime.all_reduce(sums, group=t.pg.dp).tolist()
     out = {"draft_kl": kl}
     if feature:
         out["draft_feature_loss"] = reg

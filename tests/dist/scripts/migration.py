@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gen_fixtures import actor_and_draft, feature_draft_for
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import GenerationConfig, MigrationConfig, SpecConfig
 from megatron_rlhf.generation.engine import Generator, history_drafter
 from megatron_rlhf.generation.migration import MigrationError, Migrator
@@ -161,14 +161,14 @@ def die(pg):
 
 
 def main():
-    platform.quiet_third_party_warnings()
+    runtime.quiet_third_party_warnings()
     mode = sys.argv[1] if len(sys.argv) > 1 else "check"
-    rank, world = platform.init_distributed(timeout_minutes=1 if mode == "die" else 30)
+    rank, world = runtime.init_distributed(timeout_minutes=1 if mode == "die" else 30)
     if mode == "tp2":
         moved = check_tp2(build_process_groups(Layout(tp=2, dp=2)))
         if rank == 0:
             print(f"MIGRATION OK moved={moved}", flush=True)
-        platform.shutdown()
+        runtime.shutdown()
         return
     pg = build_process_groups(Layout(dp=2))
     if mode == "die":
@@ -179,7 +179,7 @@ def main():
     moved = check_graphs(pg, eos) if mode == "graphs" else check_all(pg, eos)
     if rank == 0:
         print(f"MIGRATION OK moved={moved} eos={eos}", flush=True)
-    platform.shutdown()
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import GenerationConfig, OptimConfig, preset
 from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.models.builder import build_model
@@ -95,8 +95,8 @@ def train_gathering(pg, ref_steps):
 
 
 def main():
-    platform.quiet_third_party_warnings()
-    rank, _ = platform.init_distributed()
+    runtime.quiet_third_party_warnings()
+    rank, _ = runtime.init_distributed()
     pg = build_process_groups(Layout(dp=2))
     ref_steps = []
     ref, during, _ = train(pg, overlap=False, steps=ref_steps)
@@ -109,7 +109,7 @@ def main():
     assert stale > 0, "no parameter was stale after a step: the gather was not overlapped"
     if rank == 0:
         print("OK", stale, "stale parameters read before their gather")
-    platform.shutdown()
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gen_fixtures import PROMPTS, actor_and_draft, feature_draft_for
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import GenerationConfig, SpecConfig, preset
 from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.models.builder import build_model
@@ -44,8 +44,8 @@ def critic(pg, seed):
 
 
 def main():
-    platform.quiet_third_party_warnings()
-    rank, world = platform.init_distributed()
+    runtime.quiet_third_party_warnings()
+    rank, world = runtime.init_distributed()
     tp2 = build_process_groups(Layout(tp=2))
     gen = build_process_groups(Layout(tp=1, dp=2))
     for name in ("tiny", "tiny-untied"):
@@ -74,7 +74,7 @@ def main():
     assert gathered[0] + gathered[1] == whole, "generation after reallocation differs"
     if rank == 0:
         print("OK")
-    platform.shutdown()
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ weights at every TP size on CPU):
 
 import torch
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import GenerationConfig, OptimConfig, preset
 from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.models.builder import build_model
@@ -47,8 +47,8 @@ def step(pg, sp, marks=True):
 
 
 def main():
-    platform.quiet_third_party_warnings()
-    rank, _ = platform.init_distributed()
+    runtime.quiet_third_party_warnings()
+    rank, _ = runtime.init_distributed()
     pg = build_process_groups(Layout(tp=2))
     plain, sp = model(pg, False), model(pg, True)
     assert sp.config.sequence_parallel and not plain.config.sequence_parallel
@@ -81,7 +81,7 @@ def main():
     assert sp.config.sequence_parallel  # restored after decoding
     if rank == 0:
         print("OK", len(off), "norms off without the TP sum")
-    platform.shutdown()
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

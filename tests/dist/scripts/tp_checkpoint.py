@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import preset
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.checkpoint import load_checkpoint, save_checkpoint
@@ -21,8 +21,8 @@ def ids(vocab):
 
 
 def main(root: Path, names: list[str]):
-    platform.quiet_third_party_warnings()
-    rank, world = platform.init_distributed()
+    runtime.quiet_third_party_warnings()
+    rank, world = runtime.init_distributed()
     tp2 = build_process_groups(Layout(tp=2))
     dp2 = build_process_groups(Layout(tp=1, dp=2))  # a second layout of the same ranks
     assert tp2.tp.size() == 2 and dp2.tp.size() == 1 and dp2.dp.size() == 2

@@ -9,7 +9,7 @@ and a control without the mask does not."""
 import torch
 
 from gen_fixtures import PROMPTS, actor_and_draft, decode_attention_error, feature_draft_for, reference_flash_kvcache
-from megatron_rlhf import platform
+from megatron_rlhf import runtime
 from megatron_rlhf.config import GenerationConfig, SpecConfig, preset
 from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.generation.history import HistoryDrafter
@@ -74,8 +74,8 @@ def check_decode_attention(pg):
 
 
 def main():
-    platform.quiet_third_party_warnings()
-    rank, _ = platform.init_distributed()
+    runtime.quiet_third_party_warnings()
+    rank, _ = runtime.init_distributed()
     tp2 = build_process_groups(Layout(tp=2))
     tp1 = build_process_groups(Layout(tp=1, dp=2))
     probe = run(tp1, eos=None)["plain"].responses()

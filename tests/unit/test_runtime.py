@@ -1,4 +1,4 @@
-"""platform.serial_helper_threads: torch's intra-op threads stay with the main thread.
+"""runtime.serial_helper_threads: torch's intra-op threads stay with the main thread.
 
 Checked in a fresh process each (the thread setup of a process happens once).
 """
@@ -12,10 +12,10 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import json, os, threading, torch
-    from megatron_rlhf import platform
-    platform.quiet_third_party_warnings()
+    from megatron_rlhf import runtime
+    runtime.quiet_third_party_warnings()
     before = torch.get_num_threads()
-    platform.init_distributed()
+    runtime.init_distributed()
     import torch.distributed as dist
     seen = {}
     th = threading.Thread(target=lambda: seen.update(helper=torch.get_num_threads()))
@@ -72,14 +72,14 @@ def test_stage_memory_records_each_stage_peak_on_the_cpu():
     """Per stage, the peak resident size of the process during that stage (issue 29)."""
     import torch
 
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
     from megatron_rlhf.rlhf.offload import StageMemory
 
     # Probe that this kernel honours the reset: after a freed 256 MiB block the peak is far
     # above the current size, and only a reset that took brings it back within the slack.
     block = torch.ones(64 * 2**20)
     del block
-    if not platform.reset_peak_host_memory():
+    if not runtime.reset_peak_host_memory():
         import pytest
 
         pytest.skip("this kernel does not restart the peak resident size (/proc/self/clear_refs)")
@@ -91,19 +91,19 @@ def test_stage_memory_records_each_stage_peak_on_the_cpu():
         torch.ones(2**20)
     big, small = stages.metrics["peak_mem_big_gb"], stages.metrics["peak_mem_small_gb"]
     # the first stage's 0.25 GiB is not the second's
-    assert big - small > 0.2, (big, small, platform._proc_status_kib("VmHWM", "VmRSS"))
+    assert big - small > 0.2, (big, small, runtime.memory._proc_status_kib("VmHWM", "VmRSS"))
     assert stages.metrics["time_big_s"] >= 0
 
 
 def test_a_peak_reset_the_kernel_ignores_gives_no_stage_peak(monkeypatch, tmp_path):
     """A kernel may accept the write to clear_refs and keep the old peak: then a stage has no
     peak metric, never the process's lifetime peak (CI failed so on 2026-12-03)."""
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
     from megatron_rlhf.rlhf.offload import StageMemory
 
     sizes = {"VmHWM": 2_097_552, "VmRSS": 1_200_000}  # kB: the peak stays far above
-    monkeypatch.setattr(platform, "_proc_status_kib", lambda *keys: {k: sizes[k] for k in keys})
-    monkeypatch.setattr(platform, "has_cuda", lambda: False)
+    monkeypatch.setattr(runtime.memory, "_proc_status_kib", lambda *keys: {k: sizes[k] for k in keys})
+    monkeypatch.setattr(runtime, "has_cuda", lambda: False)
     real_open = open
 
     def fake_open(path, *args, **kwargs):  # a clear_refs that accepts any write
@@ -112,27 +112,27 @@ def test_a_peak_reset_the_kernel_ignores_gives_no_stage_peak(monkeypatch, tmp_pa
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr("builtins.open", fake_open)
-    assert not platform.reset_peak_host_memory()
+    assert not runtime.reset_peak_host_memory()
     stages = StageMemory()
     stages.metrics["peak_mem_gen_gb"] = 9.0  # a previous call's value must not survive
     with stages.stage("gen"):
         pass
     assert "peak_mem_gen_gb" not in stages.metrics and "time_gen_s" in stages.metrics
     sizes["VmHWM"] = sizes["VmRSS"] + 1024  # a reset that took: the peak is the current size
-    assert platform.reset_peak_host_memory()
+    assert runtime.reset_peak_host_memory()
     with stages.stage("gen"):
         pass
     assert stages.metrics["peak_mem_gen_gb"] == sizes["VmHWM"] * 1024 / 2**30
 
 
 def test_peer_failures_are_told_from_a_ranks_own_errors():
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
 
-    assert platform.is_peer_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5"))
-    assert platform.is_peer_failure(RuntimeError("Connection reset by peer"))
-    assert not platform.is_peer_failure(RuntimeError("shape mismatch"))
+    assert runtime.is_peer_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5"))
+    assert runtime.is_peer_failure(RuntimeError("Connection reset by peer"))
+    assert not runtime.is_peer_failure(RuntimeError("shape mismatch"))
     # one process: no peer to lose, whatever the error says
-    assert platform.lost_peers_message(RuntimeError("Connection reset by peer")) is None
+    assert runtime.lost_peers_message(RuntimeError("Connection reset by peer")) is None
 
 
 def test_heartbeat_beats_until_stopped(world1):
@@ -142,22 +142,23 @@ def test_heartbeat_beats_until_stopped(world1):
 
     import torch.distributed as dist
 
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
+    from megatron_rlhf.runtime import peers
 
-    platform._start_heartbeat()
+    peers._start_heartbeat()
     try:
-        thread, key = platform._heartbeat["thread"], f"{platform._BEAT_KEY}{dist.get_rank()}"
-        store = platform._store()
+        thread, key = peers._heartbeat["thread"], f"{peers._BEAT_KEY}{dist.get_rank()}"
+        store = peers._store()
         first = store.add(key, 0)
-        time.sleep(2.5 * platform.HEARTBEAT_S)
+        time.sleep(2.5 * peers.HEARTBEAT_S)
         assert store.add(key, 0) > first
     finally:
-        platform.stop_heartbeat()
-    assert not thread.is_alive() and not platform._heartbeat
+        runtime.stop_heartbeat()
+    assert not thread.is_alive() and not peers._heartbeat
     stopped = store.add(key, 0)
-    time.sleep(1.5 * platform.HEARTBEAT_S)
+    time.sleep(1.5 * peers.HEARTBEAT_S)
     assert store.add(key, 0) == stopped
-    platform.stop_heartbeat()  # a second stop is a no-op
+    runtime.stop_heartbeat()  # a second stop is a no-op
 
 
 def test_a_process_with_a_busy_heartbeat_exits_cleanly():
@@ -165,10 +166,11 @@ def test_a_process_with_a_busy_heartbeat_exits_cleanly():
     handler stops it first (without that, 8 of 8 such exits aborted with "terminate called
     without an active exception", as a 2-node PPO job did in CI after finishing)."""
     script = textwrap.dedent("""
-        from megatron_rlhf import platform
-        platform.init_distributed()
-        platform.HEARTBEAT_S = 0  # beat without pause: always inside store.add
-        platform._start_heartbeat()
+        from megatron_rlhf import runtime
+        from megatron_rlhf.runtime import peers
+        runtime.init_distributed()
+        peers.HEARTBEAT_S = 0  # beat without pause: always inside store.add
+        peers._start_heartbeat()
         import time; time.sleep(0.3)
         print("done", flush=True)
     """)
@@ -182,7 +184,7 @@ def test_megatron_decorations_compile_on_their_first_call(monkeypatch):
     is restored on exit."""
     import torch
 
-    from megatron_rlhf import platform
+    from megatron_rlhf import runtime
 
     compiled = []
 
@@ -191,7 +193,7 @@ def test_megatron_decorations_compile_on_their_first_call(monkeypatch):
         return lambda *a, **k: ("compiled", fn(*a, **k))
 
     monkeypatch.setattr(torch, "compile", fake_compile)
-    with platform.compile_on_first_call():
+    with runtime.compile_on_first_call():
         def twice(x):
             return 2 * x
 
@@ -213,10 +215,10 @@ def test_a_fresh_process_starts_without_dynamo_and_saves_without_spawning():
     spawned Manager's) and loads back."""
     script = textwrap.dedent("""
         import json, multiprocessing, sys, tempfile, torch
-        from megatron_rlhf import platform
-        platform.quiet_third_party_warnings()
+        from megatron_rlhf import runtime
+        runtime.quiet_third_party_warnings()
         real = torch.compile
-        platform.init_distributed()
+        runtime.init_distributed()
         from megatron_rlhf.parallel.groups import build_process_groups
         from megatron_rlhf.parallel.layout import Layout
         from megatron_rlhf.config import preset

@@ -1,0 +1,72 @@
+"""The device a rank computes on, its default dtype, and CPU thread tuning for gloo."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its local GPU, or the CPU."""
+    if has_cuda():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def default_dtype(bf16: bool | None = None) -> torch.dtype:
+    """bf16 on GPU and fp32 on CPU unless asked otherwise (``bf16=True/False``)."""
+    if bf16 is None:
+        bf16 = has_cuda()
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+
+
+def serial_helper_threads() -> bool:
+    """Keep torch's intra-op parallelism on the main thread only; True if applied.
+
+    Collectives on gloo run their tensor copies in gloo's worker threads. A copy large
+    enough to be split (a DCP load's metadata gather, a TP all-gather) makes such a thread
+    open its own OpenMP team. libgomp then manages more threads than there are cores and
+    from then on puts the main thread's workers to sleep after every parallel region, so
+    each later elementwise op pays a futex wake-up: on 2 cores, 5-10x slower elementwise
+    ops for the rest of the process, and 10-20% slower decode steps (measured). A thread
+    takes torch's thread count when it first runs a parallel op, so: set torch's count to
+    1 (what helper threads will take), then give the main thread its count back directly
+    in OpenMP and MKL. Does nothing with one thread (torchrun sets OMP_NUM_THREADS=1 for
+    several ranks per node), when the OpenMP/MKL symbols are not found, or with
+    ``MRLHF_SERIAL_HELPER_THREADS=0``.
+    """
+    import ctypes
+
+    n = torch.get_num_threads()  # also completes the main thread's lazy thread setup
+    if os.environ.get("MRLHF_SERIAL_HELPER_THREADS", "1") == "0":
+        return False
+    if n <= 1 or "OpenMP" not in torch.__config__.parallel_info():
+        return False
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    try:  # the OpenMP runtime and MKL torch ships, then the process's global symbols
+        libs = [ctypes.CDLL(os.path.join(torch_lib, name)) for name in ("libgomp.so.1", "libtorch_cpu.so")
+                if os.path.exists(os.path.join(torch_lib, name))] + [ctypes.CDLL(None)]
+    except (OSError, TypeError):  # no dlopen of the process itself (Windows)
+        return False
+
+    def symbol(name):
+        return next((getattr(lib, name) for lib in libs if hasattr(lib, name)), None)
+
+    omp_set, mkl_local = symbol("omp_set_num_threads"), symbol("MKL_Set_Num_Threads_Local")
+    if omp_set is None or (torch.backends.mkl.is_available() and mkl_local is None):
+        return False
+    torch.set_num_threads(1)
+    omp_set(ctypes.c_int(n))
+    if mkl_local is not None:
+        mkl_local(ctypes.c_int(n))
+    if torch.get_num_threads() != n:  # a different OpenMP runtime than the one we reached
+        torch.set_num_threads(n)
+        return False
+    return True
+
