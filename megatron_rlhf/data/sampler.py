@@ -1,8 +1,5 @@
-"""Which prompts an RLHF iteration trains on: a pure function of (seed, iteration).
-
-Invariants: resuming at iteration ``k`` needs nothing but ``k``, and no prompt repeats
-before every prompt has been seen.
-"""
+"""Which prompts an RLHF iteration trains on: a pure function of (seed, iteration). No prompt
+repeats before every prompt has been seen."""
 
 from __future__ import annotations
 

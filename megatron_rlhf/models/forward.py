@@ -1,7 +1,5 @@
-"""Whole-sequence forward passes with explicit masks (no KV cache).
-
-megatron tensors are sequence-first inside the model; these helpers take and return
-batch-first tensors. Prompts may be left-padded: ``attention_mask`` marks real tokens.
+"""Whole-sequence forward passes with explicit masks (no KV cache). Tensors are batch-first
+(megatron's are sequence-first inside); ``attention_mask`` marks the real tokens of left-padded rows.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Heads that replace a GPTModel's LM head, and a feature draft's input fusion.
-
-Entry points: :func:`attach_value_head` (critic, reward: ``[batch, seq, 1]`` values),
-:func:`attach_subset_head` (a draft's head over frequent tokens), :func:`attach_feature_fusion`
-(EAGLE drafts). Every head is called like megatron's output layer.
-"""
+"""Heads that replace a GPTModel's LM head (:func:`attach_value_head`, :func:`attach_subset_head`)
+and an EAGLE draft's input fusion (:func:`attach_feature_fusion`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Sequence parallelism (Korthikanti et al., 2022) for whole-sequence forwards at TP > 1.
-
-With ``--sequence-parallel`` the train-layout models are built with megatron-core's
-``sequence_parallel``: outside the TP regions each TP rank holds ``1/TP`` of the sequence.
-This module adds what megatron-core lacks for the local spec: an RMSNorm
-(:func:`block_spec`), padding to a multiple of TP (:func:`pad`), :func:`gather` for
-replicated consumers, and :func:`disabled` for decoding. At TP = 1 the flag changes nothing.
+"""Sequence parallelism (Korthikanti et al., 2022): outside the TP regions each TP rank holds
+``1/TP`` of the sequence. What megatron-core lacks for the local spec: an RMSNorm
+(:func:`block_spec`), padding (:func:`pad`), :func:`gather`, and :func:`disabled` for decoding.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """A parallel layout of one model: TP x PP x DP over an explicit list of global ranks.
 
-Entry point: :class:`Layout` (pure arithmetic; :mod:`megatron_rlhf.parallel.groups` makes
-the process groups). Several layouts of one model may coexist: reallocation moves weights
-between them. Rank order follows Megatron's ``tp-dp-pp``.
-"""
+:class:`Layout` is pure arithmetic; :mod:`~megatron_rlhf.parallel.groups` makes its process
+groups. Several layouts of one model may coexist (reallocation moves weights between them)."""
 
 from __future__ import annotations
 

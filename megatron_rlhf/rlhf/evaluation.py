@@ -1,8 +1,6 @@
 """Held-out evaluation: the policy's reward and accuracy on records it does not train on.
-
-The trainer generates K (``--eval-samples``) responses per record as in its rollouts and
-scores them with the run's reward, penalties left out; :func:`eval_metrics` reduces them.
-"""
+The trainer generates and scores K responses per record as in its rollouts (penalties left
+out); :func:`eval_metrics` reduces them."""
 
 from __future__ import annotations
 
