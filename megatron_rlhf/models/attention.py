@@ -16,6 +16,10 @@ from megatron.core.transformer.utils import is_layer_window_attention
 class SDPAttention(DotProductAttention):
     """megatron-core's ``DotProductAttention`` computed by torch SDPA."""
 
+    # megatron's local attention materialises [b, heads, s, s] scores, repeats K/V per query
+    # head, and keeps scores, fp32 softmax and probabilities for the backward. SDPA works in
+    # blocks (flash or memory-efficient kernels) and recomputes what its backward needs.
+
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
         # Cases SDPA does not cover go to megatron's own forward: a sliding window, a softmax
