@@ -1,5 +1,5 @@
 """Whole-sequence forward passes with explicit masks (no KV cache). Tensors are batch-first
-(megatron's are sequence-first inside); ``attention_mask`` marks the real tokens of left-padded rows.
+(megatron's are sequence-first inside); ``attention_mask`` marks real tokens of left-padded rows.
 """
 
 from __future__ import annotations

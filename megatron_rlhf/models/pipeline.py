@@ -26,8 +26,8 @@ def pipelined(model) -> bool:
 
 
 def model_output(model, mb) -> torch.Tensor:
-    """The model's raw output for a micro-batch (one stage's, under PP). An LM's logits start
-    at the column before the first response token (:func:`~megatron_rlhf.rlhf.batch.response_slice`)."""
+    """The model's raw output for a micro-batch (one stage's, under PP). An LM's logits start at
+    the column before the first response token (read by ``rlhf.batch.response_slice``)."""
     # The prompt's other columns predict nothing that is scored.
     lm = getattr(model, "mrlhf_role", None) in LM_ROLES
     return masked_forward(model, mb.input_ids, mb.attention_mask, output_from=mb.prompt_len - 1 if lm else 0)
