@@ -1,7 +1,5 @@
 """megatron_rlhf: RLHF training of Llama-family models on megatron-core.
 
-Importing the package has no side effects: the CPU shim, process groups and seeds are
-set up by explicit calls (:mod:`megatron_rlhf.runtime`).
-"""
+Importing the package has no side effects: :mod:`megatron_rlhf.runtime` sets up the rest."""
 
 __version__ = "0.1.0"

@@ -9,9 +9,9 @@ from megatron_rlhf.runtime.devices import device
 
 def padded(rows: list, fill, dtype: torch.dtype, to=None, width: int | None = None,
            left: bool = False) -> torch.Tensor:
-    """``[len(rows), width]`` tensor of the lists (or 1-D tensors) ``rows`` padded with ``fill`` (on the right,
-    or on the left), on device ``to`` (default: this rank's). Assembled on the host and
-    moved in one copy: a tensor per row on a GPU would be one transfer per row."""
+    """``[len(rows), width]`` tensor of the lists (or 1-D tensors) ``rows``, padded with
+    ``fill`` on the right (or ``left``), on device ``to`` (default: this rank's)."""
+    # Assembled on the host and moved in one copy: a tensor per row would be a transfer each.
     width = max([0] + [len(r) for r in rows]) if width is None else width
     out = torch.full((len(rows), width), fill, dtype=dtype, device="cpu")
     for i, r in enumerate(rows):

@@ -1,17 +1,9 @@
 """Prompt records for generation and RLHF: the shipped sets and users' dataset files.
 
-A record is one row of a dataset: the prompt (``--prompt-key``, default ``prompt``: a
-string, or a chat ``messages`` list of ``{"role", "content"}``) plus any other fields (an
-answer, test cases, ids), which ride along untouched to the reward function as
-``RewardInput.meta``. Files may be ``.jsonl`` (one JSON object per line), ``.json`` (a list
-of objects, or an object holding one such list, as ``datasets``' ``to_json(lines=False)``
-writes) or ``.parquet`` (read with ``pyarrow``: the files people keep from Hugging Face
-datasets). A bad record raises ``ValueError`` naming the file, the line (jsonl) or row, and
-what is wrong, before anything distributed starts.
-
-The shipped instruction prompts (:data:`DEFAULT_PROMPTS`) have ``id``, ``category`` and
-``split`` (``train`` or ``heldout``); the shipped arithmetic word problems
-(:data:`MATH_TRAIN`, :data:`MATH_HELDOUT`) have ``id``, ``prompt`` and ``answer``.
+Entry point: :func:`load_prompts`. A record is the prompt (``--prompt-key``: a string or a
+chat ``messages`` list) plus any other fields, which ride along untouched to the reward as
+``RewardInput.meta``. A bad record raises ``ValueError`` naming the file, the line or row,
+and what is wrong, before anything distributed starts.
 """
 
 from __future__ import annotations
@@ -22,36 +14,29 @@ from pathlib import Path
 
 from megatron_rlhf.data.tokenizer import encode_chat, encode_prompt
 
+# The instruction prompts written for this project: id, prompt, category, split.
 DEFAULT_PROMPTS: Path = Path(__file__).with_name("prompts.jsonl")
-"""The instruction prompts shipped with the package (written for this project)."""
+# Arithmetic word problems (tools/make_math_task.py): id, prompt, answer. The held-out split
+# shares no problem with the training one.
 MATH_TRAIN: Path = Path(__file__).with_name("math_train.jsonl")
-"""Shipped arithmetic word problems with answers (``tools/make_math_task.py``), for training."""
 MATH_HELDOUT: Path = Path(__file__).with_name("math_heldout.jsonl")
-"""Their held-out split (no problem in common with :data:`MATH_TRAIN`), for evaluation."""
 
-SPLITS = ("train", "heldout")
-"""Valid values of a prompt's ``split``."""
+SPLITS = ("train", "heldout")  # the values of a prompt's split
+# .jsonl: one object a line. .json: a list, or an object holding one list (datasets'
+# to_json(lines=False)). .parquet: read with pyarrow (Hugging Face datasets' files).
 FORMATS = (".jsonl", ".json", ".parquet")
-"""Dataset file types :func:`load_prompts` reads."""
 
 
 @dataclass
 class Prompt:
     """One prompt record."""
 
-    id: str
-    """The record's ``id``; ``line{n}`` / ``row{n}`` when the file gives none."""
-    prompt: str
-    """The user's instruction text (without any chat template; for a ``messages`` record,
-    its last user turn)."""
-    category: str
-    """Kind of task, e.g. ``math`` or ``coding``; ``unknown`` when the file gives none."""
-    split: str
-    """``train`` or ``heldout``; ``train`` when the file gives none."""
-    messages: list[dict] | None = None
-    """The chat turns when the record's prompt is a ``messages`` list (None: a string)."""
-    meta: dict = field(default_factory=dict)
-    """Every field of the record but the prompt, untouched (``RewardInput.meta``)."""
+    id: str  # the record's id, else line{n} / row{n}
+    prompt: str  # the user's text, no chat template (a messages record: its last user turn)
+    category: str  # e.g. math or coding, else unknown
+    split: str  # train or heldout, else train
+    messages: list[dict] | None = None  # the chat turns of a messages record, None for a string
+    meta: dict = field(default_factory=dict)  # every field but the prompt (RewardInput.meta)
 
 
 def _check_split(split: str | None) -> None:
@@ -74,8 +59,8 @@ def _messages(value, where: str, key: str) -> tuple[list[dict], str]:
 
 def parse_record(record, where: str, key: str = "prompt", default_id: str = "",
                  required: tuple[str, ...] = ()) -> Prompt:
-    """The :class:`Prompt` of one record (``where`` names it in errors: file and line/row);
-    ``required``: fields the reward needs (e.g. the verifier's answer), named when missing."""
+    """The :class:`Prompt` of one record. ``where`` names it in errors (file and line/row).
+    ``required``: fields the reward needs (e.g. the answer). Raises ValueError."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     for name in required:
@@ -142,13 +127,11 @@ def _rows(path: Path) -> list:
 
 def load_prompts(path: str | Path | None = None, split: str | None = None,
                  key: str = "prompt", required: tuple[str, ...] = ()) -> list[Prompt]:
-    """Prompt records of a dataset file (the shipped instruction prompts when ``path`` is
-    None), in file order; see the module docstring for the formats.
+    """Records of a dataset file (None: the shipped instruction prompts), in file order.
 
-    ``split`` keeps only ``"train"`` or ``"heldout"`` records; None keeps all. ``key`` is the
-    prompt's field; ``required``: other fields every record must have. Errors name the file
-    and the line or row (0-based, as ``datasets`` counts them).
-    """
+    ``split``: ``"train"``, ``"heldout"`` or None (all). ``key``: the prompt's field.
+    ``required``: fields every record must have. Raises ValueError naming the file and the
+    line or row (0-based, as ``datasets`` counts), FileNotFoundError."""
     _check_split(split)
     path = DEFAULT_PROMPTS if path is None else Path(path)
     if path.suffix not in FORMATS:
@@ -167,8 +150,8 @@ def load_prompts(path: str | Path | None = None, split: str | None = None,
 
 
 def encode_record(tokenizer, p: Prompt, chat: bool = True) -> list[int]:
-    """Token ids of a record's prompt: its chat ``messages`` through the chat template, or
-    its text (as a user turn plus the assistant header when ``chat``)."""
+    """Token ids of a record's prompt: its ``messages`` through the chat template, or its text
+    (as a user turn plus the assistant header when ``chat``)."""
     if p.messages is None:
         return encode_prompt(tokenizer, p.prompt, chat=chat)
     if not chat:

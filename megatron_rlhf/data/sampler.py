@@ -1,9 +1,5 @@
-"""Which prompts an RLHF iteration trains on: a pure function of (seed, iteration).
-
-The prompt order is a fresh permutation each epoch; iteration ``k`` (1-based) takes the
-next ``batch`` prompts of the endless sequence of epochs. Resuming at iteration ``k``
-needs nothing but ``k``, and no prompt repeats before every prompt has been seen.
-"""
+"""Which prompts an RLHF iteration trains on: a pure function of (seed, iteration). No prompt
+repeats before every prompt has been seen."""
 
 from __future__ import annotations
 
@@ -17,6 +13,7 @@ def epoch_order(num_prompts: int, epoch: int, seed: int) -> list[int]:
 
 def batch_indices(num_prompts: int, batch: int, iteration: int, seed: int) -> list[int]:
     """Prompt indices of ``iteration`` (1-based)."""
+    # The next batch prompts of an endless sequence of epochs, each a fresh permutation.
     if num_prompts < 1:
         raise ValueError("no prompts to train on")
     start = (iteration - 1) * batch

@@ -1,2 +1,1 @@
-"""The stages around RLHF: supervised fine-tuning (SFT), reward-model training on
-preference pairs (Bradley-Terry) and direct preference optimisation (DPO)."""
+"""The stages around RLHF: SFT, reward-model training (Bradley-Terry) and DPO."""

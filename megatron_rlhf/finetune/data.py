@@ -1,14 +1,9 @@
-"""Datasets of the fine-tuning stages: SFT examples and preference pairs, tokenised the way
-the RLHF loop sees prompts (the chat template with the assistant header, then the response
-and EOS), held-out splits, batches with response masks, and packing.
+"""Datasets of the fine-tuning stages: SFT examples and preference pairs, held-out splits,
+packing and batches with response masks.
 
-- SFT jsonl: ``{"prompt": ..., "response": ...}`` or ``{"messages": [{"role", "content"}...]}``
-  (the last message is the assistant's response; the earlier ones are the prompt);
-- preference jsonl: ``{"prompt": ..., "chosen": ..., "rejected": ...}``.
-
-A :class:`TokenBatch` holds rows of one or more examples (packing), right-padded:
-``segments`` numbers each row's examples from 1 (0: padding), so attention stays inside an
-example and positions restart at each one.
+Entry points: :func:`read_jsonl`, :func:`sft_examples`, :func:`pair_examples`,
+:func:`token_batch`. Invariant: examples are tokenised the way the RLHF loop sees prompts
+(the chat template with the assistant header), then the response and EOS.
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ class Example:
 
     @property
     def untargeted(self) -> int:
-        """Leading response tokens that are no target: the first one when the prompt is
-        empty (nothing of this example precedes it to predict it from)."""
+        """Leading response tokens that are no target (the first when the prompt is empty)."""
         return 0 if self.prompt else min(1, len(self.response))
 
     @property
@@ -47,6 +41,8 @@ class Example:
         return len(self.response) - self.untargeted
 
 
+# Rows of one or more examples (packing), right-padded. segments numbers each row's examples
+# from 1 (0: padding), so attention stays inside an example and positions restart at each.
 @dataclass
 class TokenBatch:
     input_ids: Tensor  # [B, T] right-padded
@@ -61,8 +57,8 @@ class TokenBatch:
 
 
 def read_jsonl(path: str | Path, keys: tuple[str, ...]) -> list[dict]:
-    """Records of a jsonl file, each checked for ``keys`` (or ``messages``); ValueError
-    naming the line."""
+    """Records of a jsonl file, each checked for ``keys`` (or ``messages``). Raises
+    ValueError naming the line."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"data file {p} does not exist")
@@ -83,13 +79,15 @@ def read_jsonl(path: str | Path, keys: tuple[str, ...]) -> list[dict]:
     return out
 
 
+# SFT records may instead hold chat "messages": the last is the assistant's response, the
+# earlier ones the prompt.
 SFT_KEYS = ("prompt", "response")
 PAIR_KEYS = ("prompt", "chosen", "rejected")
 
 
 def encode_prompt_messages(tokenizer, messages: list[dict], chat: bool) -> list[int]:
     """The prompt as the policy sees it: the chat template with the assistant header, or
-    plain text (``chat=False``: the messages' contents joined)."""
+    (``chat=False``) the messages' contents joined."""
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template: use --no-chat")
@@ -142,8 +140,8 @@ def _check_length(ex: Example, i: int, max_len: int) -> None:
 
 
 def split_held_out(items: list, fraction: float, seed: int) -> tuple[list, list]:
-    """``(train, held_out)``: a seeded random ``fraction`` of ``items`` held out (at least
-    one when the fraction is positive)."""
+    """``(train, held_out)``: a seeded random ``fraction`` of ``items`` held out, at least one
+    when positive."""
     if not 0 <= fraction < 1:
         raise ValueError(f"--held-out-fraction must lie in [0, 1), got {fraction}")
     n = round(len(items) * fraction)
@@ -195,9 +193,8 @@ def token_batch(rows: list[list[Example]], pad_id: int, device=None) -> TokenBat
 
 
 def segment_inputs(segments: Tensor) -> tuple[Tensor, Tensor]:
-    """``(position_ids [B, T], blocked mask [B, 1, T, T])`` for packed rows: positions
-    restart at each example; a token attends to earlier tokens of its own example only
-    (padding attends to itself, so no softmax row is empty)."""
+    """``(position_ids [B, T], blocked mask [B, 1, T, T])`` for packed rows: positions restart
+    at each example, and a token attends to earlier tokens of its own example only."""
     b, t = segments.shape
     start = torch.ones_like(segments, dtype=torch.bool)
     start[:, 1:] = segments[:, 1:] != segments[:, :-1]
@@ -207,5 +204,6 @@ def segment_inputs(segments: Tensor) -> tuple[Tensor, Tensor]:
     causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()
     same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] > 0)
     allowed = causal[None] & same
+    # Padding attends to itself, so no softmax row is empty.
     allowed |= torch.eye(t, dtype=torch.bool, device=segments.device)[None]
     return positions, ~allowed[:, None]

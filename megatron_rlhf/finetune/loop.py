@@ -1,16 +1,9 @@
 """The fine-tuning loop (SFT, reward model, DPO) on megatron-core's DDP and optimizer.
 
-Every step takes ``global_batch_size`` records (a pure function of seed and step, like the
-RLHF loop's prompts: a resumed run repeats the uninterrupted one), splits them over the
-data-parallel ranks and micro-batches, and takes one optimizer step. Losses are sums over
-the step's targets divided by their number on all ranks (response tokens for SFT, pairs
-otherwise), so the update does not depend on the data-parallel size. Held-out records are
-evaluated before the first step, every ``eval_interval`` steps and at the end: SFT loss
-per token; pairwise
-accuracy (the chosen response scores higher) for reward models and DPO.
-
-Rows: SFT rows hold one example (or several, packed); a preference micro-batch of ``m``
-pairs is ``2m`` rows, chosen and rejected interleaved.
+Entry point: :meth:`FinetuneTrainer.run`. Invariants: a step's records are a pure function of
+seed and step (a resumed run repeats the uninterrupted one), and the update does not depend
+on the data-parallel size. Held-out records are evaluated before the first step, every
+``eval_interval`` steps and at the end.
 """
 
 from __future__ import annotations
@@ -59,13 +52,14 @@ class FinetuneTrainer:
             chunk = records[i:i + m]
             if self.cfg.loss == "sft":
                 rows = D.pack(chunk, self.cfg.seq_length if self.cfg.pack else None)
-            else:
-                rows = [[e] for pair in chunk for e in pair]  # chosen, rejected, ...
+            else:  # m pairs are 2m rows, chosen and rejected interleaved
+                rows = [[e] for pair in chunk for e in pair]
             out.append(D.token_batch(rows, self.pad_id))
         return out
 
     def _denominator(self, records: list) -> torch.Tensor:
         """The step's targets on all ranks: response tokens (SFT) or pairs."""
+        # Losses are sums over targets divided by this: the update is that of DP=1.
         local = sum(e.targets for e in records) if self.cfg.loss == "sft" else len(records)
         return runtime.all_reduce(torch.tensor(float(local), dtype=torch.float64,
                                                 device=runtime.device()), group=self.pg.dp)
@@ -92,14 +86,13 @@ class FinetuneTrainer:
 
     @staticmethod
     def _sequence_logprobs(model, out, mb: D.TokenBatch) -> torch.Tensor:
-        """``[rows]`` summed log-probabilities of each row's response tokens (one example
-        per row)."""
+        """``[rows]`` summed log-probs of each row's response tokens (one example per row)."""
         return L.sequence_logprobs(logits_of(model, out), mb.input_ids, mb.loss_mask)
 
     @torch.no_grad()
     def _reference_logprobs(self, mbs: list[D.TokenBatch]) -> None:
-        """DPO: the frozen reference scores every micro-batch first, then waits in pinned host
-        memory while the policy trains (as PPO's reference does between experience stages)."""
+        """DPO: the frozen reference scores every micro-batch into ``mb.ref``."""
+        # Then it waits in pinned host memory while the policy trains, as PPO's reference does.
         from megatron_rlhf.rlhf import offload
 
         offload.move_model(self.reference, runtime.device())
@@ -129,7 +122,8 @@ class FinetuneTrainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Held-out metrics over all data-parallel ranks (every record once)."""
+        """Held-out metrics over all DP ranks, every record once: SFT loss per token, else
+        pairwise accuracy (the chosen response scores higher) and margin."""
         if not self.held_out:
             return {}
         self.t.model.eval()

@@ -1,11 +1,5 @@
-"""Losses of the fine-tuning stages (pure functions; shapes in comments).
-
-- :func:`sft_loss`: next-token cross entropy on response tokens only (the prompt, the chat
-  template around it and padding are context, not targets);
-- :func:`bradley_terry_loss`: a reward model's ``-log sigmoid(r_chosen - r_rejected)``;
-- :func:`dpo_loss`: DPO (Rafailov et al. 2023) from the policy's and the reference's
-  sequence log-probabilities of the chosen and rejected responses.
-"""
+"""Losses of the fine-tuning stages: SFT, a reward model's Bradley-Terry and DPO
+(Rafailov et al. 2023). Pure functions."""
 
 from __future__ import annotations
 
@@ -21,9 +15,9 @@ def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
 
 
 def sft_loss(logits: Tensor, input_ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """``(sum of -log p over target tokens, number of target tokens)``; ``loss_mask [B, T]``
-    is 1 at the tokens to predict (response tokens), 0 elsewhere; position 0 is never a
-    target. The caller divides by the token count over all ranks."""
+    """``(sum of -log p over targets, number of targets)``. ``loss_mask [B, T]`` is 1 at the
+    response tokens; the prompt, its chat template and padding are context. Position 0 is
+    never a target."""
     target = loss_mask[:, 1:].to(torch.float32)  # [B, T-1]
     nll = -token_logprobs(logits, input_ids) * target
     return nll.sum(), target.sum()
@@ -44,10 +38,10 @@ def bradley_terry_loss(chosen: Tensor, rejected: Tensor, margin: Tensor | None =
 
 def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor,
              ref_rejected: Tensor, beta: float, label_smoothing: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    """DPO per pair: ``(loss [P], chosen reward [P], rejected reward [P])`` where the
-    implicit reward is ``beta * (log pi(y|x) - log pi_ref(y|x))`` and the loss
-    ``-log sigmoid(r_c - r_r)`` (conservative DPO with ``label_smoothing`` eps:
-    ``-(1-eps) log sigmoid(d) - eps log sigmoid(-d)``)."""
+    """DPO per pair, from sequence log-probs ``[P]``: ``(loss, chosen reward, rejected reward)``,
+    each ``[P]``."""
+    # Implicit reward beta * (log pi(y|x) - log pi_ref(y|x)). Conservative DPO with
+    # label_smoothing eps: -(1-eps) log sigmoid(d) - eps log sigmoid(-d).
     chosen = beta * (policy_chosen - ref_chosen)
     rejected = beta * (policy_rejected - ref_rejected)
     d = chosen - rejected

@@ -1,9 +1,8 @@
 """Build Llama-family megatron-core ``GPTModel``s for each RLHF role.
 
-One function, :func:`build_model`, maps a :class:`ModelConfig` onto megatron-core's
-``TransformerConfig`` and layer spec (local on CPU; Transformer-Engine when it imports on
-GPU) and returns the model for a role: actor/reference/draft carry the LM head,
-critic/reward a scalar value head per token (:mod:`megatron_rlhf.models.heads`).
+Entry point: :func:`build_model`. The layer spec is local on CPU, Transformer-Engine when it
+imports on GPU. actor/reference/draft carry the LM head, critic/reward a scalar value head
+per token (:mod:`megatron_rlhf.models.heads`).
 """
 
 from __future__ import annotations
@@ -36,18 +35,16 @@ def transformer_engine_available() -> bool:
 @functools.cache
 def fused_softmax_available() -> bool:
     """True when megatron's fused masked-softmax kernel (built only with apex) imports and a
-    GPU is present: megatron's ``FusedScaleMaskSoftmax`` imports ``scaled_masked_softmax_cuda``
-    at the first half-precision call when ``masked_softmax_fusion`` is on, and raises without it."""
+    GPU is present."""
+    # With masked_softmax_fusion on, FusedScaleMaskSoftmax imports scaled_masked_softmax_cuda
+    # at the first half-precision call, and raises without it.
     return runtime.has_cuda() and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
 
 
 def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 1,
                        recompute: str | None = None, sequence_parallel: bool = False):
-    """megatron-core ``TransformerConfig`` for a Llama-family model at TP size ``tp`` and
-    PP size ``pp`` (layers split evenly over the pipeline stages); ``recompute``: megatron's
-    activation recompute in training, ``full`` (every layer's input kept, the layer re-run
-    in backward) or ``selective`` (the attention core only); ``sequence_parallel`` (at
-    ``tp > 1`` only): :mod:`megatron_rlhf.models.sequence_parallel`."""
+    """megatron-core ``TransformerConfig`` for a Llama-family model at TP ``tp`` and PP ``pp``
+    (layers split evenly). ``recompute``: None, ``full`` or ``selective``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = runtime.has_cuda()
@@ -84,24 +81,23 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        # full: every layer's input kept, the layer re-run in backward; selective: the
+        # attention core only.
         recompute_granularity=recompute,
         recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
     )
 
 
+# Attention mask types under which every backend applies the explicit [B, 1, T, T] mask of
+# forward.causal_padding_mask. Under causal the fused kernels (apex's upper-triangular softmax,
+# Transformer Engine) drop it, and left padding would be attended silently.
 MASK_HONOURING = ("arbitrary",)
-"""Attention mask types under which every backend applies the explicit ``[B, 1, T, T]`` mask
-of :func:`~megatron_rlhf.models.forward.causal_padding_mask`. Under ``causal`` the fused
-kernels (apex's upper-triangular softmax, Transformer Engine) drop it, and left padding
-would be attended silently."""
 
 
 def layer_spec(use_te: bool | None = None):
-    """Transformer-Engine spec when available (or requested), local spec otherwise (its core
-    attention through torch SDPA: :class:`~megatron_rlhf.models.attention.SDPAttention`), with
-    self-attention under the ``arbitrary`` mask type: whole-sequence forwards pass a mask
-    that combines causality and padding, and every backend honours it."""
+    """Transformer-Engine spec when available (or requested), else the local spec with
+    :class:`~megatron_rlhf.models.attention.SDPAttention`; self-attention masks ``arbitrary``."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -115,14 +111,14 @@ def layer_spec(use_te: bool | None = None):
         spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
         # torch SDPA in place of the local spec's materialised scores (models/attention.py)
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    # Whole-sequence forwards pass a mask combining causality and padding: every backend honours it.
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
     return spec
 
 
 def check_mask_honoured(model) -> None:
-    """Raise unless every attention layer of ``model`` applies explicit masks (checked once
-    per model): a model built elsewhere with megatron's default ``causal`` spec would ignore
-    the padding of left-padded batches under fused kernels."""
+    """Raise ValueError unless every attention layer of ``model`` applies explicit masks (a
+    model built with megatron's default ``causal`` spec would ignore left padding)."""
     if getattr(model, "_mrlhf_mask_ok", False):
         return
     for i, layer in enumerate(model.decoder.layers):
@@ -136,8 +132,8 @@ def check_mask_honoured(model) -> None:
 
 
 def _scale_rope(model, scaling: dict) -> None:
-    """Llama-3.x RoPE scaling with every parameter the checkpoint gives (megatron-core's own
-    ``rope_scaling`` takes the factor only and fixes the rest to Llama-3.1's values)."""
+    """Llama-3.x RoPE scaling with every parameter the checkpoint gives."""
+    # megatron-core's own rope_scaling takes the factor only, the rest fixed to Llama-3.1's.
     rope = model.rotary_pos_emb
     rope.inv_freq = rope._apply_scaling(
         rope.inv_freq, factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
@@ -155,14 +151,9 @@ def build_model(
     recompute: str | None = None,
     sequence_parallel: bool = False,
 ):
-    """Build the model of ``role`` on this rank's device, sharded over ``pg_collection.tp``
-    and, with ``pg_collection.pp`` larger than 1, this rank's pipeline stage of it (the
-    embedding on the first stage, the head on the last, ``num_layers / PP`` layers each).
-
-    ``seed`` fixes the random initialisation (identical at every TP size on CPU).
-    ``sequence_parallel``: split whole sequences over TP between its regions (at TP > 1;
-    :mod:`megatron_rlhf.models.sequence_parallel`).
-    """
+    """The model of ``role`` on this rank's device, sharded over ``pg_collection.tp``, and at
+    PP > 1 this rank's stage (embedding first, head last, ``num_layers / PP`` layers each).
+    ``seed`` fixes the initialisation (identical at every TP size on CPU)."""
     from megatron.core.models.gpt import GPTModel
 
     check_role(role)

@@ -1,18 +1,9 @@
 """Model checkpoints: megatron-core ``dist_checkpointing``, written atomically.
 
-Layout on disk (Megatron's convention)::
-
-    ROOT/latest_checkpointed_iteration.txt     step of the newest complete checkpoint
-    ROOT/iter_0000010/                          one complete checkpoint
-        megatron_rlhf.json                      model config, role, step, file manifest
-        tokenizer/                              tokenizer files (when known)
-        common.pt .metadata __*_*.distcp ...    dist_checkpointing, layout-free
-
-A save writes ``iter_X.tmp`` and renames it to ``iter_X`` only after every rank has
-finished and the manifest is on disk; the tracker file is replaced last. A crash at any
-point leaves the previous checkpoint loadable. The manifest lists every file with its
-size, so a missing or truncated file is reported before any collective starts.
-Checkpoints are layout-free: saved at one TP size, they load at another.
+Entry points: :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`read_checkpoint`.
+Invariants: a crash at any point leaves the previous checkpoint loadable. A missing or
+truncated file is reported before any collective starts. Saved at one TP size, a
+checkpoint loads at another.
 """
 
 from __future__ import annotations
@@ -27,6 +18,13 @@ import torch.distributed as dist
 
 from megatron_rlhf.config import ModelConfig, check_role
 
+# Layout on disk (Megatron's convention):
+#   ROOT/latest_checkpointed_iteration.txt    step of the newest complete checkpoint
+#   ROOT/iter_0000010/                         one complete checkpoint
+#       megatron_rlhf.json                     model config, role, step, file manifest
+#       tokenizer/                             tokenizer files (when known)
+#       common.pt .metadata __*_*.distcp ...   dist_checkpointing, layout-free
+# The manifest lists every file with its size: that is how a truncated file is found.
 METADATA_FILE = "megatron_rlhf.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -40,16 +38,11 @@ class CheckpointError(ValueError):
 class CheckpointInfo:
     """What :func:`read_checkpoint` learns from the files alone (no collectives)."""
 
-    path: Path
-    """The ``iter_*`` directory."""
-    config: ModelConfig
-    """The model's architecture."""
-    role: str
-    """actor / reference / draft / critic / reward."""
-    step: int
-    """Training step the checkpoint was written at."""
-    extra: dict
-    """Anything else the writer recorded."""
+    path: Path  # the iter_* directory
+    config: ModelConfig  # the model's architecture
+    role: str  # actor / reference / draft / critic / reward
+    step: int  # the training step it was written at
+    extra: dict  # anything else the writer recorded
 
     @property
     def tokenizer_dir(self) -> Path | None:
@@ -102,8 +95,7 @@ def verify_manifest(directory: Path, files: dict[str, int]) -> None:
 
 
 def tracked_iteration(root: Path) -> tuple[int, Path] | None:
-    """The step and ``iter_*`` directory that ``ROOT``'s tracker file names (None without a
-    tracker)."""
+    """The (step, ``iter_*`` directory) that ``ROOT``'s tracker names; None without one."""
     tracker = root / TRACKER_FILE
     if not tracker.is_file():
         return None
@@ -114,13 +106,12 @@ def tracked_iteration(root: Path) -> tuple[int, Path] | None:
 
 
 def sharded_state_dict(model, pg_collection) -> dict:
-    """The model's sharded state dict, as saved under the key ``model``.
-
-    megatron-core 0.16 reads the data-parallel rank from its global ``parallel_state`` for
-    one entry: a tied embedding's copy on the last pipeline stage. This program keeps no
-    global layout (several coexist), so that one call answers with the model's own."""
+    """The model's sharded state dict, as saved under the key ``model``."""
     from megatron.core import parallel_state
 
+    # megatron-core 0.16 reads the DP rank from its global parallel_state for one entry (a tied
+    # embedding's copy on the last pipeline stage). We keep no global layout (several coexist),
+    # so that one call answers with the model's own.
     global_rank_of = parallel_state.get_data_parallel_rank
     parallel_state.get_data_parallel_rank = lambda *a, **k: pg_collection.dp.rank()
     try:
@@ -145,10 +136,9 @@ def begin_iteration(root: str | os.PathLike, step: int) -> Path:
 
 def commit_iteration(root: str | os.PathLike, step: int) -> Path:
     """Publish ``iter_<step>.tmp`` as ``iter_<step>`` and point the tracker at it; collective.
-
-    Call once every rank has written its files. The rename is atomic, and the tracker is
-    replaced last, so a crash at any point leaves the previous checkpoint as the latest.
-    """
+    Call once every rank has written its files."""
+    # The rename is atomic and the tracker is replaced last: a crash at any point leaves the
+    # previous checkpoint as the latest.
     dist.barrier()
     final = iteration_dir(root, step)
     tmp = _tmp_dir(final)
@@ -168,10 +158,8 @@ def commit_iteration(root: str | os.PathLike, step: int) -> Path:
 
 
 def prune_iterations(root: str | os.PathLike, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` committed ``iter_*`` directories under ``root``
-    (never the tracked one); returns the deleted steps. Each is renamed out of the
-    ``iter_*`` namespace before it is deleted, so a crash mid-delete leaves nothing that
-    looks like a checkpoint. Rank 0 only; no collectives."""
+    """Delete all but the newest ``keep`` ``iter_*`` directories (never the tracked one).
+    Returns the deleted steps. Rank 0 only, no collectives."""
     root = Path(root)
     tracked = tracked_iteration(root)
     steps = sorted(int(p.name[5:]) for p in root.glob("iter_*")
@@ -179,6 +167,7 @@ def prune_iterations(root: str | os.PathLike, keep: int) -> list[int]:
     doomed = [s for s in steps[:-keep] if tracked is None or s != tracked[0]] if keep > 0 else []
     for s in doomed:
         d = iteration_dir(root, s)
+        # Renamed out of the iter_* namespace first: a crash mid-delete leaves no half checkpoint.
         gone = d.with_name(d.name + ".deleting")
         os.replace(d, gone)
         shutil.rmtree(gone)
@@ -187,12 +176,9 @@ def prune_iterations(root: str | os.PathLike, keep: int) -> list[int]:
 
 def write_model(directory: Path, step: int, model, pg_collection, tokenizer=None,
                 extra: dict | None = None) -> None:
-    """Write ``model`` into an existing ``directory`` (weights + metadata); collective.
-
-    ``tokenizer`` (a HF tokenizer) is stored beside the weights so the checkpoint is
-    self-contained. A rank outside the model's layout (one over part of the world) passes
-    an :class:`~megatron_rlhf.parallel.reshard.Absent` copy and ``pg_collection`` None.
-    """
+    """Write ``model`` (weights, metadata, the HF ``tokenizer`` if given) into ``directory``;
+    collective. A rank outside the model's layout passes an
+    :class:`~megatron_rlhf.parallel.reshard.Absent` copy and ``pg_collection`` None."""
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -214,11 +200,8 @@ def write_model(directory: Path, step: int, model, pg_collection, tokenizer=None
 
 
 def save_sharded(sd: dict | None, directory: Path) -> None:
-    """``dist_checkpointing.save(sd, directory)``, collective over the world, where some
-    ranks may hold no part of what is saved (``sd`` None: a model or optimizer on a layout
-    over part of the world). megatron writes the state dict's common (unsharded) part from
-    rank 0 alone, so every rank without a part takes the common part of the first rank with
-    one, and the checkpoint is whole wherever rank 0 is."""
+    """``dist_checkpointing.save(sd, directory)``, collective over the world. ``sd`` is None on
+    a rank that holds no part (a model or optimizer on a layout over part of the world)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase
@@ -228,17 +211,18 @@ def save_sharded(sd: dict | None, directory: Path) -> None:
         common = extract_matching_values(sd, lambda v: isinstance(v, ShardedBase))[1]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (sd is not None, common))
+    # megatron writes the common (unsharded) part from rank 0 alone. A rank without a part takes
+    # the first holder's, so the checkpoint is whole wherever rank 0 is.
     first = next((c for held, c in everyone if held), None)
     _write_results_in_process()
     dist_checkpointing.save(sd if sd is not None else (first or {}), str(directory))
 
 
 def _write_results_in_process() -> None:
-    """megatron's writer returns its write results through a queue of a multiprocessing
-    Manager it spawns, for asynchronous saves (results from another process). Our saves are
-    synchronous: the writer puts and reads its results in this process, so a plain queue
-    does. The Manager's spawn re-imports the entry point: 2.5 s of every process's first
-    save on a CPU."""
+    """Give megatron's writer a plain in-process results queue."""
+    # megatron's writer returns results through the queue of a multiprocessing Manager it
+    # spawns, for asynchronous saves. Ours are synchronous: results are put and read in this
+    # process. The Manager's spawn would re-import the entry point on every first save.
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -255,10 +239,7 @@ def save_checkpoint(
     tokenizer=None,
     extra: dict | None = None,
 ) -> Path:
-    """Save ``model`` to ``ROOT/iter_<step>`` atomically; collective over the world.
-
-    Returns the checkpoint directory.
-    """
+    """Save ``model`` to ``ROOT/iter_<step>`` atomically; collective. Returns that directory."""
     tmp = begin_iteration(root, step)
     write_model(tmp, step, model, pg_collection, tokenizer, extra)
     return commit_iteration(root, step)
@@ -308,10 +289,8 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
 
 
 def check_shapes(model, pg_collection, info: CheckpointInfo, skip: tuple[str, ...] = ()) -> None:
-    """Compare every tensor's global shape with the checkpoint's; name the first mismatch.
-
-    Tensors whose key starts with one of ``skip`` are not checked (not loaded).
-    """
+    """Raise :class:`CheckpointError` naming the first tensor whose global shape differs from
+    the checkpoint's. Keys starting with one of ``skip`` are not checked."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from torch.distributed.checkpoint import FileSystemReader
@@ -336,25 +315,22 @@ def check_shapes(model, pg_collection, info: CheckpointInfo, skip: tuple[str, ..
 
 
 def load_elsewhere(path: str | os.PathLike) -> None:
-    """This rank's part in a load of ``path`` that other ranks make into a model this rank
-    does not hold (a layout over part of the world): megatron's loader is collective over
-    the world (metadata exchange, torch's planning), so it takes part with nothing to read."""
+    """This rank's part in a load of ``path`` into a model it does not hold."""
     from megatron.core import dist_checkpointing
 
+    # megatron's loader is collective over the world (metadata exchange, torch's planning):
+    # this rank takes part with nothing to read.
     dist_checkpointing.load({}, str(read_checkpoint(path).path))
 
 
 def load_checkpoint(model, pg_collection, path: str | os.PathLike,
                     skip: tuple[str, ...] = ()) -> CheckpointInfo:
-    """Load weights into ``model`` (any TP size); collective over the world (ranks without
-    the model call :func:`load_elsewhere`).
-
-    The files and shapes are verified first, on every rank, before any collective.
-    Tensors whose key starts with one of ``skip`` keep their current values (e.g. a critic's
-    value head when its trunk comes from an actor checkpoint).
-    """
+    """Load weights into ``model`` (any TP size); collective over the world (ranks without the
+    model call :func:`load_elsewhere`). Keys starting with one of ``skip`` keep their values
+    (e.g. a critic's value head over an actor's trunk). Raises :class:`CheckpointError`."""
     from megatron.core import dist_checkpointing
 
+    # Files and shapes are verified on every rank before any collective.
     info = read_checkpoint(path)
     check_shapes(model, pg_collection, info, skip)
     sd = sharded_state_dict(model, pg_collection)

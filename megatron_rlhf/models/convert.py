@@ -27,9 +27,8 @@ def _single_process_groups():
 
 def hf_to_mcore(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.float32,
                 role: str = "actor", step: int = 0) -> Path:
-    """Convert a HF Llama directory or ``.gguf`` file to a megatron_rlhf checkpoint (role
-    critic or reward: a ``*ForSequenceClassification`` with one label, its ``score`` head
-    becoming the value head)."""
+    """Convert a HF Llama directory or ``.gguf`` file to a megatron_rlhf checkpoint; returns
+    its directory. A critic or reward comes from a one-label ``*ForSequenceClassification``."""
     ckpt = read_hf(src)
     cfg = hf_mapping.config_from_hf(ckpt.config)
     if role in hf_mapping.VALUE_ROLES and ckpt.config.get("num_labels", 1) != 1:

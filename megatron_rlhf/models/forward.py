@@ -1,7 +1,5 @@
-"""Whole-sequence forward passes with explicit masks (no KV cache).
-
-megatron tensors are sequence-first inside the model; these helpers take and return
-batch-first tensors. Prompts may be left-padded: ``attention_mask`` marks real tokens.
+"""Whole-sequence forward passes with explicit masks (no KV cache). Tensors are batch-first
+(megatron's are sequence-first inside); ``attention_mask`` marks real tokens of left-padded rows.
 """
 
 from __future__ import annotations
@@ -16,32 +14,23 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B, 1, T, T]`` bool, True where attention is *blocked* (megatron's convention).
-
-    Query t sees real keys at positions <= t. A padding query sees itself, so no row of
-    the softmax is empty.
-    """
+    Query t sees real keys at positions <= t."""
     b, t = attention_mask.shape
     dev = attention_mask.device
     causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
     allowed = causal[None] & attention_mask.bool()[:, None, :]
-    allowed |= torch.eye(t, dtype=torch.bool, device=dev)[None]
+    allowed |= torch.eye(t, dtype=torch.bool, device=dev)[None]  # no softmax row left empty
     return ~allowed[:, None]
 
 
 def masked_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    output_from: int = 0, **kw):
-    """``model``'s raw output for a (left-)padded batch: positions counting real tokens, the
-    causal-and-padding mask, after checking that the model applies it
-    (:func:`~megatron_rlhf.models.builder.check_mask_honoured`). ``kw`` go to the model.
-    Under sequence parallelism the batch is right-padded to a multiple of TP (mask 0) and
-    the output cut back to the given length.
+    """``model``'s raw output ``[B, T, ...]`` for a (left-)padded batch; ``kw`` go to the model.
 
-    ``output_from``: the output layer (an LM's vocabulary projection) runs on columns
-    ``output_from:`` only, and the output has those columns (no logits are computed for
-    the rest of a prompt; not under sequence parallelism, whose output layer gathers the
-    sequence itself: there the whole output comes back). Callers find the columns from the
-    output's width (:func:`~megatron_rlhf.rlhf.batch.response_slice`).
-    """
+    ``output_from``: the output layer runs on columns ``output_from:`` only, and the output
+    has those columns, except under sequence parallelism (the whole output). Callers find
+    the columns from the output's width (:func:`~megatron_rlhf.rlhf.batch.response_slice`).
+    Raises ValueError when the model ignores explicit masks."""
     from megatron_rlhf.models import sequence_parallel
     from megatron_rlhf.models.builder import check_mask_honoured
 
@@ -51,6 +40,9 @@ def masked_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if "decoder_input" in kw and sequence_parallel.enabled(model):
         raise ValueError("a decoder input is not split over the sequence: build this model "
                          "without sequence parallelism")
+    # Under sequence parallelism the batch is right-padded to a multiple of TP (mask 0), and
+    # the output cut back to the given length. Its output layer gathers the sequence itself,
+    # so output_from does not apply there.
     length = input_ids.shape[1]
     input_ids, attention_mask = sequence_parallel.pad(model, input_ids, attention_mask)
     hooks = []

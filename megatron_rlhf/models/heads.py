@@ -1,19 +1,5 @@
-"""Heads that replace a GPTModel's LM head: a scalar value head (critic, reward) and a
-reduced LM head over frequent tokens (fast drafts).
-
-The critic/reward model is the actor's ``GPTModel`` trunk with its LM head replaced by a
-linear map ``hidden -> 1`` per token (replicated over TP: the trunk's output is already
-replicated). ``GPTModel.forward`` then returns ``[batch, seq, 1]`` values.
-
-A draft's ``SubsetLMHead`` scores only ``head_vocab_size`` tokens (a column-parallel
-linear over TP, gathered) and returns full-vocabulary logits with ``-inf`` elsewhere, so
-every consumer of logits works unchanged; speculative decoding stays lossless because
-the actor's ``p`` decides acceptance.
-
-A feature draft (EAGLE) also gets a :class:`FeatureFusion`: ``fc([embed(x_t), h_{t-1}])``
-replaces the token embedding as the decoder's input, ``h`` being the target's final-norm
-output one position earlier (replicated over TP, like the value head).
-"""
+"""Heads that replace a GPTModel's LM head (:func:`attach_value_head`, :func:`attach_subset_head`)
+and an EAGLE draft's input fusion (:func:`attach_feature_fusion`)."""
 
 from __future__ import annotations
 
@@ -24,8 +10,7 @@ from torch import nn
 
 
 class ValueHead(nn.Module):
-    """``hidden [s, b, h] -> values [s, b, 1]``, called like megatron's output layer. Under
-    sequence parallelism its input (a sequence shard per TP rank) is gathered first."""
+    """``hidden [s, b, h] -> values [s, b, 1]``, replicated over TP like the trunk's output."""
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False,
                  tp_group=None):
@@ -36,7 +21,7 @@ class ValueHead(nn.Module):
         self.tp_group = tp_group
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
-        if self.sequence_parallel:
+        if self.sequence_parallel:  # the input is a sequence shard per TP rank
             from megatron_rlhf.models.sequence_parallel import gather
 
             hidden = gather(hidden, self.tp_group)
@@ -49,6 +34,9 @@ def _subset_head_class():
     class SubsetLMHead(ColumnParallelLinear):
         """LM head over ``token_ids`` only: ``hidden [s, b, h] -> logits [s, b, V]``, -inf
         off-head. Its weight keeps megatron's ``output_layer.weight`` name (TP-sharded)."""
+
+        # Full-vocabulary logits let every consumer work unchanged. Speculative decoding stays
+        # lossless: the actor's p decides acceptance.
 
         def __init__(self, config, vocab_size: int, head_size: int, tp_group):
             super().__init__(config.hidden_size, head_size, config=config,
@@ -79,7 +67,8 @@ def attach_subset_head(model) -> None:
 
 
 class FeatureFusion(nn.Module):
-    """``(embedded tokens [s, b, h], target features [s, b, h]) -> decoder input [s, b, h]``."""
+    """``(embedded tokens [s, b, h], target features [s, b, h]) -> decoder input [s, b, h]``:
+    ``fc([embed(x_t), h_{t-1}])``, ``h`` the target's final-norm output one position earlier."""
 
     def __init__(self, hidden_size: int, dtype: torch.dtype):
         super().__init__()

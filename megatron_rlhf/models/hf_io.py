@@ -1,7 +1,7 @@
 """Read and write Hugging Face checkpoints: safetensors directories and GGUF files.
 
-Reading returns plain data (a config dict, full tensors, a tokenizer); the mapping onto
-megatron's names lives in :mod:`megatron_rlhf.models.hf_mapping`.
+Entry points: :func:`read_hf`, :func:`write_hf_dir`. Reading returns plain data; the mapping
+onto megatron's names lives in :mod:`megatron_rlhf.models.hf_mapping`.
 """
 
 from __future__ import annotations
@@ -21,22 +21,18 @@ SHARD_BYTES = 4 * 1024**3
 class HFCheckpoint:
     """A HF Llama checkpoint in memory."""
 
-    config: dict
-    """``config.json`` as a dict."""
-    tensors: dict[str, torch.Tensor]
-    """Full tensors by HF name."""
-    tokenizer: object | None
-    """A ``transformers`` tokenizer, when the source has one."""
+    config: dict  # config.json
+    tensors: dict[str, torch.Tensor]  # full tensors by HF name
+    tokenizer: object | None  # a transformers tokenizer, when the source has one
 
 
 @contextmanager
 def _gguf_parsed_once():
-    """transformers parses a GGUF file's header (for SmolLM2, a 49k-entry vocabulary read
-    field by field) once for the config, once for the weights and once for the tokenizer,
-    and builds gguf's tensor-name map anew for each of the model's ~400 modules: 13 s and
-    9 s of a 135M model's 46 s conversion on 2 cores. Inside this block the reader of a file
-    is made once and the name map once per (architecture, layers); both are read-only
-    (memory-mapped tensors; lookups by name)."""
+    """Within the block, gguf's reader of a file is made once, and its tensor-name map once
+    per (architecture, layers)."""
+    # transformers parses a GGUF header (a whole vocabulary, field by field) once each for the
+    # config, the weights and the tokenizer, and builds the name map anew for every module:
+    # most of a conversion's time (docs/benchmarks). Both objects are read-only.
     import gguf
 
     real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map

@@ -1,13 +1,8 @@
-"""Hugging Face Llama (and Mistral, Qwen2) <-> megatron-core tensor and config mapping
-(full, unsharded tensors).
+"""Hugging Face Llama (and Mistral, Qwen2) <-> megatron-core tensor and config mapping.
 
-Conversion happens at TP=1 on one process; dist_checkpointing then makes the result
-loadable at any TP size. Names on the megatron side are those of the local layer spec
-(the TE spec's fused-norm names are mapped by megatron's own sharded state dict).
-
-megatron stores attention as one ``linear_qkv`` weight grouped by KV head: for each
-group g, its ``heads/groups`` query heads, then its key head, then its value head.
-SwiGLU's ``linear_fc1`` is ``[gate; up]``.
+Entry points: :func:`config_from_hf`, :func:`hf_to_mcore`, :func:`mcore_to_hf`. Tensors are
+full (TP=1, one process); dist_checkpointing then makes the result loadable at any TP size.
+megatron's names are the local layer spec's (megatron maps the TE spec's fused-norm names).
 """
 
 from __future__ import annotations
@@ -138,6 +133,8 @@ def _pad_vocab(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 def hf_to_mcore(sd: dict, cfg: ModelConfig, role: str = "actor") -> dict[str, torch.Tensor]:
     """HF ``LlamaForCausalLM`` (Mistral, Qwen2) state dict -> megatron ``GPTModel`` (local
     spec, TP=1); Qwen2's q/k/v biases go into ``linear_qkv.bias``, grouped as its weight."""
+    # megatron's linear_qkv is grouped by KV head: for each group its heads/groups query heads,
+    # then its key head, then its value head. SwiGLU's linear_fc1 is [gate; up].
     h, d, f = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
     nh, ng, v = cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size
     out = {"embedding.word_embeddings.weight": _pad_vocab(_take(sd, "model.embed_tokens.weight", (v, h)), cfg)}

@@ -1,19 +1,9 @@
 """Whole-sequence forwards (and backwards) of micro-batches, pipelined or not.
 
-A model built on a layout with PP > 1 holds one pipeline stage; its micro-batches then go
-through megatron-core's schedules (``get_forward_backward_func``: 1F1B, or forward only),
-with activations sent between stages point to point (NCCL on GPU, gloo on CPU). Every
-stage receives the same micro-batches (the first reads their tokens, every stage their
-attention masks); what the last stage computes from the model's output comes back to
-every stage of the pipeline, so callers see the same results at any PP size.
-
-- :func:`map_micro_batches`: ``fn(output, mb)`` per micro-batch without gradients (log-probs,
-  values, rewards);
-- :func:`forward_backward`: ``loss(output, mb)`` per micro-batch, back-propagated
-  (gradients accumulate in DDP's buffers).
-
-``output`` is the model's raw output on the last stage: ``[b, s, V]`` logits of an LM
-(vocabulary padding included), ``[b, s, 1]`` values of a critic or reward model.
+Entry points: :func:`map_micro_batches` (no gradients) and :func:`forward_backward`. At PP > 1
+megatron-core's schedules run (1F1B, or forward only). Invariant: callers see the same
+results at any PP size. ``output`` is the model's raw output on the last stage: ``[b, s, V]``
+LM logits (vocabulary padding included) or ``[b, s, 1]`` values.
 """
 
 from __future__ import annotations
@@ -28,8 +18,7 @@ from megatron_rlhf import runtime
 from megatron_rlhf.models import sequence_parallel
 from megatron_rlhf.models.forward import masked_forward
 
-LM_ROLES = ("actor", "reference", "draft")
-"""Roles whose output is vocabulary logits (the others': a value per position)."""
+LM_ROLES = ("actor", "reference", "draft")  # output vocabulary logits; the others a value
 
 
 def pipelined(model) -> bool:
@@ -37,15 +26,17 @@ def pipelined(model) -> bool:
 
 
 def model_output(model, mb) -> torch.Tensor:
-    """The model's raw output for a micro-batch (one stage's, under PP). An LM's logits only
-    from the column before the first response token on (the prompt's others predict
-    nothing that is scored: :func:`~megatron_rlhf.rlhf.batch.response_slice` reads them)."""
+    """The model's raw output for a micro-batch (one stage's, under PP). An LM's logits start at
+    the column before the first response token (read by ``rlhf.batch.response_slice``)."""
+    # The prompt's other columns predict nothing that is scored.
     lm = getattr(model, "mrlhf_role", None) in LM_ROLES
     return masked_forward(model, mb.input_ids, mb.attention_mask, output_from=mb.prompt_len - 1 if lm else 0)
 
 
 def map_micro_batches(model, micro_batches: list, fn) -> list:
     """``[fn(output, mb) for mb in micro_batches]`` on every rank, without gradients."""
+    # Under PP every stage receives the same micro-batches (the first reads their tokens, every
+    # stage their masks); what the last stage computes comes back to every stage.
     with torch.no_grad():
         if not pipelined(model):
             return [fn(model_output(model, mb), mb) for mb in micro_batches]
@@ -54,9 +45,9 @@ def map_micro_batches(model, micro_batches: list, fn) -> list:
 
 
 def forward_backward(model, micro_batches: list, loss, accumulating=None) -> None:
-    """Back-propagate ``loss(output, mb)`` (a scalar, on the last stage) of every micro-batch.
-    ``accumulating(last)``: the context of a micro-batch's backward (holds the gradient
-    reduction back until the last; :meth:`~megatron_rlhf.rlhf.optim.Trainee.accumulating`)."""
+    """Back-propagate ``loss(output, mb)`` (a scalar, on the last stage) of every micro-batch;
+    gradients accumulate in DDP's buffers. ``accumulating(last)``: the context of a
+    micro-batch's backward (:meth:`~megatron_rlhf.rlhf.optim.Trainee.accumulating`)."""
     if not pipelined(model):
         for i, mb in enumerate(micro_batches):
             with accumulating(i == len(micro_batches) - 1) if accumulating else contextlib.nullcontext():

@@ -1,27 +1,6 @@
-"""Sequence parallelism (Korthikanti et al., 2022) for whole-sequence forwards at TP > 1.
-
-With ``--sequence-parallel`` the models that run whole sequences on the train layout (the
-actor's training copy, the reference, critic and reward models) are built with
-megatron-core's ``sequence_parallel``: outside the tensor-parallel regions (norms, residual
-adds) each TP rank holds ``1/TP`` of the sequence, and each TP all-reduce becomes a
-reduce-scatter and an all-gather, so those activations shrink by TP
-(:mod:`megatron_rlhf.plan.memory` counts it). At TP = 1 the flag changes nothing (as in
-Megatron-LM).
-
-What this module adds to megatron-core:
-
-- an RMSNorm for the local (non-Transformer-Engine) spec: megatron's torch-norm wrapper
-  refuses sequence parallelism (only apex's and TE's norms mark their weights), and a norm
-  applied to a sequence shard needs its weight's gradient summed over TP, which
-  ``finalize_model_grads`` does for parameters marked ``sequence_parallel``;
-- lengths: the sequence is split over TP, so a whole-sequence batch is right-padded (mask 0:
-  no real token attends to it) to a multiple of TP and its outputs are cut back
-  (:func:`pad`, used by :func:`~megatron_rlhf.models.forward.masked_forward`);
-- gathering what a replicated consumer reads (a value head, a feature draft's targets):
-  :func:`gather`;
-- decoding: a cached step feeds 1 to n+1 tokens, which cannot be split over TP, so
-  :func:`disabled` runs megatron's modules without sequence parallelism in no-grad forwards
-  (generation with the training copy, :func:`~megatron_rlhf.generation.incremental.forward_cached`).
+"""Sequence parallelism (Korthikanti et al., 2022): outside the TP regions each TP rank holds
+``1/TP`` of the sequence. What megatron-core lacks for the local spec: an RMSNorm
+(:func:`block_spec`), padding (:func:`pad`), :func:`gather`, and :func:`disabled` for decoding.
 """
 
 from __future__ import annotations
@@ -31,9 +10,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+# Module attributes through which megatron's modules act on sequence parallelism (besides the
+# shared config.sequence_parallel).
 FLAGS = ("sequence_parallel", "reduce_scatter_embeddings")
-"""Module attributes through which megatron's modules act on sequence parallelism (besides
-the shared ``config.sequence_parallel``)."""
 
 
 def enabled(model) -> bool:
@@ -41,9 +20,12 @@ def enabled(model) -> bool:
 
 
 class SequenceParallelRMSNorm:
-    """Torch's RMSNorm, its weight marked ``sequence_parallel`` when the config is (built
-    like megatron's ``WrappedTorchNorm``: the class returns the torch module itself)."""
+    """Torch's RMSNorm, its weight marked ``sequence_parallel`` when the config is."""
 
+    # megatron's torch-norm wrapper refuses sequence parallelism (only apex's and TE's norms
+    # mark their weights). A norm over a sequence shard needs its weight's gradient summed over
+    # TP, which finalize_model_grads does for parameters marked sequence_parallel.
+    # Like megatron's WrappedTorchNorm, the class returns the torch module itself.
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
         norm = torch.nn.RMSNorm(hidden_size, eps=eps)
         for p in norm.parameters():
@@ -72,6 +54,7 @@ def padded_length(model, length: int) -> int:
 
 def pad(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """``(input_ids, attention_mask)`` right-padded to :func:`padded_length` (mask 0)."""
+    # Mask 0: no real token attends to the padding. masked_forward cuts the outputs back.
     extra = padded_length(model, input_ids.shape[1]) - input_ids.shape[1]
     if extra == 0:
         return input_ids, attention_mask
@@ -79,8 +62,8 @@ def pad(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
 
 
 def gather(x: torch.Tensor, group) -> torch.Tensor:
-    """``[s / TP, ...]`` shards of a sequence-parallel region -> ``[s, ...]`` on every TP rank,
-    for a consumer that is replicated over TP (its gradient is split back, not summed)."""
+    """``[s / TP, ...]`` shards -> ``[s, ...]`` on every TP rank, for a consumer replicated
+    over TP (a value head, a feature draft's targets); the gradient is split back, not summed."""
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
     return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=group)
@@ -93,13 +76,14 @@ def gather_output(model, x: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def disabled(model):
-    """Within the block, ``model``'s megatron modules run without sequence parallelism
-    (every TP rank holds whole sequences): for no-grad forwards only, since the modules'
-    backward settings (e.g. a column-parallel linear's input-gradient all-reduce) were fixed
-    when they were built."""
+    """Within the block, ``model``'s modules run without sequence parallelism. No-grad
+    forwards only (RuntimeError otherwise)."""
+    # A cached decoding step feeds 1 to n+1 tokens, which cannot be split over TP.
     if not enabled(model):
         yield
         return
+    # The modules' backward settings (e.g. a column-parallel linear's input-gradient all-reduce)
+    # were fixed when they were built.
     if torch.is_grad_enabled():
         raise RuntimeError("sequence_parallel.disabled is for no-grad forwards (decoding): "
                            "wrap the call in torch.no_grad()")

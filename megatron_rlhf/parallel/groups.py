@@ -1,10 +1,7 @@
 """Process groups for a :class:`~megatron_rlhf.parallel.layout.Layout`.
 
-``torch.distributed.new_group`` is collective over the whole world: every rank must
-create every group in the same order, members or not. :func:`build_process_groups` does
-that and returns this rank's :class:`ProcessGroupCollection`, or None for ranks outside
-the layout. Megatron-core modules take the collection (``pg_collection=``); nothing here
-touches megatron's global ``parallel_state``.
+Entry point: :func:`build_process_groups`. megatron-core modules take its collection
+(``pg_collection=``); nothing here touches megatron's global ``parallel_state``.
 """
 
 from __future__ import annotations
@@ -24,13 +21,12 @@ def _new_groups(groups: list[list[int]], rank: int):
 
 
 def build_process_groups(layout: Layout):
-    """Create the layout's groups (collective over the world) and return this rank's.
-
-    The collection carries tp, pp, dp, mp, embd/pos_embd, cp (size 1: no context
-    parallelism), the derived tp_cp, dp_cp, tp_dp_cp, and the expert/optimizer-instance
-    groups megatron's DDP and distributed optimizer read (EP=1, one instance).
-    """
+    """Create the layout's groups (collective over the world) and return this rank's
+    ``ProcessGroupCollection``, or None on a rank outside the layout."""
     from megatron.core.process_groups_config import ProcessGroupCollection
+
+    # new_group is collective over the whole world: every rank creates every group in the same
+    # order, members or not.
 
     world = dist.get_world_size()
     if max(layout.ranks) >= world:
@@ -42,7 +38,7 @@ def build_process_groups(layout: Layout):
     mp = _new_groups(layout.mp_groups(), rank)
     embd = _new_groups(layout.embedding_groups(), rank)
     pos_embd = _new_groups([[g[0]] for g in layout.pp_groups()], rank)
-    cp = _new_groups([[r] for r in layout.ranks], rank)
+    cp = _new_groups([[r] for r in layout.ranks], rank)  # size 1: no context parallelism
     tp_dp = _new_groups(
         [[layout.rank_at(t, d, p) for d in range(layout.dp) for t in range(layout.tp)]
          for p in range(layout.pp)],

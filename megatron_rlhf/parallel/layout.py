@@ -1,11 +1,7 @@
 """A parallel layout of one model: TP x PP x DP over an explicit list of global ranks.
 
-Rank order follows Megatron (``tp-dp-pp``): tensor-parallel neighbours are adjacent in
-``ranks``, then data-parallel replicas, then pipeline stages. Everything here is pure
-arithmetic, testable without processes; :mod:`megatron_rlhf.parallel.groups` turns a
-layout into process groups. Several layouts of one model may coexist in one program:
-that is what parameter reallocation moves weights between.
-"""
+:class:`Layout` is pure arithmetic; :mod:`~megatron_rlhf.parallel.groups` makes its process
+groups. Several layouts of one model may coexist (reallocation moves weights between them)."""
 
 from __future__ import annotations
 
@@ -26,13 +22,11 @@ class Layout:
     """A validated TP x PP x DP layout over ``ranks`` (global ranks, default 0..n-1)."""
 
     tp: int = 1
-    """Tensor-parallel size."""
     pp: int = 1
-    """Pipeline-parallel size."""
     dp: int = 1
-    """Data-parallel size."""
+    # The global ranks in layout order (None: range(tp*pp*dp)). TP neighbours are adjacent,
+    # then DP replicas, then pipeline stages.
     ranks: tuple[int, ...] | None = None
-    """The global ranks this layout occupies, in layout order; ``range(tp*pp*dp)`` if None."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
@@ -65,9 +59,8 @@ class Layout:
 
     @classmethod
     def parse(cls, text: str, pipeline: bool = True) -> "Layout":
-        """``"TPxPPxDP"`` (``"TPxDP"`` where ``pipeline`` is False, e.g. generation),
-        e.g. ``"2x1x4"``, over ranks ``0..size-1``; with ``"@R"`` appended (``"1x1x2@2"``)
-        over the ``size`` ranks from ``R`` on. ValueError naming the expected form otherwise."""
+        """``"TPxPPxDP"`` (``"TPxDP"`` without ``pipeline``), e.g. ``"2x1x4"``, over ranks
+        ``0..size-1``, or with ``"@R"`` (``"1x1x2@2"``) from rank ``R`` on. Raises ValueError."""
         form = "TPxPPxDP, e.g. 2x1x4" if pipeline else "TPxDP, e.g. 1x8"
         body, at, first = str(text).lower().partition("@")
         parts = body.split("x")

@@ -1,16 +1,9 @@
 """Parameter reallocation: copy one model's weights between two layouts (ReaLHF).
 
-A model may live in several layouts at once (say the actor trained at TP=2 x DP=2 and
-generating at TP=1 x DP=4). :class:`Reallocator` moves the weights from one copy to the
-other with megatron-core's resharding (``megatron.core.resharding``): its planner matches
-every destination shard to source shards (TP slicing, GLU strides, pipeline stages, DP
-replicas balanced as senders), once per pair of models; each call then runs the planned
-point-to-point copies. Collective over the world: every rank must call it, whether it
-holds either copy or not (a rank outside a destination layout over part of the world
-passes an :class:`Absent` copy).
-
-On CPU the transfers go over gloo (megatron's gloo service, without the CUDA stream it
-creates); on GPU over NCCL.
+Entry point: :class:`Reallocator`, on megatron-core's ``megatron.core.resharding``.
+Invariant: collective over the world. Every rank calls it, whether it holds either copy or
+not (a rank outside a layout passes an :class:`Absent` copy). Transfers go over gloo on
+CPU, NCCL on GPU.
 """
 
 from __future__ import annotations
@@ -33,8 +26,7 @@ def _copy_service():
     from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopyService
 
     class CpuGlooCopyService(GlooCopyService):
-        """megatron's gloo service less the ``torch.cuda.Stream`` its constructor makes
-        (it only orders device copies; on CPU there are none)."""
+        """megatron's gloo service less the ``torch.cuda.Stream`` it makes for device copies."""
 
         def __init__(self):
             stream = torch.cuda.Stream
@@ -48,13 +40,11 @@ def _copy_service():
 
 
 class Absent(torch.nn.Module):
-    """A model's copy on a rank outside its layout (one over part of the world, e.g. the
-    critic's inference at ``--critic-infer-layout 1x1x2@2`` or the actor's training at
-    ``--train-layout 1x1x2``): no parameters, only what megatron's planner reads of a model
-    on every rank (a ``pg_collection`` with a ``dp`` entry, the ``config``), so that this
-    rank takes part in the reallocation, which is collective over the world, sending and
-    receiving nothing; and the role and model config a checkpoint's metadata records
-    (``role``, ``model_config``), for a save of the model from ranks that do not hold it."""
+    """A model's copy on a rank outside its layout (e.g. ``--critic-infer-layout 1x1x2@2``).
+
+    No parameters: only what megatron's planner reads on every rank (``pg_collection.dp``,
+    ``config``), and the role and model config a checkpoint records. With it the rank takes
+    part in collective reallocations and saves, sending and receiving nothing."""
 
     def __init__(self, config, role: str | None = None, model_config=None):
         super().__init__()
@@ -71,17 +61,17 @@ class Absent(torch.nn.Module):
 class ReallocationStats:
     """One reallocation, as this rank saw it."""
 
-    seconds: float
-    """Wall time of the copies (plan excluded after the first call)."""
-    bytes_received: int
-    """Bytes this rank received from other ranks."""
-    bytes_local: int
-    """Bytes copied within this rank (a shard both layouts place here)."""
+    seconds: float  # wall time of the copies (and of the plan at the first call)
+    bytes_received: int  # from other ranks
+    bytes_local: int  # copied within this rank (a shard both layouts place here)
 
 
 class Reallocator:
-    """Moves weights from ``src`` to ``dst`` (the same architecture, other layouts); one
-    plan per pair, built at the first call (collective)."""
+    """Moves weights from ``src`` to ``dst`` (the same architecture, other layouts)."""
+
+    # megatron's planner matches every destination shard to source shards (TP slicing, GLU
+    # strides, pipeline stages, DP replicas balanced as senders) once per pair, at the first
+    # call; each call runs the planned point-to-point copies.
 
     def __init__(self):
         self._service = None
@@ -109,9 +99,9 @@ def _tied(model) -> bool:
 
 @contextlib.contextmanager
 def _without_tied_copy(dst):
-    """Under PP the last stage holds its own copy of a tied embedding (``output_layer.weight``),
-    which a model outside the pipeline does not have: megatron's planner would look for a
-    source. Hide it from the plan; :func:`_sync_tied_copy` fills it afterwards."""
+    """Hide a last stage's copy of a tied embedding from the plan."""
+    # Under PP the last stage holds its own output_layer.weight, which a model outside the
+    # pipeline lacks: the planner would look for a source. _sync_tied_copy fills it afterwards.
     if not (_tied(dst) and dst.post_process and not dst.pre_process):
         yield
         return
@@ -125,8 +115,8 @@ def _without_tied_copy(dst):
 
 
 def _sync_tied_copy(dst) -> None:
-    """The last stage's copy of a tied embedding := the first stage's (megatron's own
-    start-up step: the copy zeroed, then summed over the embedding group)."""
+    """The last stage's copy of a tied embedding := the first stage's."""
+    # megatron's own start-up step: the copy zeroed, then summed over the embedding group.
     if not (_tied(dst) and (dst.pre_process or dst.post_process)):
         return
     import torch.distributed as dist

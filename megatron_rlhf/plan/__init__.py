@@ -1,3 +1,1 @@
-"""Planning the iteration before it runs (ReaLHF): memory per stage (:mod:`.memory`), the
-dataflow graph of an RLHF iteration (:mod:`.graph`), its cost model (:mod:`.cost`) and the
-search over per-call layouts (:mod:`.search`)."""
+"""Planning the iteration before it runs (ReaLHF): memory, dataflow graph, costs, layout search."""

@@ -1,15 +1,6 @@
 """Held-out evaluation: the policy's reward and accuracy on records it does not train on.
-
-The trainer generates for every held-out record (``--eval-samples`` K responses each, greedy
-by default) with the same generator, layout and speculation as its rollouts, and scores them
-with the run's reward function (penalties such as the overlong one left out). It runs before
-iteration 1 (the baseline), every ``--eval-interval`` iterations and after the last, and logs:
-
-    eval/reward_mean       mean reward over all responses
-    eval/accuracy          fraction of responses scoring at least --eval-threshold
-    eval/pass@K            fraction of records with a correct response among their K (K > 1)
-    eval/response_length   mean response length, tokens
-"""
+The trainer generates and scores K responses per record as in its rollouts (penalties left
+out); :func:`eval_metrics` reduces them."""
 
 from __future__ import annotations
 
@@ -25,16 +16,16 @@ from megatron_rlhf.config import EvalConfig
 class HeldOut:
     """The held-out records of a run and how they are evaluated."""
 
-    records: list
-    """:class:`~megatron_rlhf.data.prompts.Prompt` records."""
-    prompt_ids: list[list[int]]
-    """Their token ids (chat template applied as for training)."""
+    records: list  # data.prompts.Prompt records
+    prompt_ids: list[list[int]]  # their token ids, chat template applied as for training
     cfg: EvalConfig
 
 
 def eval_metrics(scores: torch.Tensor, lengths: torch.Tensor, k: int, threshold: float, group) -> dict:
     """``eval/*`` metrics of this rank's ``scores [R*K]`` and ``lengths [R*K]`` (K consecutive
     responses per record), summed over the data-parallel ``group``."""
+    # reward_mean: over all responses. accuracy: responses scoring at least threshold.
+    # pass@K (K > 1): records with a correct response among their K. response_length: tokens.
     correct = (scores.detach().double().cpu() >= threshold).double()
     local = torch.tensor([float(scores.double().sum()), float(correct.sum()), float(len(correct)),
                           float(lengths.double().sum()),

@@ -12,12 +12,8 @@ from pathlib import Path
 
 class MetricsLog:
     """Appends one JSON line per iteration to ``LOG_DIR/metrics.jsonl`` and the same scalars
-    to TensorBoard under ``LOG_DIR/tensorboard``. Only rank 0 writes.
-
-    On resume from iteration ``k``, lines of later iterations (written by the run that
-    stopped) are dropped, so the file reads as one uninterrupted run. With
-    ``wandb_project`` every metric also goes to Weights & Biases (:func:`start_wandb`).
-    """
+    to TensorBoard under ``LOG_DIR/tensorboard`` (and to W&B with ``wandb_project``). Only
+    rank 0 writes."""
 
     def __init__(self, log_dir: str | None, enabled: bool, resume_from: int = 0,
                  wandb_project: str | None = None, config: dict | None = None):
@@ -28,6 +24,8 @@ class MetricsLog:
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # On resume from iteration k, lines of later iterations (of the run that stopped) are
+        # dropped: the file reads as one uninterrupted run.
         kept = []
         if self.path.exists():
             for line in self.path.read_text().splitlines():
@@ -77,8 +75,7 @@ def wandb_mode() -> str:
 
 
 def start_wandb(project: str, log_dir: str | None, config: dict | None):
-    """A W&B run of ``project`` (files under ``log_dir``); an online start that fails (no
-    network) falls back to offline."""
+    """A W&B run of ``project`` (files under ``log_dir``), offline when an online start fails."""
     import wandb  # optional: checked before the run starts (build.make_plan)
 
     kwargs = dict(project=project, dir=log_dir, config=config or {}, reinit=True)

@@ -1,11 +1,8 @@
 """Colocation on GPU: park what the current stage does not use in pinned host memory.
 
-Every stage runs on the same ranks. Between its uses, a model's weights (reference,
-reward) or an optimizer's states move to pinned CPU memory and come back before the next
-use; the generator's KV cache is freed when generation returns; optimizer states and
-gradient buffers leave the GPU while the rollout and experience stages run; when the actor
-generates on a copy of its own (another layout), its training copy's weights leave the GPU
-during the rollout (:func:`release_weights`). On CPU these are no-ops.
+Every stage runs on the same ranks. Entry points: :func:`move_model` (a model's weights),
+:func:`park_trainee` (optimizer states, gradient buffers), :func:`release_weights` (the
+training copy's weights during the rollout), :class:`StageMemory`. On CPU these are no-ops.
 """
 
 from __future__ import annotations
@@ -41,13 +38,11 @@ def move_model(model: torch.nn.Module, device) -> None:
 
 
 def optimizer_tensors(t):
-    """The optimizer's own device tensors of trainee ``t``, as ``(holder, key)`` pairs
-    (``holder[key]`` is the tensor; a parameter holder is moved through ``.data``): every
-    Adam state tensor but the step count, and the fp32 masters of a half-precision model.
-    Masters that share storage with the model's weights (an fp32 model's: megatron's
-    optimizer steps the weights themselves) are the weights, and stay."""
+    """The optimizer's own device tensors of trainee ``t`` as ``(holder, key)`` pairs, where
+    ``holder[key]`` is the tensor: every Adam state but the step count, and the fp32 masters."""
     from megatron_rlhf.rlhf.optim import inner_optimizers
 
+    # An fp32 model's masters are its weights (megatron's optimizer steps them): they stay.
     weights = {p.untyped_storage().data_ptr() for p in t.model.parameters()}
     out = []
     for inner in inner_optimizers(t.optimizer):
@@ -71,17 +66,16 @@ def storage_bytes(tensors) -> int:
 
 
 def trainee_bytes(t) -> dict[str, int]:
-    """What trainee ``t`` holds, by component: ``weights`` (the model's parameters and DDP's
-    parameter buffers), ``grads`` (DDP's gradient buffers) and ``optimizer`` (Adam states and
-    the fp32 masters of a half-precision model: :func:`optimizer_tensors`), in bytes."""
+    """Bytes trainee ``t`` holds: ``weights`` (parameters, DDP's parameter buffers), ``grads``
+    (DDP's gradient buffers), ``optimizer`` (:func:`optimizer_tensors`)."""
     grads = [b.grad_data for b in getattr(t.ddp, "buffers", []) + getattr(t.ddp, "expert_parallel_buffers", [])]
     return {"weights": storage_bytes(t.model.parameters()), "grads": storage_bytes(grads),
             "optimizer": storage_bytes(h.p.data if isinstance(h, _Data) else h[k] for h, k in optimizer_tensors(t))}
 
 
 class _Data:
-    """A parameter seen as a holder of its ``.data`` (moved in place: its identity, which
-    the optimizer's state is keyed by, stays)."""
+    """A parameter as the holder of its ``.data``: moved in place, its identity (the
+    optimizer's state key) stays."""
 
     def __init__(self, p):
         self.p = p
@@ -94,11 +88,9 @@ class _Data:
 
 
 def park_trainee(t, host: bool, move=None) -> None:
-    """Between training stages (``host=True``) the optimizer's fp32 masters and Adam states
-    (:func:`optimizer_tensors`) go to pinned host memory and DDP frees its fp32 gradient
-    buffers; before training (``host=False``) both come back (the buffers zeroed). On the
-    CPU a no-op, unless ``move(tensor, host)`` is given (tests: the same bookkeeping with
-    copies). Parking twice, or restoring what is not parked, changes nothing."""
+    """``host=True``: :func:`optimizer_tensors` go to pinned host memory and DDP frees its
+    gradient buffers. ``host=False``: both come back, the buffers zeroed. Idempotent.
+    On CPU a no-op unless ``move(tensor, host)`` is given (tests)."""
     if move is None:
         if not runtime.has_cuda():
             return
@@ -119,13 +111,12 @@ def park_trainee(t, host: bool, move=None) -> None:
 
 
 def release_weights(t, host: bool, force: bool = False) -> None:
-    """While generation runs on the actor's generation copy, the training copy's weights of
-    trainee ``t`` wait in (pinned) host memory: each distinct storage behind its parameters
-    (DDP's parameter buffers under the distributed optimizer, which an fp32 model's
-    optimizer steps in place) is copied to the host and resized to nothing; ``host=False``
-    brings the bytes back into the same storages, so every parameter, view and optimizer
-    reference stays valid. On CPU a no-op unless ``force`` (tests: the same bookkeeping).
-    Releasing twice, or restoring what is not released, changes nothing."""
+    """``host=True``: trainee ``t``'s weights wait in pinned host memory while generation runs
+    on another copy. ``host=False``: they come back. Idempotent. On CPU a no-op unless
+    ``force`` (tests)."""
+    # Each distinct storage behind the parameters (DDP's parameter buffers under the
+    # distributed optimizer) is copied out and resized to nothing, then refilled in place:
+    # every parameter, view and optimizer reference stays valid.
     if not (runtime.has_cuda() or force) or (t.released is not False) == host:
         return
     if host:
@@ -159,11 +150,8 @@ def _move_tensor(t: torch.Tensor, host: bool) -> torch.Tensor:
 
 
 class StageMemory:
-    """Times each stage and records the peak memory of this process during it
-    (``peak_mem_<stage>_gb``, GiB): on a GPU CUDA's peak allocated memory, on the CPU the
-    peak resident size (:func:`~megatron_rlhf.runtime.peak_host_memory_bytes`). Where the
-    host peak cannot be restarted at the stage's start, the stage has no peak metric rather
-    than the process's lifetime peak."""
+    """Times each stage (``time_<stage>_s``) and records this process's peak memory during it
+    (``peak_mem_<stage>_gb``: CUDA's peak allocated, or on CPU the peak resident size)."""
 
     def __init__(self):
         self.metrics: dict[str, float] = {}
@@ -173,6 +161,7 @@ class StageMemory:
         cuda = runtime.has_cuda()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        # Where the host peak cannot be restarted, no peak metric rather than the lifetime peak.
         host = not cuda and runtime.reset_peak_host_memory()
         self.metrics.pop(f"peak_mem_{name}_gb", None)  # never a previous call's value
         t0 = time.perf_counter()

@@ -1,20 +1,10 @@
-"""Training on megatron-core's machinery: ``DistributedDataParallel`` and its (distributed)
-optimizer, with a warmup + cosine learning rate.
+"""Training on megatron-core's ``DistributedDataParallel`` and its (distributed) optimizer,
+with a warmup + cosine learning rate.
 
-- Gradients accumulate in DDP's fp32 buffers (``grad_reduce_in_fp32``) across micro-batches
-  and are reduced once per step (during the last micro-batch's backward, bucket by bucket,
-  with ``overlap_grad_reduce``, the default on GPU): reduce-scattered over data-parallel ranks when the
-  distributed optimizer shards the fp32 masters and Adam states (ZeRO-1), all-reduced
-  otherwise. With ``overlap_param_gather`` (the default with overlapped reduction) the
-  updated parameters are all-gathered bucket by bucket in the next forward's pre-hooks;
-  :meth:`Trainee.gather_params` completes the gather when a stage ends.
-- Losses are normalised by the token count of the whole (all-DP) mini-batch and summed
-  over DP (``calculate_per_token_loss``: DDP does not divide by the DP size), so the update
-  is exactly the DP=1 update.
-- Clipping is megatron's: one global norm over every rank of the model, TP-sharded
-  parameters counted once per shard and replicated ones once.
-
-On CPU megatron's optimizer runs inside :func:`megatron_rlhf.runtime.cuda_as_cpu`.
+Entry point: :func:`build_trainee`, then :meth:`Trainee.step` once per mini-batch.
+Invariant: the update at any DP size is exactly the DP=1 update. Clipping is megatron's, one
+global norm over every rank of the model. On CPU the optimizer runs inside
+:func:`megatron_rlhf.runtime.cuda_as_cpu`.
 """
 
 from __future__ import annotations
@@ -34,28 +24,22 @@ from megatron_rlhf.config import OptimConfig
 class Trainee:
     """A model with what trains it."""
 
-    model: torch.nn.Module
-    """The model itself (forwards go through it; its parameters live in DDP's buffers)."""
-    ddp: torch.nn.Module
-    """megatron's ``DistributedDataParallel`` around ``model``: the gradient buffers."""
-    optimizer: object
-    """megatron's optimizer (``ChainedOptimizer`` of a ``DistributedOptimizer`` or not)."""
+    model: torch.nn.Module  # forwards go through it; its parameters live in DDP's buffers
+    ddp: torch.nn.Module  # megatron's DistributedDataParallel around model: the gradient buffers
+    optimizer: object  # megatron's (a ChainedOptimizer of a DistributedOptimizer or not)
     scheduler: "WarmupCosine"
-    pg: object
-    """The model's ProcessGroupCollection."""
+    pg: object  # the model's ProcessGroupCollection
+    # The optimizer's states and masters are in host memory (rlhf.offload).
     parked: bool = False
-    """The optimizer's states (and masters) are in host memory (:mod:`~megatron_rlhf.rlhf.offload`)."""
+    # The weights wait in host memory: offload.release_weights's storages and host copies.
     released: bool | list = False
-    """The weights wait in host memory (:func:`~megatron_rlhf.rlhf.offload.release_weights`:
-    the storages and their host copies)."""
+    # Under overlap_param_gather: the last step's parameters are not all gathered yet.
     params_pending: bool = False
-    """Under ``overlap_param_gather``: the last step's parameters are not all gathered yet
-    (the next forward's pre-hooks gather them; :meth:`gather_params` completes it)."""
 
     def step(self) -> float:
-        """Reduce the accumulated gradients (over DP, and a tied embedding's gradient over
-        its first and last pipeline stages), clip, step, advance the LR, zero the buffers;
-        returns the gradient norm before clipping (the same on every rank)."""
+        """Reduce the accumulated gradients, clip, step, advance the LR and zero the buffers.
+        Returns the gradient norm before clipping (the same on every rank). Raises
+        FloatingPointError on inf/nan gradients."""
         from megatron.core.distributed import finalize_model_grads
 
         with runtime.cuda_as_cpu():  # DP reduction; a tied embedding's two PP copies summed
@@ -65,24 +49,25 @@ class Trainee:
             raise FloatingPointError(f"{self.model.mrlhf_role}: the optimizer found inf/nan gradients")
         self.scheduler.step()
         self.zero_grad()
+        # Under overlap_param_gather the next forward's pre-hooks gather the updated parameters
+        # bucket by bucket; gather_params completes that when a stage ends.
         self.params_pending = bool(self.ddp.ddp_config.overlap_param_gather)
         return float(norm) if norm is not None else 0.0
 
     def gather_params(self) -> None:
-        """Complete the parameter all-gather of the last step (a no-op without
-        ``overlap_param_gather``): before anything reads the weights other than the modules'
-        own forwards (decoding's plain-layer path, reallocation, checkpoints)."""
+        """Complete the last step's parameter all-gather (no-op without overlap_param_gather).
+        Call before anything but the modules' own forwards reads the weights."""
         if self.params_pending:
             with runtime.cuda_as_cpu():
                 self.ddp.start_param_sync(force_sync=True)
             self.params_pending = False
 
     def accumulating(self, last: bool):
-        """The context of one micro-batch's backward: gradient reduction held back unless
-        it is the ``last`` of the step (DDP's ``no_sync``; with ``overlap_grad_reduce`` the
-        last one reduces bucket by bucket as its gradients become ready)."""
+        """The context of one micro-batch's backward: reduction held back unless ``last``."""
         import contextlib
 
+        # The last one reduces (bucket by bucket under overlap_grad_reduce): reduce-scattered
+        # over DP when the distributed optimizer shards masters and Adam states, else all-reduced.
         return contextlib.nullcontext() if last else self.ddp.no_sync()
 
     def zero_grad(self) -> None:
@@ -103,11 +88,10 @@ def inner_optimizers(optimizer) -> list:
 
 @contextlib.contextmanager
 def _param_groups_aligned_within(pg):
-    """megatron's optimizer aligns its parameter groups over the whole world (an
-    ``all_gather_object`` of their keys into a list of world size), which the ranks outside a
-    layout over part of the world (the critic's training at ``--critic-layout 1x1x2@2``) do
-    not join: within this, such gathers run over the layout's own ranks, the other entries
-    empty."""
+    """Within this, world-sized ``all_gather_object`` calls run over ``pg``'s layout alone."""
+    # megatron's optimizer aligns its parameter groups with a world-sized all_gather_object.
+    # Ranks outside a layout over part of the world (e.g. --critic-layout 1x1x2@2) do not join,
+    # so the gather runs over the layout's ranks and the other entries stay empty.
     everyone = pg.intra_dist_opt  # (the whole layout: see parallel.groups)
     world = dist.get_world_size()
     if everyone.size() == world:
@@ -131,14 +115,15 @@ def _param_groups_aligned_within(pg):
 
 def build_trainee(model: torch.nn.Module, pg, cfg: OptimConfig, lr: float,
                   schedule: tuple[float, int, int] | None = None) -> Trainee:
-    """Wrap ``model`` in megatron's DDP and build its AdamW (no weight decay on norms and
-    biases; bf16 models step fp32 masters). ``schedule = (min_lr, warmup, total)`` steps
-    for warmup + cosine from ``lr``; None: constant ``lr``."""
+    """Wrap ``model`` in megatron's DDP and build its AdamW (bf16 models step fp32 masters).
+    ``schedule = (min_lr, warmup, total)`` for warmup + cosine from ``lr``; None: constant."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     dtype = next(p.dtype for p in model.parameters())
-    model.config.calculate_per_token_loss = True  # sum over DP: losses are global token means
+    # Losses are normalised by the whole (all-DP) mini-batch's token count and summed over DP
+    # (DDP does not divide by the DP size): the update is exactly the DP=1 update.
+    model.config.calculate_per_token_loss = True
     overlap = runtime.has_cuda() if cfg.overlap_grad_reduce is None else cfg.overlap_grad_reduce
     gather = overlap and cfg.use_distributed_optimizer if cfg.overlap_param_gather is None \
         else cfg.overlap_param_gather

@@ -1,23 +1,9 @@
 """Training checkpoints: every model, optimizer, LR schedule, RNG state and the data position.
 
-Layout (one atomic iteration, Megatron's tracker convention)::
-
-    SAVE/latest_checkpointed_iteration.txt
-    SAVE/iter_0000010/
-        actor/  critic/  draft/       model checkpoints (layout-free; load any one with
-                                      --actor-load SAVE/iter_0000010/actor, or generate)
-        trainer/state.json            iteration, data position, LR schedules, layout, manifest
-        trainer/optim_actor/ ...      megatron's optimizer states (fp32 masters, Adam moments)
-                                      through dist_checkpointing, in model space
-                                      ('fully_reshardable'): they load at any TP and DP size
-        trainer/rng_00000.pt ...      per rank: RNG states
-
-Everything is written under ``iter_X.tmp`` and renamed when complete; the tracker moves
-last; with ``keep_last`` only the newest checkpoints stay. A resume may change the number
-of ranks, TP and DP: models and optimizer states are resharded as they load; RNG states are
-restored where the world size is unchanged (sampling itself is keyed by seed and sample
-index, so it does not depend on them). Checkpoints of versions before the megatron
-optimizer (``optim_tp*.pt``) are refused with the way forward.
+Entry points: :func:`save_training`, :func:`find_training_checkpoint`,
+:func:`load_trainer_states`. One iteration is written atomically, as in
+:mod:`megatron_rlhf.models.checkpoint`. A resume may change the number of ranks, TP and DP:
+models and optimizer states are resharded as they load.
 """
 
 from __future__ import annotations
@@ -47,11 +33,18 @@ from megatron_rlhf.models.checkpoint import (
 from megatron_rlhf.rlhf.optim import chained, inner_optimizers
 from megatron_rlhf.rlhf.placement import all_gather_object
 
+# Layout (Megatron's tracker convention):
+#   SAVE/latest_checkpointed_iteration.txt
+#   SAVE/iter_0000010/
+#       actor/  critic/  draft/     model checkpoints (layout-free: --actor-load .../actor works)
+#       trainer/state.json          iteration, data position, LR schedules, layout, manifest
+#       trainer/optim_actor/ ...    optimizer states (fp32 masters, Adam moments) in model space
+#                                   ('fully_reshardable'): they load at any TP and DP size
+#       trainer/rng_00000.pt ...    per rank: RNG states
 STATE_FILE = "state.json"
+# Fault injection for tests: set to an iteration number, that iteration's save SIGKILLs its
+# process after writing the models, before the commit (what a node failure mid-save does).
 KILL_IN_SAVE_ENV = "MEGATRON_RLHF_TEST_KILL_IN_SAVE"
-"""Fault injection for tests: set to an iteration number, the save of that iteration kills
-its process (SIGKILL) after writing the models, before the checkpoint is committed — what a
-node failure mid-save does."""
 
 
 def rng_state() -> dict:
@@ -74,10 +67,10 @@ OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _placeholder_adam_states(optimizer) -> None:
-    """Give every parameter of a fresh optimizer an all-zero Adam state, ``step`` included,
-    so that megatron can describe what a checkpoint is to load into: it asks torch's Adam
-    for their common ``step`` (TE's and apex's keep it per group). Stepping with zero
-    gradients instead, as megatron does for FSDP, would apply weight decay."""
+    """Give every parameter of a fresh optimizer an all-zero Adam state, ``step`` included."""
+    # megatron describes what a checkpoint loads into by asking torch's Adam for the states'
+    # common step (TE's and apex's keep it per group). Stepping with zero gradients instead,
+    # as megatron does for FSDP, would apply weight decay.
     for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
@@ -104,11 +97,10 @@ def _optimizer_state(t, is_loading: bool) -> dict:
 
 
 def _load_optimizer(optimizer, state: dict) -> None:
-    """``optimizer.load_state_dict(state)``, working around megatron-core 0.16 with torch's
-    Adam (no TE or apex): its distributed optimizer gives every state a ``step`` and then
-    copies the loaded tensors over all of a state's keys, ``step`` included, which the
-    checkpoint keeps apart (KeyError). So: the common part first, the per-parameter states
-    with ``step`` set aside, then ``step`` back, one tensor per parameter."""
+    """``optimizer.load_state_dict(state)``, around a megatron-core 0.16 bug with torch's Adam."""
+    # megatron's distributed optimizer gives every state a step, then copies the loaded tensors
+    # over all of a state's keys, step included, which the checkpoint keeps apart (KeyError).
+    # So: the common part first, the per-parameter states with step set aside, then step back.
     opts = chained(optimizer)
     if len(opts) != 1 or "param_state" not in state:
         optimizer.load_state_dict(state)
@@ -127,12 +119,11 @@ def _load_optimizer(optimizer, state: dict) -> None:
 
 def save_training(root: str | os.PathLike, iteration: int, models: dict, trainees: dict,
                   state: dict, tokenizer=None, keep_last: int = 0) -> Path:
-    """Save a resumable checkpoint; collective over the world. ``models``: name -> (model,
-    pg; an :class:`~megatron_rlhf.parallel.reshard.Absent` copy and None on the ranks
-    outside a layout over part of the world); ``trainees``: name ->
-    :class:`~megatron_rlhf.rlhf.optim.Trainee` (None on the ranks outside its layout);
-    ``state``: JSON-able loop state (data position, layout, ...). ``keep_last`` > 0 deletes
-    older checkpoints once this one is committed."""
+    """Save a resumable checkpoint; collective over the world. Returns its directory.
+
+    ``models``: name -> (model, pg), an ``Absent`` copy and None outside the model's layout.
+    ``trainees``: name -> :class:`~megatron_rlhf.rlhf.optim.Trainee` or None outside its layout.
+    ``state``: JSON-able loop state. ``keep_last`` > 0 prunes older checkpoints after commit."""
     held = {n: t for n, t in trainees.items() if t is not None}
     for t in held.values():  # (weights read directly: no pending overlapped gather)
         t.gather_params()
@@ -168,8 +159,9 @@ def save_training(root: str | os.PathLike, iteration: int, models: dict, trainee
 
 
 def find_training_checkpoint(root: str | os.PathLike) -> Path:
-    """``SAVE`` (via the tracker) or ``SAVE/iter_X`` -> the iteration directory, verified
-    (files present, sizes as written); no collectives."""
+    """``SAVE`` (via the tracker) or ``SAVE/iter_X`` -> the verified iteration directory.
+    No collectives. Raises CheckpointError, also for checkpoints older than megatron's
+    optimizer (``optim_tp*.pt``), naming the way forward."""
     p = Path(root)
     if (p / "trainer" / STATE_FILE).is_file():
         d = p
@@ -197,9 +189,8 @@ def read_training_state(d: Path) -> dict:
 
 
 def load_trainer_states(d: Path, trainees: dict) -> None:
-    """Restore this rank's optimizers (resharded to this layout), LR schedules and, where
-    the world size is unchanged, RNG states; collective over the world (``trainees``: name
-    -> Trainee, None on the ranks outside its layout)."""
+    """Restore this rank's optimizers (resharded), LR schedules and RNG states; collective.
+    ``trainees``: name -> Trainee, None outside its layout."""
     from megatron.core import dist_checkpointing
 
     from megatron_rlhf import runtime
@@ -214,6 +205,8 @@ def load_trainer_states(d: Path, trainees: dict) -> None:
         with runtime.cuda_as_cpu():
             _load_optimizer(t.optimizer, state["optimizer"])
         t.scheduler.load_state_dict(meta["schedulers"][name])
+    # RNG states only where the world size is unchanged. Sampling is keyed by seed and sample
+    # index, so it does not depend on them.
     rng = d / "trainer" / f"rng_{dist.get_rank():05d}.pt"
     if meta["world_size"] == dist.get_world_size() and rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))

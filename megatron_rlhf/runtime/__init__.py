@@ -1,6 +1,5 @@
-"""What a process runs on: devices, the CPU shim for megatron-core, distributed start-up and
-teardown, seeds, peer-loss detection and host memory. One module per concern; the names
-entry points use are re-exported here."""
+"""What a process runs on: devices, the CPU shim, distributed start-up, seeds, peer loss and
+host memory. One module per concern; entry points import the names re-exported here."""
 
 from megatron_rlhf.runtime.cpu_shim import (apply_cpu_shim, compile_on_first_call, cpu_shim_active,
                                             cuda_as_cpu, import_megatron_core, quiet_third_party_warnings)

@@ -1,7 +1,7 @@
 """megatron-core on a machine without CUDA: the shim that routes its CUDA calls to the CPU.
 
-:func:`apply_cpu_shim` is called by :func:`~megatron_rlhf.runtime.distributed.init_distributed`
-when CUDA is absent, never at import; on a GPU every function here does nothing.
+Entry point: :func:`apply_cpu_shim`, called by ``init_distributed`` when CUDA is absent,
+never at import. On a GPU every function here does nothing.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ _SHIM_ACTIVE = False
 
 @contextmanager
 def compile_on_first_call():
-    """While megatron-core is imported, ``torch.compile(fn)`` returns a wrapper that calls
-    the real ``torch.compile(fn)`` on its first call. megatron-core decorates about 40
-    fusions with ``torch.compile`` at import; the first such decoration imports dynamo and
-    inductor, 2 s of every process's start on a CPU (a third of a small run's), though no
-    fusion runs there. ``torch.compile`` compiles on the first call anyway, so nothing
-    changes when one runs. Restored on exit: later callers get the real one."""
+    """Within the block, ``torch.compile(fn)`` returns a wrapper that calls the real
+    ``torch.compile(fn)`` on its first call. Restored on exit."""
+    # megatron-core decorates about 40 fusions with torch.compile at import. The first
+    # decoration imports dynamo and inductor, a large share of a CPU process's start-up, though
+    # no fusion runs there. torch.compile compiles at the first call anyway: nothing changes.
     real = torch.compile
 
     def deferred(model=None, **kwargs):
@@ -52,8 +51,7 @@ def compile_on_first_call():
 
 
 def import_megatron_core() -> None:
-    """Import megatron-core with its ``torch.compile`` decorations deferred
-    (:func:`compile_on_first_call`) on a CPU; a plain import on a GPU or when it is loaded."""
+    """Import megatron-core, on a CPU with :func:`compile_on_first_call`."""
     import importlib
 
     if "megatron.core" in sys.modules or has_cuda():
@@ -64,10 +62,8 @@ def import_megatron_core() -> None:
 
 
 def apply_cpu_shim() -> None:
-    """Route megatron-core's CUDA assumptions to the CPU. Idempotent; a no-op with CUDA.
-
-    Each line below answers one place where megatron-core 0.16 calls CUDA directly.
-    """
+    """Route megatron-core's CUDA assumptions to the CPU. Idempotent; a no-op with CUDA."""
+    # Each line below answers one place where megatron-core 0.16 calls CUDA directly.
     global _SHIM_ACTIVE
     if has_cuda() or _SHIM_ACTIVE:
         return
@@ -93,10 +89,11 @@ def apply_cpu_shim() -> None:
 
 
 class _CudaAsCpu(torch.overrides.TorchFunctionMode):
-    """Inside megatron-core's optimizer and DDP code (which allocate with
-    ``device="cuda"``, call ``.cuda()`` and check ``param.type()`` against
-    ``torch.cuda.*Tensor`` names): CUDA devices become the CPU, ``.cuda()`` keeps a CPU
-    tensor where it is, and ``.type()`` names a CPU tensor as its CUDA twin."""
+    """CUDA devices become the CPU, ``.cuda()`` is the identity, and ``.type()`` names a CPU
+    tensor as its CUDA twin."""
+
+    # megatron-core's optimizer and DDP code allocate with device="cuda", call .cuda() and check
+    # param.type() against torch.cuda.*Tensor names.
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -113,8 +110,9 @@ class _CudaAsCpu(torch.overrides.TorchFunctionMode):
 
 def cuda_as_cpu():
     """A context for megatron-core's optimizer and DDP calls: :class:`_CudaAsCpu` where the
-    CPU shim is active, nothing on a GPU. Scoped, not global: every torch call inside
-    pays a Python dispatch, so the model's forward stays outside it."""
+    CPU shim is active, nothing on a GPU."""
+    # Scoped, not global: every torch call inside pays a Python dispatch, so the model's
+    # forward stays outside it.
     import contextlib
 
     return _CudaAsCpu() if _SHIM_ACTIVE else contextlib.nullcontext()

@@ -27,25 +27,23 @@ def default_dtype(bf16: bool | None = None) -> torch.dtype:
 
 
 def serial_helper_threads() -> bool:
-    """Keep torch's intra-op parallelism on the main thread only; True if applied.
-
-    Collectives on gloo run their tensor copies in gloo's worker threads. A copy large
-    enough to be split (a DCP load's metadata gather, a TP all-gather) makes such a thread
-    open its own OpenMP team. libgomp then manages more threads than there are cores and
-    from then on puts the main thread's workers to sleep after every parallel region, so
-    each later elementwise op pays a futex wake-up: on 2 cores, 5-10x slower elementwise
-    ops for the rest of the process, and 10-20% slower decode steps (measured). A thread
-    takes torch's thread count when it first runs a parallel op, so: set torch's count to
-    1 (what helper threads will take), then give the main thread its count back directly
-    in OpenMP and MKL. Does nothing with one thread (torchrun sets OMP_NUM_THREADS=1 for
-    several ranks per node), when the OpenMP/MKL symbols are not found, or with
-    ``MRLHF_SERIAL_HELPER_THREADS=0``.
-    """
+    """Keep torch's intra-op parallelism on the main thread only; True if applied. Does
+    nothing with one thread, without the OpenMP/MKL symbols, or with
+    ``MRLHF_SERIAL_HELPER_THREADS=0``."""
+    # gloo runs a collective's tensor copies in its worker threads. A copy large enough to be
+    # split (a DCP metadata gather, a TP all-gather) makes such a thread open its own OpenMP
+    # team. libgomp then holds more threads than cores and puts the main thread's workers to
+    # sleep after every parallel region: each later elementwise op pays a futex wake-up
+    # (see docs/benchmarks for the cost).
+    # A thread takes torch's thread count when it first runs a parallel op. So: set torch's
+    # count to 1 (what helper threads take), then give the main thread its count back directly
+    # in OpenMP and MKL.
     import ctypes
 
     n = torch.get_num_threads()  # also completes the main thread's lazy thread setup
     if os.environ.get("MRLHF_SERIAL_HELPER_THREADS", "1") == "0":
         return False
+    # torchrun sets OMP_NUM_THREADS=1 for several ranks per node: nothing to do then.
     if n <= 1 or "OpenMP" not in torch.__config__.parallel_info():
         return False
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")

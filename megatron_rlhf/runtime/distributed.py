@@ -16,11 +16,8 @@ from megatron_rlhf.runtime.peers import _start_heartbeat, stop_heartbeat
 
 
 def init_distributed(seed: int = 1234, timeout_minutes: float = 30) -> tuple[int, int]:
-    """Initialise torch.distributed from the torchrun environment; returns (rank, world size).
-
-    NCCL with CUDA, gloo without. Works as a single process without torchrun too
-    (world size 1). Applies the CPU shim when CUDA is absent and seeds every generator.
-    """
+    """Initialise torch.distributed (NCCL with CUDA, else gloo) from the torchrun environment,
+    or as a single process; apply the CPU shim and seed. Returns (rank, world size)."""
     if not dist.is_initialized():
         if not has_cuda():  # CPU tuning: a GPU process's host threads are not its compute
             serial_helper_threads()
@@ -57,11 +54,8 @@ def set_seed(seed: int) -> None:
 
 
 def seed_model_parallel_rng(seed: int, tp_rank: int) -> None:
-    """Register megatron's ``model-parallel-rng`` state (different per TP rank).
-
-    On GPU this is megatron's ``model_parallel_cuda_manual_seed``. On CPU the tracker's
-    states are CPU generator states (see the shim). Re-seeding replaces the old state.
-    """
+    """Register megatron's ``model-parallel-rng`` state (different per TP rank), replacing
+    any earlier one."""
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME
 
@@ -70,6 +64,7 @@ def seed_model_parallel_rng(seed: int, tp_rank: int) -> None:
             seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0, force_reset_rng=True
         )
         return
+    # On CPU the tracker's states are CPU generator states (see the shim).
     tracker = tensor_parallel.get_cuda_rng_tracker()
     tracker.reset()
     tracker.states_[_MODEL_PARALLEL_RNG_TRACKER_NAME] = (
@@ -104,9 +99,9 @@ def is_rank0() -> bool:
 
 
 def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
-    """All-reduce a small tensor (statistics, flags) that may live on the host: NCCL only
-    reduces CUDA tensors, so it travels on this rank's device and comes back to ``t``'s.
-    ``t`` itself is left unchanged."""
+    """The all-reduced copy of a small tensor (statistics, flags) on ``t``'s device; ``t`` is
+    left unchanged."""
+    # NCCL only reduces CUDA tensors: a host tensor travels on this rank's device.
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return t
     x = t.to(device(), copy=True)

@@ -23,14 +23,10 @@ _RESET_SLACK_KIB = 64 * 1024
 
 
 def reset_peak_host_memory() -> bool:
-    """Restart the process's peak resident size (Linux ``VmHWM``) from its current size, by
-    writing 5 to ``/proc/self/clear_refs``; False where that is not possible.
-
-    The reset is checked, not assumed: a kernel or sandbox may accept the write and keep the
-    old peak (seen once on a CI machine: two stages reported the same lifetime peak). After
-    the write the peak must be within 64 MiB of the current size; otherwise this returns
-    False and the peak since the reset is not known.
-    """
+    """Restart the process's peak resident size (Linux ``VmHWM``) from its current size.
+    Returns False where that is not possible, or not confirmed."""
+    # The reset is checked, not assumed: a kernel or sandbox may accept the write and keep the
+    # old peak. After it the peak must be near the current size.
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

@@ -7,10 +7,9 @@ import os
 import torch.distributed as dist
 
 _HOST_KEY, _BEAT_KEY = "mrlhf/host/", "mrlhf/beat/"
+# Every rank adds 1 to its counter in the store this often (a daemon thread). After a failed
+# collective, ranks whose counter stopped are the lost ones, whatever the living ones do.
 HEARTBEAT_S = 1.0
-"""Every rank of a multi-rank job adds 1 to its counter in the rendezvous store this often
-(a daemon thread): after a failed collective, ranks whose counter stopped are the lost ones,
-whatever the living ones are doing (blocked in another collective, or failing too)."""
 
 
 def _where() -> str:
@@ -24,13 +23,11 @@ def _store():
     return dist.distributed_c10d._get_default_store()
 
 
-_heartbeat: dict = {}
-"""The running heartbeat: its thread and the event that stops it (:func:`stop_heartbeat`)."""
+_heartbeat: dict = {}  # the running heartbeat's thread and the event that stops it
 
 
 def _start_heartbeat() -> None:
-    """Record where this rank runs and start its heartbeat (:data:`HEARTBEAT_S`), stopped by
-    :func:`stop_heartbeat` (at :func:`shutdown` and at exit)."""
+    """Record where this rank runs and start its heartbeat, until :func:`stop_heartbeat`."""
     import atexit
     import threading
 
@@ -56,10 +53,10 @@ def _start_heartbeat() -> None:
 
 
 def stop_heartbeat(timeout_s: float = 10.0) -> None:
-    """Stop the heartbeat thread and wait for it. A daemon thread still inside a store call
-    (C++, GIL released) when the interpreter finalises is unwound through C++ frames, and the
-    process aborts ("terminate called without an active exception") after a job that
-    succeeded; so every clean exit stops it first."""
+    """Stop the heartbeat thread and wait for it."""
+    # A daemon thread still inside a store call (C++, GIL released) when the interpreter
+    # finalises is unwound through C++ frames: the process aborts ("terminate called without an
+    # active exception") after a job that succeeded. So every clean exit stops it first.
     if not _heartbeat:
         return
     _heartbeat["stop"].set()
@@ -68,9 +65,8 @@ def stop_heartbeat(timeout_s: float = 10.0) -> None:
 
 
 def lost_peers(wait_s: float = 4 * HEARTBEAT_S) -> tuple[list[int], dict[int, str]] | None:
-    """After a collective failed: the ranks that are gone, those whose heartbeat counter does
-    not move over ``wait_s``, with where each ran (host, node) as recorded at start-up. None
-    when the rendezvous store itself is unreachable (its host is among the lost)."""
+    """``(ranks whose heartbeat stood still over wait_s, {rank: host and node})``, or None
+    when the rendezvous store is unreachable (its host is among the lost)."""
     import time
 
     world = dist.get_world_size()
@@ -96,8 +92,8 @@ def is_peer_failure(e: BaseException) -> bool:
 
 
 def lost_peers_message(e: BaseException, wait_s: float = 4 * HEARTBEAT_S) -> str | None:
-    """A message naming the lost ranks (their heartbeats stopped) when ``e`` is a collective that a lost peer broke
-    (:func:`is_peer_failure`, :func:`lost_peers`); None otherwise (the error is this rank's)."""
+    """A message naming the lost ranks when a lost peer broke collective ``e``; None when the
+    error is this rank's own."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or not is_peer_failure(e):
         return None
     found = lost_peers(wait_s)
@@ -115,9 +111,8 @@ def lost_peers_message(e: BaseException, wait_s: float = 4 * HEARTBEAT_S) -> str
 
 
 def exit_on_lost_peers(e: BaseException, label: str = "") -> int:
-    """For an entry point's ``except RuntimeError``: print the message naming the lost ranks
-    (:func:`lost_peers_message`) and return the exit code 4; re-raise ``e`` when no peer was
-    lost (the error is this rank's own)."""
+    """For an entry point's ``except RuntimeError``: print :func:`lost_peers_message` and
+    return exit code 4. Re-raises ``e`` when no peer was lost."""
     import sys
 
     message = lost_peers_message(e)
