@@ -33,6 +33,9 @@ START_S = 120.0
 _PROGRESS = struct.Struct("<qd")
 
 
+_PENDING = object()  # a result not in yet (None is a result)
+
+
 class Lost(NamedTuple):
     """An item without a result: ``kind`` is ``timeout``, ``died`` or ``unreadable``."""
 
@@ -196,7 +199,7 @@ class WorkerPool:
 
     def _run(self, items: list, timeout_s: float) -> tuple[list, list]:
         n = len(items)
-        out: list = [None] * n
+        out: list = [_PENDING] * n
         spans: list = [None] * n
         n_chunks = min(n, self.size if self.batched else 2 * self.size)
         bounds = [n * k // n_chunks for k in range(n_chunks + 1)]
@@ -225,7 +228,7 @@ class WorkerPool:
                     if not w.ready:
                         raise WorkerStartError(f"the worker process did not start within {START_S:g} s")
                     self._lose(w, out, spans, Lost("timeout"), queue)
-        assert all(o is not None for o in out)
+        assert all(o is not _PENDING for o in out)
         return out, spans
 
     def _lose(self, w: _Worker, out: list, spans: list, lost: Lost, queue: deque) -> None:
