@@ -1,9 +1,5 @@
-"""Reward functions, registered by name, and the scorer that runs them over a batch.
-
-``base`` (types, registry, marks, errors) imports nothing from the package; ``timer`` and
-``pool`` know only a callable and a timeout; ``outcome`` and ``scorer`` run a function over a
-batch; ``rules`` and ``verifiers`` register the built-in functions on import.
-"""
+"""Reward functions, registered by name (``base``, ``rules``, ``verifiers``), and the scorer
+that runs one over a batch (``scorer``, on ``outcome``, ``timer`` and ``pool``)."""
 
 from megatron_rlhf.rlhf.rewards.base import (REWARD_FUNCTIONS, RewardConfigError, RewardError,
                                              RewardFn, RewardInput, answer_reward, batch_reward,

@@ -1,11 +1,6 @@
-"""What a reward function is: its input, the registry of names, the marks that change how it
-is called, and the errors. Imports nothing from the package, so any module can register.
-
-A reward function maps one :class:`RewardInput` to a finite real number. The marks are
-function attributes set by the decorators (a user's ``module:function`` may carry them):
-``batched`` (one call per batch), ``isolated`` (worker processes, a timeout per call),
-``needs_answer`` (reads ``sample.answer``: every record must hold the ``--answer-key`` field).
-"""
+"""A reward function maps one :class:`RewardInput` to a finite number. Here: the input, the
+registry of names, the decorators that mark how a function is called (``batched``,
+``isolated``, ``needs_answer``) and the errors. Imports nothing from the package."""
 
 from __future__ import annotations
 
@@ -35,25 +30,21 @@ class RewardInput:
     meta: dict = field(default_factory=dict)
     """Every other field of the dataset record, untouched; empty for plain prompts."""
     answer: Any = None
-    """The ground truth: the record's ``--answer-key`` field, set by the trainer (None: the
-    record has no such field)."""
+    """The ground truth: the record's ``--answer-key`` field, set by the trainer (or None)."""
 
 
+# a per-sample function; a batched one is Callable[[list[RewardInput]], list[float]]
 RewardFn = Callable[[RewardInput], float]
-"""A per-sample function; a ``batched`` one is ``Callable[[list[RewardInput]], list[float]]``."""
 
-REWARD_FUNCTIONS: dict[str, Callable] = {}
-"""All registered reward functions, by name."""
+REWARD_FUNCTIONS: dict[str, Callable] = {}  # every registered reward function, by name
 
 
 class RewardError(RuntimeError):
-    """A reward function crashed, returned something that is not a finite number, or timed
-    out (under ``strict``); or it cannot run at all (a configuration error)."""
+    """A reward failed a sample (under ``strict``), or cannot run as configured."""
 
 
 class RewardConfigError(Exception):
-    """Raised by a reward function when the run is configured wrong for it (not a fault of
-    one sample): the scorer stops the run whatever its ``strict``."""
+    """The run is configured wrong for a reward function: the scorer stops it, strict or not."""
 
 
 def register_reward(name: str) -> Callable[[Callable], Callable]:
@@ -69,17 +60,14 @@ def register_reward(name: str) -> Callable[[Callable], Callable]:
 
 
 def batch_reward(fn: Callable) -> Callable:
-    """Mark ``fn(samples: list[RewardInput]) -> list[float]`` as a batch reward function
-    (sets ``fn.batched = True``); returns ``fn`` itself."""
+    """Mark ``fn(samples: list[RewardInput]) -> list[float]``: one call per batch."""
     fn.batched = True
     return fn
 
 
 def isolated_reward(fn: Callable | None = None, *, warmup: Callable[[], Any] | None = None):
-    """Mark ``fn`` to run in worker processes with a per-call timeout (``fn.isolated``);
-    ``fn`` must be a module-level function. ``warmup``: a no-argument function each worker
-    calls once before its first sample, outside any timeout (``fn.warmup``). Use as
-    ``@isolated_reward`` or ``@isolated_reward(warmup=f)``; returns ``fn`` itself."""
+    """Mark a module-level ``fn`` to run in worker processes, a timeout per call; ``warmup``
+    runs once per worker, untimed. ``@isolated_reward`` or ``@isolated_reward(warmup=f)``."""
 
     def mark(f: Callable) -> Callable:
         f.isolated = True
@@ -91,8 +79,7 @@ def isolated_reward(fn: Callable | None = None, *, warmup: Callable[[], Any] | N
 
 
 def answer_reward(fn: Callable) -> Callable:
-    """Mark ``fn`` as reading ``sample.answer`` (sets ``fn.needs_answer = True``): a run
-    checks that every record holds the ``--answer-key`` field before it starts."""
+    """Mark ``fn`` as reading ``sample.answer``: a run checks every record for the field."""
     fn.needs_answer = True
     return fn
 

@@ -1,9 +1,6 @@
-"""Whether a response's final answer equals a ground truth, decided by math-verify.
-
-Entry point: :func:`math_answer_correct`. A leaf: it imports nothing from the package (a
-benchmark loads it by path), and ``math_verify`` is imported on first use. Parsed ground
-truths are cached per process: the ``rollout_n`` samples of a prompt share one.
-"""
+"""Whether a response's final answer equals a ground truth (:func:`math_answer_correct`),
+decided by math-verify, imported on first use. A leaf: it imports nothing from the package
+(a benchmark loads it by path)."""
 
 from __future__ import annotations
 
@@ -61,7 +58,7 @@ def _gold_text(value: Any) -> str:
     return str(value)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)  # the rollout_n samples of a prompt share one ground truth
 def _parse_gold(text: str) -> tuple:
     """The parsed ground truth; ValueError if math-verify reads nothing from it."""
     parse, _, configs = _math_verify()

@@ -15,16 +15,11 @@ from megatron_rlhf.rlhf.rewards.base import RewardConfigError, RewardInput
 class Outcome(NamedTuple):
     """What scoring one sample gave."""
 
-    kind: str
-    """ok | raised | bad | timeout | died | fatal (a configuration error) | length."""
-    value: float = 0.0
-    """The reward, when ``kind == "ok"``."""
-    detail: str = ""
-    """What went wrong, for the message."""
-    cause: Any = None
-    """The exception (in this process) or its traceback text (from a worker)."""
-    span: tuple[int, int] | None = None
-    """Positions in the batch of the batch call that gave it (batched functions)."""
+    kind: str  # ok | raised | bad | timeout | died | fatal (a configuration error) | length
+    value: float = 0.0  # the reward, when ok
+    detail: str = ""  # what went wrong, for the message
+    cause: Any = None  # the exception (in this process) or its traceback text (from a worker)
+    span: tuple[int, int] | None = None  # batch positions of the batch call that gave it
 
 
 FATAL = ("fatal", "length")  # raised whatever ``strict``

@@ -12,26 +12,20 @@ import contextlib
 import mmap
 import os
 import pickle
-import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
-START_S = 120.0
-"""Longest wait for a worker to import the callable and warm up."""
+from megatron_rlhf.rlhf.rewards.worker import PROGRESS, RemoteTraceback
+from megatron_rlhf.rlhf.rewards.worker import main as worker_main
 
-# A worker's progress, in memory shared with the parent: the number of items it has started
-# (ever) and the time.monotonic() at which it started the latest.
-_PROGRESS = struct.Struct("<qd")
-
+START_S = 120.0  # the longest wait for a worker to import the callable and warm up
 
 _PENDING = object()  # a result not in yet (None is a result)
 
@@ -47,58 +41,6 @@ class WorkerStartError(RuntimeError):
     """A worker could not load the callable, or exited or hung before it was ready."""
 
 
-class RemoteTraceback(Exception):
-    """A worker's traceback text, to chain as the cause of an error in the parent."""
-
-    def __init__(self, tb: str):
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return f'\n"""\n{self.tb}"""'
-
-
-def worker_main(fd: int, progress_fd: int, parent_pid: int) -> None:
-    """A worker process: load the callable, warm up, then answer each chunk it is sent with
-    one message, until its connection closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
-    with contextlib.suppress(Exception):  # Linux: die with the parent even while stuck in a call
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
-        return
-    progress = mmap.mmap(progress_fd, _PROGRESS.size)
-    os.close(progress_fd)
-    conn = Connection(fd)
-    try:
-        fn, batched, warmup = pickle.loads(conn.recv_bytes())
-        if warmup is not None:
-            warmup()
-    except BaseException as exc:
-        conn.send(("failed", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        return
-    conn.send(("ready",))
-    started = 0
-    while True:
-        try:
-            items = conn.recv()
-        except EOFError:
-            return
-        except Exception as exc:  # an item that does not unpickle here
-            conn.send(("lost", f"cannot receive the items: {type(exc).__name__}: {exc}"))
-            continue
-        if batched:
-            results = fn(items)
-        else:
-            results = []
-            for item in items:
-                started += 1
-                _PROGRESS.pack_into(progress, 0, started, time.monotonic())
-                results.append(fn(item))
-        conn.send(("done", results))
-
-
 class _Worker:
     """One worker: a fresh interpreter with this process's ``sys.path`` (spawned, never
     forked: safe beside torch's and gloo's threads)."""
@@ -112,10 +54,10 @@ class _Worker:
             progress_fd, path = tempfile.mkstemp(prefix="worker-progress-")
             os.unlink(path)
         try:
-            os.ftruncate(progress_fd, _PROGRESS.size)
-            self.progress = mmap.mmap(progress_fd, _PROGRESS.size)
-            code = (f"import sys; sys.path[:] = {sys.path!r}; from {__name__} import worker_main; "
-                    f"worker_main({fd}, {progress_fd}, {os.getpid()})")
+            os.ftruncate(progress_fd, PROGRESS.size)
+            self.progress = mmap.mmap(progress_fd, PROGRESS.size)
+            code = (f"import sys; sys.path[:] = {sys.path!r}; from {worker_main.__module__} import main; "
+                    f"main({fd}, {progress_fd}, {os.getpid()})")
             self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd, progress_fd],
                                          stdin=subprocess.DEVNULL)
         finally:
@@ -129,13 +71,13 @@ class _Worker:
         self.base = 0  # items it had started before this chunk
 
     def dispatch(self, chunk: list[int], items: list) -> None:
-        self.base = _PROGRESS.unpack_from(self.progress)[0]  # it is idle: no race
+        self.base = PROGRESS.unpack_from(self.progress)[0]  # it is idle: no race
         self.conn.send([items[i] for i in chunk])
         self.chunk, self.sent_at = chunk, time.monotonic()
 
     def in_flight(self) -> tuple[int, float]:
         """The position in the chunk of the item being processed, and when it started."""
-        started, at = _PROGRESS.unpack_from(self.progress)
+        started, at = PROGRESS.unpack_from(self.progress)
         k = started - self.base - 1
         if k < 0:  # still receiving the chunk
             return 0, self.sent_at

@@ -1,10 +1,8 @@
-"""The scorer: one reward function over a batch of samples, in this process or in workers.
+"""The scorer: ``RewardScorer(fn_name, ...)(samples, first_index) -> (rewards [B], counts)``.
 
-``RewardScorer(fn_name, ...)(samples, first_index) -> (rewards [B], counts)``. A crash, a
-non-finite value or a timeout scores 0.0 and is counted (``reward_errors``,
-``reward_timeouts``), its first occurrence of each kind printed with its traceback; under
-``strict`` it raises a :class:`RewardError` instead. A :class:`RewardConfigError` raised by
-the function, or a batch function returning the wrong number of values, raises always.
+A failed sample (a crash, a non-finite value, a timeout) scores 0.0 and is counted, the first
+of each kind printed; under ``strict`` it raises a RewardError. A configuration error (a
+RewardConfigError, a batch function's wrong count, a worker that cannot start) raises always.
 """
 
 from __future__ import annotations
@@ -22,8 +20,9 @@ from typing import TYPE_CHECKING
 from megatron_rlhf.rlhf.rewards.base import RewardError, RewardInput, get_reward_fn, takes_answer_key
 from megatron_rlhf.rlhf.rewards.outcome import (FATAL, TIMEOUT, Outcome, call_batch, call_one,
                                                 remote_batch, remote_one)
-from megatron_rlhf.rlhf.rewards.pool import Lost, RemoteTraceback, WorkerPool, WorkerStartError
+from megatron_rlhf.rlhf.rewards.pool import Lost, WorkerPool, WorkerStartError
 from megatron_rlhf.rlhf.rewards.timer import Timeout, with_alarm
+from megatron_rlhf.rlhf.rewards.worker import RemoteTraceback
 
 if TYPE_CHECKING:  # torch is imported where a tensor is built: workers never load it
     import torch
@@ -32,17 +31,9 @@ _PROMPT_SHOWN = 200  # characters of a failing sample's prompt in the printed re
 
 
 class RewardScorer:
-    """Scores batches with one reward function; keeps its worker processes across calls.
-
-    ``fn_name``: a registered name or ``module:function`` (ValueError listing the valid
-    names if unknown). ``timeout_s``: the limit of one call of an isolated function (a
-    batched one: per sample of the call). ``workers``: processes for an isolated function;
-    None: ``min(2, cpu_count)``; 0: in this process, where the timeout is a SIGALRM that
-    interrupts Python code on the main thread only. Functions that are not isolated run in
-    this process without a timeout. ``strict``: raise a :class:`RewardError` on the first
-    failed sample instead of scoring it 0. ``answer_key``: passed to functions with an
-    ``answer_key`` parameter. ``last_failure``: the message of the latest failed sample.
-    """
+    """Scores batches with one reward function (``fn_name``: a registered name or
+    ``module:function``; ValueError if unknown); keeps its worker processes across calls.
+    ``last_failure``: the message of the latest failed sample."""
 
     def __init__(self, fn_name: str, *, timeout_s: float = 5.0, workers: int | None = None,
                  strict: bool = False, answer_key: str = "answer"):
@@ -51,13 +42,18 @@ class RewardScorer:
             raise ValueError(f"the reward timeout must be a finite number of seconds > 0, got {timeout_s!r}")
         if workers is not None and (not isinstance(workers, int) or workers < 0):
             raise ValueError(f"reward workers must be None or an integer >= 0, got {workers!r}")
+        # timeout_s: per call of an isolated function (a batched one: per sample of the call).
+        # strict: raise on the first failed sample instead of scoring it 0.
         self.fn_name, self.timeout_s, self.strict = fn_name, float(timeout_s), strict
         self.batched = bool(getattr(fn, "batched", False))
         self.isolated = bool(getattr(fn, "isolated", False))
         self.warmup = getattr(fn, "warmup", None)
-        if takes_answer_key(fn):
+        if takes_answer_key(fn):  # a function with an answer_key parameter gets --answer-key
             fn = functools.partial(fn, answer_key=answer_key)
         self.fn = fn
+        # Processes for an isolated function: None: min(2, cpu_count); 0: in this process,
+        # where the timeout is a SIGALRM that interrupts Python code on the main thread only.
+        # Other functions run in this process without a timeout.
         if not self.isolated:
             workers = 0
         elif workers is None:

@@ -16,9 +16,8 @@ class Timeout(BaseException):
 
 
 def with_alarm(call: Callable[[], Any], seconds: float) -> Any:
-    """``call()``, interrupted by :class:`Timeout` after ``seconds``. Off the main thread, or
-    where there is no ``setitimer``, ``call()`` runs without a limit. An alarm set by someone
-    else (pytest-timeout) is restored, less the time spent here."""
+    """``call()``, interrupted by :class:`Timeout` after ``seconds``; without a limit off the
+    main thread or without ``setitimer``."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         return call()
 
@@ -36,6 +35,6 @@ def with_alarm(call: Callable[[], Any], seconds: float) -> Any:
             signal.setitimer(signal.ITIMER_REAL, 0)
     finally:
         signal.signal(signal.SIGALRM, old_handler if old_handler is not None else signal.SIG_DFL)
-        if old_delay > 0:
+        if old_delay > 0:  # someone else's alarm (pytest-timeout), less the time spent here
             left = max(old_delay - (time.monotonic() - start), 1e-3)
             signal.setitimer(signal.ITIMER_REAL, left, old_interval)

@@ -1,10 +1,6 @@
-"""Verifiers: rewards that check a response against the sample's ground truth
-(``sample.answer``, which the trainer reads from the record's ``--answer-key`` field).
-
-``math`` scores 1.0 when the response's final answer equals the ground truth
-(:mod:`~megatron_rlhf.rlhf.rewards.math_answer`), else 0.0. It runs isolated: sympy's work
-can be slow on adversarial text, and the scorer's worker processes bound it.
-"""
+"""Verifiers: rewards that check a response against ``sample.answer``, the ground truth the
+trainer reads from the record's ``--answer-key`` field. ``math`` runs isolated: sympy's work
+can be slow on adversarial text, and the scorer's worker processes bound it."""
 
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ from megatron_rlhf.rlhf.rewards.math_answer import math_answer_correct
 
 
 class MissingAnswerError(RewardConfigError, KeyError):
-    """A sample has no ground truth for a verifier: its record lacks the ``--answer-key``
-    field, a configuration error."""
+    """A sample has no ground truth: its record lacks the ``--answer-key`` field."""
 
     def __init__(self, meta: dict):
         fields = ", ".join(repr(k) for k in sorted(meta, key=str)) or "none"
