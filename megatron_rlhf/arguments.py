@@ -288,7 +288,7 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--reward-fn", default=None,
                    help="reward function by name: math (the response's final answer checked "
                         "against the record's --answer-key with math-verify), a rule (concise, "
-                        "...: megatron_rlhf/rlhf/rewards.py), or module:function of your own")
+                        "...: megatron_rlhf/rlhf/rewards/rules.py), or module:function of your own")
     g = p.add_argument_group("rewards (--reward-fn)")
     g.add_argument("--answer-key", default="answer",
                    help="record field a verifier checks the answer against (default: answer)")
@@ -299,6 +299,9 @@ def add_rlhf_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strict-rewards", action="store_true",
                    help="a reward that crashes, returns a non-number or times out stops the run "
                         "(default: it scores 0, counted in the metrics reward_errors/_timeouts)")
+    g.add_argument("--tolerate-reward-errors", action="store_true",
+                   help="train on when every sample of a batch failed its reward function "
+                        "(default: stop with an error)")
     g = p.add_argument_group("data and rollout")
     g.add_argument("--prompts", default=None,
                    help="dataset of prompt records: .jsonl, .json or .parquet; every field "

@@ -615,6 +615,9 @@ class RewardConfig:
     strict_rewards: bool = False
     """A crash, a non-number or a timeout of the reward stops the run with a RewardError
     (default: the sample scores 0, counted in ``reward_errors`` / ``reward_timeouts``)."""
+    tolerate_reward_errors: bool = False
+    """Train on when every sample of a batch failed its reward function (default: stop with a
+    RewardError; one failed sample among others always scores 0 and is counted)."""
 
     def __post_init__(self) -> None:
         if not self.reward_timeout > 0:

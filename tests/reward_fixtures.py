@@ -59,3 +59,16 @@ def keyed(sample, *, answer_key: str = "answer") -> float:
 def pid(sample) -> float:
     """The worker's process id."""
     return float(os.getpid())
+
+
+def math_and_short(sample) -> float:
+    """A user's reward composing the built-in verifier: ``math`` on ``sample.answer``, and
+    only for a response of at most 20 characters (a check of its own)."""
+    from megatron_rlhf.rlhf.rewards import get_reward_fn
+
+    return get_reward_fn("math")(sample) * float(len(sample.response) <= 20)
+
+
+def always_keyerror(sample) -> float:
+    """Raises KeyError on every sample (a user's function reading a field no record has)."""
+    return float(sample.meta["score"])

@@ -19,7 +19,7 @@ weight and one optimizer step per iteration on both sides:
   fp32, ``loss_type="dapo"``: the token mean over the whole batch, like our ``token-mean``;
   group-std advantages like ours; ``num_iterations=1``; ``per_device_train_batch_size`` x
   gradient accumulation = the iteration's prompts x group), the reward a function applying
-  our verifier (``megatron_rlhf/rlhf/verifiers.py`` loaded by path: it imports only
+  our verifier (``megatron_rlhf/rlhf/rewards/math_answer.py`` loaded by path: it imports only
   math-verify); seconds per optimizer step from ``on_step_end`` timestamps; held-out
   accuracy from greedy generation with the base and the trained model, same token limit,
   scored with the same verifier.
@@ -65,7 +65,7 @@ from machine import cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "megatron_rlhf" / "data"
-VERIFIERS = ROOT / "megatron_rlhf" / "rlhf" / "verifiers.py"
+VERIFIERS = ROOT / "megatron_rlhf" / "rlhf" / "rewards" / "math_answer.py"
 TRL_VERSION = "1.16.0"
 MATH_VERIFY_VERSION = "0.9.0"
 PEERS = ("megatron_rlhf", "trl")
@@ -386,7 +386,7 @@ def load_records(path: str, limit: int = 0) -> list[dict]:
 
 
 def load_verifiers(path: str):
-    """``megatron_rlhf/rlhf/verifiers.py`` as a module of its own (a leaf: imports math-verify only)."""
+    """``megatron_rlhf/rlhf/rewards/math_answer.py`` as a module of its own (a leaf: imports math-verify only)."""
     spec = importlib.util.spec_from_file_location("bench_peer_verifiers", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

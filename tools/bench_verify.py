@@ -15,7 +15,7 @@ same answers for every variant.
 
 Variants, run one after the other on the same answers in batches of ``--batch``:
 
-- ``direct``: ``verifiers.math_reward`` called in a loop (no scorer), one core;
+- ``direct``: ``math_reward`` called in a loop (no scorer), one core;
 - ``workers=0``: ``RewardScorer("math", workers=0)``: in this process, one core, with the
   scorer's per-sample SIGALRM timeout;
 - ``workers=K`` (K > 0): the scorer's pool of K worker processes. Its start (spawning the
@@ -44,8 +44,7 @@ from machine import cpu_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rlhf.rlhf import verifiers  # noqa: E402
-from megatron_rlhf.rlhf.rewards import RewardInput, RewardScorer  # noqa: E402
+from megatron_rlhf.rlhf.rewards import RewardInput, RewardScorer, math_reward  # noqa: E402
 
 GOAL_ANSWERS_PER_S = 1000.0
 STYLES = ("boxed", "hash", "answer_is", "last_number")
@@ -105,7 +104,7 @@ def make_samples(count: int, group: int, seed: int) -> list[RewardInput]:
             samples.append(RewardInput(prompt=prompt, response=text, prompt_ids=[1, 2, 3],
                                        response_ids=list(range(4, 4 + len(text) // 4)),
                                        finish_reason="eos", eos_token_id=2,
-                                       meta={"answer": gold, "id": len(samples)}))
+                                       meta={"answer": gold, "id": len(samples)}, answer=gold))
     return samples
 
 
@@ -114,7 +113,7 @@ def batches(samples: list, size: int) -> list[list]:
 
 
 def run_direct(samples: list[RewardInput], batch: int) -> tuple[float, list[float], dict]:
-    fn = verifiers.math_reward
+    fn = math_reward
     for s in samples[:batch]:  # untimed warm-up
         fn(s)
     t = time.perf_counter()

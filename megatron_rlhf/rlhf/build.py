@@ -105,7 +105,7 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
     from megatron_rlhf.data.prompts import encode_record, load_prompts
     from megatron_rlhf.data.tokenizer import load_tokenizer
     from megatron_rlhf.generation.request import check_draft
-    from megatron_rlhf.rlhf.rewards import get_reward_fn, takes_answer_key
+    from megatron_rlhf.rlhf.rewards import get_reward_fn, reads_answer
     from megatron_rlhf.rlhf.state import find_training_checkpoint, read_training_state
 
     if (reward_fn is None) == (paths.reward is None):
@@ -130,7 +130,7 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                              f"--train-iters above it to train further")
     infos = _infos(paths, ppo, resume)
     tokenizer = load_tokenizer(infos["actor"].tokenizer_dir)
-    required = (reward.answer_key,) if reward_fn and takes_answer_key(get_reward_fn(reward_fn)) else ()
+    required = (reward.answer_key,) if reward_fn and reads_answer(get_reward_fn(reward_fn)) else ()
     prompts = load_prompts(prompts_file, split="train" if prompts_file is None else None,
                            key=loop.prompt_key, required=required)
     if len(prompts) < ppo.global_batch_size:

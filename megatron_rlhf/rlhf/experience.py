@@ -127,7 +127,8 @@ class ExperienceMaker:
             self.recompute = actor is not None and recomputes(cfg, next(actor.parameters()).dtype, gen)
         if self.recompute and actor is None:
             raise ValueError("recompute_logprobs needs the actor")
-        self.scorer = None if reward_fn is None else _scorer(reward_fn, reward or RewardConfig())
+        self.reward = reward or RewardConfig()
+        self.scorer = None if reward_fn is None else _scorer(reward_fn, self.reward)
         self.reward_stats = {"reward_errors": 0, "reward_timeouts": 0}
         """Samples given 0 for a crash or a timeout since :meth:`take_reward_stats`."""
         self.placed: dict = {}
@@ -261,7 +262,7 @@ class ExperienceMaker:
         return scores
 
     def _scores(self, exp, prompts, prompt_texts, responses, rollout, first_index, metas):
-        error = None
+        error, failed = None, 0
         try:
             if self.reward_model is not None:
                 sample_ids = list(range(first_index, first_index + len(prompts)))
@@ -275,16 +276,19 @@ class ExperienceMaker:
                     RewardInput(prompt=text, response=self.tokenizer.decode(r, skip_special_tokens=True)
                                 if self.tokenizer is not None else "",
                                 prompt_ids=p, response_ids=r, finish_reason=reason,
-                                eos_token_id=self.eos_id, meta=meta)
+                                eos_token_id=self.eos_id, meta=meta,
+                                answer=meta.get(self.reward.answer_key))  # the ground truth, read once here
                     for p, text, r, reason, meta in zip(prompts, prompt_texts, responses,
                                                         rollout.finish_reasons, metas)
                 ]
                 scores, counts = self.scorer(samples, first_index)
                 for name in self.reward_stats:
                     self.reward_stats[name] += int(counts.get(name, 0))
+                failed = int(counts["reward_errors"] + counts["reward_timeouts"])
         except RewardError as e:
             error, scores = e, torch.zeros(len(prompts), device=runtime.device())
-        _stop_together(error)
+        guarded = self.reward_fn if not self.reward.tolerate_reward_errors else None
+        _stop_together(error, len(prompts), failed, guarded)
         return scores
 
 
@@ -302,15 +306,21 @@ def overlong_penalty(lengths: torch.Tensor, limit: int, buffer: int, penalty: fl
     return -penalty * (over / buffer).clamp(max=1)
 
 
-def _stop_together(error: Exception | None) -> None:
+def _stop_together(error: Exception | None, scored: int = 0, failed: int = 0,
+                   fn_name: str | None = None) -> None:
     """Raise on every rank of the world if any rank failed, so none waits forever in a
-    collective."""
-    failed = runtime.all_reduce(torch.tensor([0 if error is None else 1], device=runtime.device()),
-                                 dist.ReduceOp.MAX)
+    collective; with ``fn_name``, also if every one of the ``scored`` samples of the world
+    ``failed`` (raised, returned a non-number or timed out)."""
+    total = runtime.all_reduce(torch.tensor([0 if error is None else 1, scored, failed],
+                                            device=runtime.device()), dist.ReduceOp.SUM).tolist()
     if error is not None:
         raise error
-    if failed.item():
+    if total[0]:
         raise RewardError("the reward failed on another rank (its message is above)")
+    if fn_name is not None and total[1] and total[2] == total[1]:
+        raise RewardError(f"reward function {fn_name!r} failed on every one of the {total[1]} samples "
+                          "(the first failure of each kind is printed above); "
+                          "--tolerate-reward-errors trains on with rewards of 0")
 
 
 def _pad_to(x: torch.Tensor, t: int) -> torch.Tensor:

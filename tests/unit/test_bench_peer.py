@@ -65,7 +65,7 @@ def test_both_sides_get_the_same_settings(bench, tmp_path):
     assert conf["per_device_train_batch_size"] * conf["gradient_accumulation_steps"] == 32
     assert (conf["iters"], conf["group"], conf["max_new_tokens"]) == (3, 4, 128)
     assert (conf["lr"], conf["kl_coef"], conf["seed"]) == (2e-6, 0.01, 1234)
-    assert conf["verifiers"].endswith("megatron_rlhf/rlhf/verifiers.py") and Path(conf["verifiers"]).is_file()
+    assert conf["verifiers"].endswith("megatron_rlhf/rlhf/rewards/math_answer.py") and Path(conf["verifiers"]).is_file()
     json.dumps(conf)  # the worker reads it as JSON
     assert bench.trl_command(p["venv"], tmp_path / "c.json")[0] == str(p["venv"] / "bin" / "python")
     smoke = bench.parse_args(["--smoke", "--dry-run"])  # 8 samples: 4 per rank, one TRL batch of 8

@@ -1,5 +1,6 @@
-"""Rule reward functions, the registry, score_samples error reporting and the RewardScorer:
-batch functions, isolated functions in worker processes, timeouts, counts and strict mode."""
+"""Rule reward functions, the registry and its marks, score_samples error reporting and the
+RewardScorer: batch functions, isolated functions in worker processes, timeouts, counts,
+strict mode and the printed first failures; the timer and the worker pool on their own."""
 
 from __future__ import annotations
 
@@ -19,12 +20,16 @@ from megatron_rlhf.rlhf.rewards import (
     RewardError,
     RewardInput,
     RewardScorer,
+    answer_reward,
     batch_reward,
     get_reward_fn,
     isolated_reward,
+    reads_answer,
     register_reward,
     score_samples,
 )
+from megatron_rlhf.rlhf.rewards.pool import Lost, WorkerPool
+from megatron_rlhf.rlhf.rewards.timer import Timeout, with_alarm
 
 EOS = 2
 
@@ -420,3 +425,75 @@ def test_import_is_light():
             "print(sorted({'torch', 'math_verify', 'sympy'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------- loud failures
+
+
+def test_first_failure_of_each_kind_is_printed_with_its_traceback_and_prompt(capsys):
+    """Not strict: a crash scores 0 and is counted, and the first of each kind (exception
+    type, non-number) is printed with the sample's index, its prompt and the traceback."""
+    batch = [sample("ok"), sample("crash"), sample("nan"), sample("crash")]
+    batch[1].prompt = "the prompt of sample 21"
+    scorer = RewardScorer("reward_fixtures:crashy", workers=0)
+    scores, counts = scorer(batch, first_index=20)
+    assert counts == {"reward_timeouts": 0, "reward_errors": 3}
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 2  # one crash (of two) and the nan
+    assert ("warning: reward function 'reward_fixtures:crashy' raised on sample 21: KeyError: "
+            "'missing field'\n") in err
+    assert "prompt: 'the prompt of sample 21'" in err
+    assert "Traceback (most recent call last)" in err and 'raise KeyError("missing field")' in err
+    assert "returned nan for sample 22" in err and "sample 23" not in err
+    scorer(batch, first_index=30)  # the same kinds again: counted, not printed
+    assert capsys.readouterr().err == ""
+
+
+def test_worker_failures_are_printed_with_the_workers_traceback(capsys):
+    with RewardScorer("reward_fixtures:crashy", workers=1) as scorer:
+        scorer([sample("crash"), sample("ok")], first_index=4)
+    err = capsys.readouterr().err
+    assert "raised on sample 4: KeyError" in err and "Traceback" in err and "crashy" in err
+
+
+def test_strict_failures_are_raised_not_printed(capsys):
+    with pytest.raises(RewardError):
+        RewardScorer("reward_fixtures:crashy", workers=0, strict=True)([sample("crash")])
+    assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------- marks, timer, pool
+
+
+def test_marks_are_set_by_the_decorators():
+    def warm():
+        pass
+
+    @isolated_reward(warmup=warm)
+    @answer_reward
+    def f(s):
+        return 1.0
+
+    assert f.isolated and f.warmup is warm and f.needs_answer and reads_answer(f)
+    assert not reads_answer(rewards.concise) and reads_answer(get_reward_fn("reward_fixtures:keyed"))
+
+
+def test_timer_interrupts_a_slow_call():
+    assert with_alarm(lambda: 7, 1.0) == 7
+    t = time.monotonic()
+    with pytest.raises(Timeout):
+        with_alarm(lambda: time.sleep(30), 0.2)
+    assert time.monotonic() - t < 2.0
+
+
+def test_pool_knows_only_a_callable_and_a_timeout():
+    pool = WorkerPool(time.sleep, size=1)
+    try:
+        pool.run([0], 5.0)  # started (untimed)
+        t = time.monotonic()
+        results, spans = pool.run([0, 60, 0], 0.5)
+        assert time.monotonic() - t < 0.5 + 2.0
+        assert results == [None, Lost("timeout"), None] and spans == [None] * 3
+        assert WorkerPool(abs, size=2).run([-1, 2, -3], 5.0)[0] == [1, 2, 3]
+    finally:
+        pool.close()

@@ -1,5 +1,6 @@
 """The ``math`` verifier (math-verify): final-answer extraction and its precedence, number
-forms, the ground-truth field, the gold cache, the scorer's pool, and the benchmark's smoke run."""
+forms, the ground truth (``sample.answer``), the gold cache, the scorer's pool, and the
+benchmark's smoke run."""
 
 from __future__ import annotations
 
@@ -9,22 +10,26 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlhf.rlhf import verifiers
 from megatron_rlhf.rlhf.rewards import (
     REWARD_FUNCTIONS,
+    MissingAnswerError,
+    RewardConfigError,
     RewardError,
     RewardInput,
     RewardScorer,
     get_reward_fn,
+    math_reward,
+    reads_answer,
 )
-from megatron_rlhf.rlhf.verifiers import MissingAnswerError, math_reward
+from megatron_rlhf.rlhf.rewards import math_answer
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def sample(response: str, **meta) -> RewardInput:
+    """A sample as the trainer builds it with the default ``--answer-key answer``."""
     return RewardInput(prompt="p", response=response, prompt_ids=[1], response_ids=[2],
-                       finish_reason="eos", eos_token_id=2, meta=meta)
+                       finish_reason="eos", eos_token_id=2, meta=meta, answer=meta.get("answer"))
 
 
 def score(response: str, answer, **kw) -> float:
@@ -34,6 +39,7 @@ def score(response: str, answer, **kw) -> float:
 def test_registered_isolated_and_per_sample():
     assert get_reward_fn("math") is REWARD_FUNCTIONS["math"] is math_reward
     assert math_reward.isolated is True and not getattr(math_reward, "batched", False)
+    assert callable(math_reward.warmup) and reads_answer(math_reward)  # set by its decorators
 
 
 RIGHT = [
@@ -95,23 +101,26 @@ def test_number_forms_wrong(response, answer):
     assert score(response, answer) == 0.0
 
 
-def test_answer_key_and_missing_field():
-    s = sample("#### 42", solution="42", id=3)
-    assert math_reward(s, answer_key="solution") == 1.0
+@pytest.mark.parametrize("meta", [{"solution": "42", "id": 3}, {"answer": None, "id": 3}])
+def test_missing_ground_truth(meta):
+    """The verifier reads ``sample.answer`` only: a record field of another name (or a null
+    one) is no ground truth; the trainer puts the ``--answer-key`` field there."""
+    s = sample("#### 42", **meta)
+    assert math_reward(RewardInput(**dict(vars(s), answer="42"))) == 1.0
     with pytest.raises(MissingAnswerError) as info:
         math_reward(s)
     msg = str(info.value)
-    assert "no 'answer' field" in msg and "--answer-key" in msg and "'id', 'solution'" in msg
-    assert isinstance(info.value, KeyError)
+    fields = ", ".join(repr(k) for k in sorted(meta))
+    assert "no ground-truth answer" in msg and "--answer-key" in msg and f"fields: {fields}" in msg
+    assert isinstance(info.value, KeyError) and isinstance(info.value, RewardConfigError)
     # through the scorer: a configuration error, raised even when not strict
     for strict in (False, True):
         with pytest.raises(RewardError, match="'math' raised on sample 9: MissingAnswerError: "
-                                              "the record has no 'answer' field"):
+                                              "the record has no ground-truth answer"):
             RewardScorer("math", workers=0, strict=strict)([sample("1", answer=1), s], first_index=8)
-    assert RewardScorer("math", workers=0, answer_key="solution")([s])[0].tolist() == [1.0]
 
 
-@pytest.mark.parametrize("gold", [None, "", True, []])
+@pytest.mark.parametrize("gold", ["", True, []])
 def test_unreadable_gold_is_a_counted_error(gold):
     scores, counts = RewardScorer("math", workers=0)([sample("#### 42", answer=gold),
                                                       sample("#### 42", answer="42")])
@@ -123,10 +132,10 @@ def test_unreadable_gold_is_a_counted_error(gold):
 
 def test_gold_answer_is_parsed_once_per_text():
     gold = "12345/7"
-    verifiers._parse_gold.cache_clear()
+    math_answer._parse_gold.cache_clear()
     for r in ("#### 12345/7", "\\boxed{\\frac{12345}{7}}", "The answer is 3.", "#### 12345/7"):
         score(r, gold)
-    info = verifiers._parse_gold.cache_info()
+    info = math_answer._parse_gold.cache_info()
     assert info.misses == 1 and info.hits == 3
 
 
