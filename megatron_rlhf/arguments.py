@@ -53,8 +53,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="override: share input embedding and LM head")
     g.add_argument("--untie-embeddings", dest="tie_embeddings", action="store_false",
                    help="override: separate LM head")
-    g.add_argument("--seq-length", type=int, default=None,
-                   help="override: max_position_embeddings at least this")
+    g.add_argument("--seq-length", type=int, help="override: max_position_embeddings at least this")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
