@@ -32,7 +32,7 @@ from megatron_rlhf.config import (
     dataclass_from_namespace,
     preset,
 )
-from megatron_rlhf.flags import add_fields, cli_message, field_docs
+from megatron_rlhf.flags import add_fields, cli_message, field_docs, field_kinds
 
 _MODEL_OVERRIDES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "num_query_groups", "vocab_size", "max_position_embeddings", "rotary_base",
@@ -47,7 +47,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="architecture preset for a model built from scratch")
     docs = field_docs(ModelConfig)
     for name in _MODEL_OVERRIDES:
-        typ = float if name in ("rotary_base", "norm_epsilon") else int
+        typ = field_kinds(ModelConfig, name)[0][0]
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"override: {docs[name]}")
     g.add_argument("--tie-embeddings", dest="tie_embeddings", action="store_true", default=None,
                    help="override: share input embedding and LM head")

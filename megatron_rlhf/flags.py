@@ -77,8 +77,14 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def _kinds(annotation) -> tuple[list, tuple]:
-    """``(types, literal choices)`` of a field's annotation, None left out."""
+@cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def field_kinds(cls, name: str) -> tuple[list, tuple]:
+    """``(types, literal choices)`` of field ``name``'s annotation in ``cls``, None left out."""
+    annotation = _hints(cls)[name]
     union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     parts = typing.get_args(annotation) if union else (annotation,)
     scalars, choices = [], ()
@@ -120,7 +126,7 @@ def _add_bool(g, f: dataclasses.Field, flag: str, help_: str) -> None:
         x.add_argument(off, dest=f.name, action="store_false", default=f.default,
                        help=f"the opposite of {flag}")
     elif f.default:
-        g.add_argument(off, dest=f.name, action="store_false", default=True, help=f"turn off: {help_}")
+        g.add_argument(off, dest=f.name, action="store_false", default=True, help=f"{help_} On by default: this flag turns it off.")
     else:
         g.add_argument(flag, dest=f.name, action="store_true", default=False, help=help_)
 
@@ -129,14 +135,14 @@ def add_fields(g, cls, *, only=(), exclude=()) -> None:
     """Add a flag for each field of dataclass ``cls`` to parser or group ``g``: those in
     ``only`` (when given), not in ``exclude``, and not already a dest of the parser."""
     taken = {a.dest for a in g._actions}
-    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         if (only and f.name not in only) or f.name in exclude or f.name in taken:
             continue
         flag = f.metadata.get("flag", default_flag(f.name))
         if flag is None:
             continue
-        scalars, choices = _kinds(hints[f.name])
+        scalars, choices = field_kinds(cls, f.name)
         if scalars == [bool]:
             _add_bool(g, f, flag, docs[f.name])
             continue

@@ -55,10 +55,10 @@ class GenerationConfig:
 class SpecConfig:
     """Speculative decoding: drafts from a draft model and/or the rollout's own history."""
 
+    # auto: before every round the selector (generation/strategy.py) picks plain decoding or
+    # 1..max_draft_tokens for the live batch; without a draft, plain decoding.
     num_draft_tokens: int | Literal["auto"] = "auto"
-    """Draft tokens per verification: N >= 0 (0: plain decoding), or auto: before every round
-    the selector picks plain decoding or 1..max_draft_tokens for the live batch (without a
-    draft, plain decoding)."""
+    """Draft tokens per verification: N >= 0 (0: plain decoding) or auto (picked per round)."""
     max_draft_tokens: int = 4
     """Largest draft length auto considers."""
     cost_profile: str | None = None
@@ -67,10 +67,11 @@ class SpecConfig:
     acceptance_decay: float = field(default=0.98, metadata={"flag": None})
     """Auto: weight the acceptance estimate keeps per generation round, so that the estimate
     follows the actor as it trains."""
+    # exact: a draft token is accepted iff plain sampling draws it there, so the samples are
+    # speculation off's, token for token. rejection (model drafts): lossless in distribution
+    # only; the samples then depend on the selector's choices and timing.
     verify: SpecVerify = field(default="exact", metadata={"flag": "--spec-verify"})
-    """exact: accept a draft token iff it is the token plain sampling draws there, so samples
-    equal speculation off's, token for token; rejection (model drafts): rejection sampling,
-    lossless in distribution only, and a run is not reproducible from its seed."""
+    """exact (samples equal plain decoding's) or rejection (not reproducible from the seed)."""
     draft_source: DraftSource | None = None
     """Drafts from the draft model (model), the rollout's own history (history: no draft model
     needed) or both (None: model with a draft model, else no speculation)."""
@@ -146,10 +147,10 @@ class MigrationConfig:
     (None: on when there are 2+ data-parallel ranks)."""
     migration_interval: int = 4
     """Rounds between exchanges of the ranks' live-sample counts (one small all-gather)."""
+    # also at least 2 samples more than the idlest; samples then move until every rank is
+    # within one of the mean
     migration_threshold: float = 0.25
-    """Migrate when the busiest rank holds more than (1 + this) x the mean live count and at
-    least 2 samples more than the idlest; samples then move until every rank is within one
-    of the mean."""
+    """Migrate when the busiest rank holds more than (1 + this) x the mean live count."""
 
     def __post_init__(self) -> None:
         finite(self)

@@ -40,11 +40,11 @@ class OptimConfig:
     overlap_grad_reduce: bool | None = None
     """Reduce gradients bucket by bucket during the last micro-batch's backward (megatron's
     DDP) instead of after it; None: on GPU only."""
+    # megatron's DDP forward pre-hooks; the trainer completes the gather when a training
+    # stage ends. Needs the distributed optimizer and overlapped gradient reduction.
     overlap_param_gather: bool | None = None
-    """With the distributed optimizer and overlapped gradient reduction: gather the updated
-    parameters bucket by bucket during the next mini-batch's forward instead of in the
-    optimizer step (megatron's DDP forward pre-hooks); the trainer completes the gather when
-    a training stage ends. None: wherever gradients overlap."""
+    """Gather the updated parameters during the next mini-batch's forward instead of in the
+    optimizer step (None: wherever gradients overlap)."""
 
     def __post_init__(self) -> None:
         finite(self)

@@ -55,17 +55,16 @@ class PPOConfig:
     """Clip of the critic's new values around the old ones (0: no value clipping)."""
     kl_coef: float = 0.05
     """KL(actor || reference) weight: a per-token reward penalty with gae, a loss term with grpo."""
+    # As a loss, k1 and abs are refused: k1's expected gradient is zero, abs's is not the KL's.
     kl_estimator: KLEstimator | None = None
-    """Per-token KL estimate: k1 (log-ratio), k2, k3 (Schulman), abs. None: k3 where the KL
-    is a loss (grpo), k1 where it shapes the reward. As a loss, k1 and abs are refused: the
-    expected gradient of k1 is zero, and that of abs is not the KL's."""
+    """Per-token KL estimate (None: k3 where the KL is a loss, grpo; k1 in the reward)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the policy loss."""
+    # token-mean: over the mini-batch's response tokens on all ranks; seq-mean-token-mean:
+    # each response's token mean, averaged; seq-mean-token-sum-norm (Dr. GRPO): each
+    # response's token sum over the response-length limit, averaged.
     loss_agg: LossAggregation = "token-mean"
-    """How per-token policy losses become one: token-mean (over the mini-batch's response
-    tokens on all ranks), seq-mean-token-mean (each response's token mean, averaged over
-    responses) or seq-mean-token-sum-norm (Dr. GRPO: each response's token sum over a
-    constant, the response-length limit, averaged over responses)."""
+    """How per-token policy losses become one (Dr. GRPO: seq-mean-token-sum-norm)."""
     filter_groups: bool = False
     """DAPO's dynamic sampling: drop prompt groups whose rewards are all equal (no signal
     for a group baseline) and generate for more prompts until the batch is full."""
@@ -77,11 +76,11 @@ class PPOConfig:
     limit lose up to ``overlong_penalty``, linearly (0: off)."""
     overlong_penalty: float = 1.0
     """The largest soft overlong penalty, reached at the length limit."""
+    # None: on for bf16 models (the cached decode and the full forward round differently)
+    # and for tempered or truncated sampling, so that the first PPO ratio is exactly 1;
+    # off when old_from_update gives log pi_old without a forward.
     recompute_logprobs: bool | None = None
-    """Take log pi_old from a training forward instead of from generation (None: for bf16
-    models, where the cached decode and the full forward round differently, and when
-    sampling is tempered or truncated, so that the first PPO ratio is exactly 1; unless
-    :attr:`old_from_update`, which needs no forward at all)."""
+    """Take log pi_old from a training forward instead of from generation (None: when needed)."""
 
     def __post_init__(self) -> None:
         finite(self)
