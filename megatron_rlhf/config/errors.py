@@ -1,9 +1,7 @@
 """ConfigError and the checks the config dataclasses share.
 
-A message names the settings it is about as ``{field}`` (``{!field}``: the field set to
-False). ``str(error)`` shows the field names; the CLI shows the flags instead
-(:func:`megatron_rlhf.flags.cli_message`).
-"""
+A message names its settings as ``{field}`` (``{!field}``: the field set to False); ``str()``
+shows field names, :func:`megatron_rlhf.flags.cli_message` the flags."""
 
 from __future__ import annotations
 
@@ -28,7 +26,7 @@ class ConfigError(ValueError):
 
 
 def positive(name: str, value) -> None:
-    """Raise unless ``value`` is a positive integer; ``name`` is a field or a phrase."""
+    # name: a field, or a phrase such as "tensor parallel size"
     if not isinstance(value, int) or value <= 0:
         label = f"{{{name}}}" if name.isidentifier() else name
         raise ConfigError(f"{label} must be a positive integer, got {value!r}")
