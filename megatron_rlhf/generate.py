@@ -20,7 +20,7 @@ import json
 import sys
 
 from megatron_rlhf import arguments
-from megatron_rlhf.config import GenerationConfig, SpecConfig, dataclass_from_namespace
+from megatron_rlhf.config import GenerationConfig, MigrationConfig, SpecConfig, dataclass_from_namespace
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
 
     runtime.quiet_third_party_warnings()
     gen, spec, infos, tokenizer, prompts = arguments.validated(validate, args)
-    migration = arguments.validated(arguments.migration_config_from_args, args)
+    migration = arguments.validated(dataclass_from_namespace, MigrationConfig, args)
 
     # --- distributed from here on ---
     from megatron_rlhf.generation.engine import Generator, history_drafter

@@ -20,6 +20,7 @@ from megatron_rlhf.config import (
     EvalConfig,
     GenerationConfig,
     LoopConfig,
+    MigrationConfig,
     OptimConfig,
     PPOConfig,
     RewardConfig,
@@ -37,7 +38,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     arguments.add_runtime_args(p)
     arguments.add_generation_args(p)
     arguments.add_migration_args(p)
-    p.set_defaults(micro_batch_size=4)
     return p.parse_args(argv)
 
 
@@ -54,7 +54,7 @@ def validate(args: argparse.Namespace):
         loop=dataclass_from_namespace(LoopConfig, args),
         gen=dataclass_from_namespace(GenerationConfig, args),
         spec=dataclass_from_namespace(SpecConfig, args),
-        migration=arguments.migration_config_from_args(args),
+        migration=dataclass_from_namespace(MigrationConfig, args),
         par=arguments.parallel_config_from_args(args),
         dtype=arguments.dtype_from_args(args),
         paths=paths, reward_fn=args.reward_fn, world_size=arguments.launch_world_size(),

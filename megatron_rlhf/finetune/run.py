@@ -143,9 +143,6 @@ def parser(stage: str, prog: str, doc: str) -> argparse.ArgumentParser:
     arguments.add_finetune_args(p, stage)
     arguments.add_parallel_args(p)
     arguments.add_runtime_args(p)
-    p.set_defaults(micro_batch_size=4, lr=1e-5)
-    if stage == "sft":
-        p.set_defaults(loss="sft")
     return p
 
 

@@ -32,7 +32,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rlhf.config import MODEL_LAYOUT_FLAGS, SUBSET_MODELS, flag_field
+from megatron_rlhf.config import MODEL_LAYOUTS, SUBSET_MODELS
+from megatron_rlhf.flags import flag_of
 from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.plan import memory as mem
 from megatron_rlhf.plan.cost import Estimator
@@ -356,10 +357,10 @@ def _plan_text(plan: Plan) -> str:
 
 
 _CALL_MODEL = {"ref_inf": "reference", "reward_inf": "reward", "critic_train": "critic", "critic_inf": "critic_inf"}
-OWN_LAYOUT_FLAG = {call: MODEL_LAYOUT_FLAGS[name] for call, name in _CALL_MODEL.items()}
-"""Calls the trainer can place on a layout of their own, and the flag that does it."""
-OWN_LAYOUT = {call: flag_field(flag) for call, flag in OWN_LAYOUT_FLAG.items()}
-"""The same calls and the ``ParallelConfig`` field each flag sets."""
+OWN_LAYOUT = {call: MODEL_LAYOUTS[name] for call, name in _CALL_MODEL.items()}
+"""Calls the trainer can place on a layout of their own, and the ``ParallelConfig`` field that does it."""
+OWN_LAYOUT_FLAG = {call: flag_of(key) for call, key in OWN_LAYOUT.items()}
+"""The same calls and the flag that sets each field."""
 
 
 def trainer_flags(plan: Plan) -> dict[str, str]:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from megatron_rlhf.config import (
-    MODEL_LAYOUT_FLAGS,
+    MODEL_LAYOUTS,
+    ConfigError,
     GenerationConfig,
     LoopConfig,
     MigrationConfig,
@@ -157,7 +158,7 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
     for name, lay in own.items():
         model = name.removesuffix("_inf")
         if model not in infos:
-            raise ValueError(f"{MODEL_LAYOUT_FLAGS[name]} places a model this run does not have "
+            raise ConfigError(f"{{{MODEL_LAYOUTS[name]}}} places a model this run does not have "
                              f"(the {model}): drop it")
         ppo.check_data_parallel(lay.dp)
     for name, info in infos.items():

@@ -1,9 +1,11 @@
 import argparse
+import re
 
 import pytest
 
 from megatron_rlhf import arguments
 from megatron_rlhf.config import (
+    ConfigError,
     GenerationConfig,
     ModelConfig,
     ParallelConfig,
@@ -11,6 +13,15 @@ from megatron_rlhf.config import (
     dataclass_from_namespace,
     preset,
 )
+from megatron_rlhf.flags import cli_message
+
+
+def cli_raises(field_message: str, flag_message: str, make, **kw) -> None:
+    """``make(**kw)`` raises a ConfigError reading ``field_message`` (a regex) in the library
+    and ``flag_message`` as the CLI shows it."""
+    with pytest.raises(ConfigError, match=field_message) as e:
+        make(**kw)
+    assert re.search(flag_message, cli_message(e.value)), cli_message(e.value)
 
 
 def test_smollm2_tensor_parallel_sizes():
@@ -84,15 +95,17 @@ def test_generation_configs():
         GenerationConfig(top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
         GenerationConfig(max_new_tokens=0)
-    with pytest.raises(ValueError, match="--num-draft-tokens must be an integer >= 0 or .auto., got -1"):
-        SpecConfig(num_draft_tokens=-1)
+    cli_raises("^num_draft_tokens must be an integer >= 0 or .auto., got -1",
+               "^--num-draft-tokens must be an integer >= 0 or .auto., got -1", SpecConfig, num_draft_tokens=-1)
 
 
 def test_overlap_param_gather_needs_its_prerequisites():
     from megatron_rlhf.config import OptimConfig
 
     assert OptimConfig(overlap_param_gather=True).overlap_param_gather  # grad overlap: default
-    with pytest.raises(ValueError, match="drop --no-distributed-optimizer or --overlap-param-gather"):
-        OptimConfig(overlap_param_gather=True, use_distributed_optimizer=False)
-    with pytest.raises(ValueError, match="drop --no-overlap-grad-reduce or --overlap-param-gather"):
-        OptimConfig(overlap_param_gather=True, overlap_grad_reduce=False)
+    cli_raises("drop use_distributed_optimizer=False or overlap_param_gather",
+               "drop --no-distributed-optimizer or --overlap-param-gather",
+               OptimConfig, overlap_param_gather=True, use_distributed_optimizer=False)
+    cli_raises("drop overlap_grad_reduce=False or overlap_param_gather",
+               "drop --no-overlap-grad-reduce or --overlap-param-gather",
+               OptimConfig, overlap_param_gather=True, overlap_grad_reduce=False)

@@ -110,10 +110,14 @@ def test_records_encode_like_the_rlhf_prompts_and_bad_records_are_named(tmp_path
 
 
 def test_config_checks():
-    with pytest.raises(ValueError, match="--pack applies to SFT only"):
+    from megatron_rlhf.flags import cli_message
+
+    with pytest.raises(ValueError, match="pack applies to SFT only") as e:
         FinetuneConfig(loss="dpo", pack=True)
-    with pytest.raises(ValueError, match="--global-batch-size 10 must be a multiple of --micro-batch-size 4 x"):
+    assert cli_message(e.value) == "--pack applies to SFT only"
+    with pytest.raises(ValueError, match="global_batch_size 10 must be a multiple of micro_batch_size 4 x") as e:
         FinetuneConfig(global_batch_size=10, micro_batch_size=4).check_data_parallel(1)
+    assert cli_message(e.value).startswith("--global-batch-size 10 must be a multiple of --micro-batch-size 4 x")
 
 
 def test_shipped_sets_are_well_formed():

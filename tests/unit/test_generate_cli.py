@@ -64,7 +64,7 @@ def test_generates(tiny_ckpt):
         (["--max-new-tokens", "13"], 1, "prompt 0 has 3 tokens: with max_new_tokens 13 (+1 for verification) it exceeds the cache of 16 positions"),
         (["--num-draft-tokens", "-1"], 1, "--num-draft-tokens must be an integer >= 0 or 'auto', got -1"),
         (["--num-draft-tokens", "2"], 1, "needs a draft: a draft model (--draft-load)"),
-        (["--top-p", "1.5"], 1, "top_p must be in (0, 1]"),
+        (["--top-p", "1.5"], 1, "--top-p must be in (0, 1]"),
     ],
 )
 def test_bad_input_fails_before_collectives(tiny_ckpt, extra, world, message):

@@ -1,12 +1,11 @@
-"""Model architecture configs: :class:`ModelConfig`, the named presets and the model roles.
-
-Re-exported by :mod:`megatron_rlhf.config`, where every other config dataclass lives.
-"""
+"""Model architecture configs: :class:`ModelConfig`, the named presets and the model roles."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from megatron_rlhf.config.errors import ConfigError, finite, positive
 
 ROLES = ("actor", "reference", "draft", "critic", "reward")
 """actor/reference/draft carry the LM head; critic/reward a scalar value head per token."""
@@ -14,11 +13,6 @@ ROLES = ("actor", "reference", "draft", "critic", "reward")
 VOCAB_PAD_MULTIPLE = 128
 """The embedding is padded to a multiple of this, independent of TP so checkpoints move
 between TP sizes (Llama-2's 32000 and SmolLM2's 49152 need no padding)."""
-
-
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -77,9 +71,10 @@ class ModelConfig:
     runs whose sequences are longer are refused (:meth:`check_attention_span`)."""
 
     def __post_init__(self) -> None:
+        finite(self)
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "vocab_size", "max_position_embeddings"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"{self.num_query_groups} KV heads must divide {self.num_attention_heads} "
@@ -101,7 +96,7 @@ class ModelConfig:
             if self.tie_embeddings:
                 raise ValueError("a reduced LM head (head_vocab_size) cannot be tied to the embedding")
         if self.rotary_base <= 0 or self.norm_epsilon <= 0:
-            raise ValueError("rotary_base and norm_epsilon must be positive")
+            raise ConfigError("{rotary_base} and {norm_epsilon} must be positive")
         if self.family not in FAMILIES:
             raise ValueError(f"model family {self.family!r} is not supported; supported: {', '.join(FAMILIES)}")
         if self.rope_scaling is not None:
@@ -109,7 +104,7 @@ class ModelConfig:
             if missing:
                 raise ValueError(f"rope_scaling lacks {missing}: give {', '.join(ROPE_SCALING_KEYS)}")
         if self.sliding_window is not None:
-            _positive("sliding_window", self.sliding_window)
+            positive("sliding_window", self.sliding_window)
 
     def check_attention_span(self, tokens: int) -> None:
         """Refuse sequences of ``tokens`` tokens that a sliding window would cut."""
@@ -127,7 +122,7 @@ class ModelConfig:
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise a message naming the problem when ``tp`` cannot shard this model."""
-        _positive("tensor parallel size", tp)
+        positive("tensor parallel size", tp)
         for what, n in (
             ("attention heads", self.num_attention_heads),
             ("KV heads", self.num_query_groups),
@@ -144,7 +139,7 @@ class ModelConfig:
 
     def check_pipeline_parallel(self, pp: int) -> None:
         """Raise a message naming the fix when ``pp`` stages cannot split the layers evenly."""
-        _positive("pipeline parallel size", pp)
+        positive("pipeline parallel size", pp)
         if self.num_layers % pp:
             valid = [d for d in range(1, self.num_layers + 1) if self.num_layers % d == 0]
             raise ValueError(f"pipeline parallel size {pp} must divide {self.num_layers} layers; "

@@ -1,0 +1,184 @@
+"""One RLHF iteration: how much is generated, and how actor and critic learn from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from megatron_rlhf.config.errors import ConfigError, finite, positive
+
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce++"]
+KLEstimator = Literal["k1", "k2", "k3", "abs"]
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+ADVANTAGE_ESTIMATORS = get_args(AdvantageEstimator)
+"""gae: a critic; grpo: group-normalised scores, KL as a loss term; rloo: leave-one-out
+baselines within a prompt's group, KL in the reward; reinforce++: discounted returns of
+the KL-shaped reward whitened over the batch (no baseline model)."""
+KL_ESTIMATORS = get_args(KLEstimator)
+LOSS_AGGREGATIONS = get_args(LossAggregation)
+
+
+@dataclass
+class PPOConfig:
+    """One RLHF iteration: how much is generated, and how actor and critic learn from it."""
+
+    global_batch_size: int = 8
+    """Prompts per iteration, over all data-parallel ranks."""
+    rollout_n: int = 2
+    """Responses sampled per prompt (a GRPO group)."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward pass (gradients accumulate over micro-batches)."""
+    num_mini_batches: int = 1
+    """Optimizer steps per PPO epoch: the iteration's samples are split into this many."""
+    ppo_epochs: int = 1
+    """Passes over the iteration's samples."""
+    advantage_estimator: AdvantageEstimator = "gae"
+    """gae (critic), grpo (group-normalised, KL as a loss), rloo (leave-one-out baseline in the
+    group) or reinforce++ (whitened returns); the last three train no critic."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Normalise GAE advantages over the whole batch (all data-parallel ranks)."""
+    clip_eps: float = 0.2
+    """PPO ratio clip: ``[1 - clip_eps_low, 1 + clip_eps_high]``, both this unless set."""
+    clip_eps_low: float | None = None
+    """Lower ratio clip (None: ``clip_eps``)."""
+    clip_eps_high: float | None = None
+    """Upper ratio clip (None: ``clip_eps``); DAPO's clip-higher sets it above the lower
+    one (0.28 against 0.2) so that unlikely tokens can gain probability."""
+    dual_clip: float | None = None
+    """Dual-clip PPO: for negative advantages the ratio term is capped at ``-A * C`` (C > 1),
+    so one token far off-policy cannot dominate the loss (None: off)."""
+    value_clip_eps: float = 0.2
+    """Clip of the critic's new values around the old ones (0: no value clipping)."""
+    kl_coef: float = 0.05
+    """KL(actor || reference) weight: a per-token reward penalty with gae, a loss term with grpo."""
+    # As a loss, k1 and abs are refused: k1's expected gradient is zero, abs's is not the KL's.
+    kl_estimator: KLEstimator | None = None
+    """Per-token KL estimate (None: k3 where the KL is a loss, grpo; k1 in the reward)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight in the policy loss."""
+    # token-mean: over the mini-batch's response tokens on all ranks; seq-mean-token-mean:
+    # each response's token mean, averaged; seq-mean-token-sum-norm (Dr. GRPO): each
+    # response's token sum over the response-length limit, averaged.
+    loss_agg: LossAggregation = "token-mean"
+    """How per-token policy losses become one (Dr. GRPO: seq-mean-token-sum-norm)."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: drop prompt groups whose rewards are all equal (no signal
+    for a group baseline) and generate for more prompts until the batch is full."""
+    filter_max_tries: int = 4
+    """filter_groups: generation rounds per iteration at most; a batch still short after
+    them is filled with dropped groups (counted in the metrics)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: responses within this many tokens of the length
+    limit lose up to ``overlong_penalty``, linearly (0: off)."""
+    overlong_penalty: float = 1.0
+    """The largest soft overlong penalty, reached at the length limit."""
+    # None: on for bf16 models (the cached decode and the full forward round differently)
+    # and for tempered or truncated sampling, so that the first PPO ratio is exactly 1;
+    # off when old_from_update gives log pi_old without a forward.
+    recompute_logprobs: bool | None = None
+    """Take log pi_old from a training forward instead of from generation (None: when needed)."""
+
+    def __post_init__(self) -> None:
+        finite(self)
+        for name in ("global_batch_size", "rollout_n", "micro_batch_size", "num_mini_batches",
+                     "ppo_epochs", "filter_max_tries"):
+            positive(name, getattr(self, name))
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ConfigError(f"unknown advantage estimator {self.advantage_estimator!r}; "
+                             f"valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
+        if self.kl_estimator is None:
+            self.kl_estimator = "k3" if self.kl_in_loss else "k1"
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"unknown KL estimator {self.kl_estimator!r}; "
+                             f"valid: {', '.join(KL_ESTIMATORS)}")
+        if self.kl_in_loss and self.kl_coef and self.kl_estimator in ("k1", "abs"):
+            why = ("its expected gradient is zero (E[grad log pi] = 0), so the KL term would do "
+                   "nothing" if self.kl_estimator == "k1" else
+                   "its gradient is sign(log pi/pi_ref) * grad log pi, not the KL's")
+            raise ConfigError(f"{{kl_estimator}} {self.kl_estimator} cannot be the KL loss of "
+                             f"{self.advantage_estimator}: {why}; use k3 (the default) or k2")
+        if self.advantage_estimator in ("grpo", "rloo") and self.rollout_n < 2:
+            raise ConfigError(f"{self.advantage_estimator} compares the responses to one prompt: "
+                              "use {rollout_n} >= 2")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ConfigError(f"{{gamma}} and {{lam}} must lie in [0, 1], got {self.gamma}, {self.lam}")
+        if self.clip_eps <= 0 or self.value_clip_eps < 0 or self.kl_coef < 0:
+            raise ConfigError("{clip_eps} must be > 0, {value_clip_eps} and {kl_coef} >= 0")
+        for name in ("clip_eps_low", "clip_eps_high"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ConfigError(f"{{{name}}} must be > 0, got {v}")
+        if self.clip_low >= 1:
+            raise ConfigError(f"the lower ratio clip {self.clip_low} must be < 1 (the ratio is "
+                             f"clipped to [1 - low, 1 + high])")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"{{dual_clip}} {self.dual_clip} must be > 1 (a cap on the ratio for "
+                             "negative advantages, above the clip range; typically 3)")
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ConfigError(f"unknown {{loss_agg}} {self.loss_agg!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")
+        if self.filter_groups and self.rollout_n < 2:
+            raise ConfigError("{filter_groups} drops groups whose rewards are all equal: it needs "
+                              "{rollout_n} >= 2")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ConfigError(f"{{overlong_buffer}} {self.overlong_buffer} and {{overlong_penalty}} "
+                              f"{self.overlong_penalty} must be >= 0")
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+    @property
+    def use_critic(self) -> bool:
+        return self.advantage_estimator == "gae"
+
+    @property
+    def old_from_update(self) -> bool:
+        """log pi_old is the update forward's own log-probs, detached: with one optimizer step
+        per iteration (one PPO epoch, one mini-batch) the policy being updated *is* the old
+        one, so the ratio is exactly 1 without a forward to recompute it (as TRL and verl
+        do). Only when ``recompute_logprobs`` is left unset, and no KL term shapes the
+        reward (that one is computed from log pi_old before the update)."""
+        return (self.recompute_logprobs is None and self.ppo_epochs == 1 and self.num_mini_batches == 1
+                and not (self.kl_coef and not self.kl_in_loss))
+
+    @property
+    def uses_reference(self) -> bool:
+        """A KL term reads the reference's log-probs; without one (``kl_coef`` 0) the reference
+        model is neither loaded nor run."""
+        return self.kl_coef > 0
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """The KL to the reference is a loss term (GRPO), not part of the reward."""
+        return self.advantage_estimator == "grpo"
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.global_batch_size * self.rollout_n
+
+    def check_data_parallel(self, dp: int) -> int:
+        """Samples per rank, or a ConfigError saying which settings to change."""
+        if self.global_batch_size % dp:
+            raise ConfigError(
+                f"{{global_batch_size}} {self.global_batch_size} prompts must split evenly over "
+                f"{dp} data-parallel ranks (a prompt's {self.rollout_n} samples stay on one rank)"
+            )
+        per_step = self.micro_batch_size * dp * self.num_mini_batches
+        if self.samples_per_iteration % per_step:
+            raise ConfigError(
+                f"{{global_batch_size}} {self.global_batch_size} x {{rollout_n}} {self.rollout_n} = "
+                f"{self.samples_per_iteration} samples per iteration is not divisible by "
+                f"{{micro_batch_size}} {self.micro_batch_size} x {dp} data-parallel ranks x "
+                f"{{num_mini_batches}} {self.num_mini_batches} = {per_step}"
+            )
+        return self.samples_per_iteration // dp
+
+
