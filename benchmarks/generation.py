@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from benchmarks.harness import (
-    DTYPES, SMOLLM2_CKPT, Reporter, columns, load_lm, load_note, machine, median_by, smollm2_checkpoint)
+from benchmarks.harness import Reporter, columns, load_note, machine, median_by
+from benchmarks.workloads import DTYPES, SMOLLM2_CKPT, load_lm, smollm2_checkpoint
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 
 

@@ -40,13 +40,17 @@ def relaunch(module: str, nproc: int, argv: list[str], env: dict) -> int:
     return subprocess.run(torchrun(nproc, "-m", module, *argv), cwd=ROOT, env=env).returncode
 
 
-def run_checked(cmd: list[str], what: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` from the repository root, its output captured. Exits with the command and
-    the start and end of its stderr when it fails."""
-    r = subprocess.run(cmd, cwd=ROOT, env=env or rank_env(), capture_output=True, text=True)
+def run_checked(cmd: list, what: str, env: dict | None = None, cwd: Path = ROOT,
+                echo: bool = False) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (from the repository root), its output captured; ``echo``: print it first.
+    Exits with the command and the ends of its output when it fails."""
+    cmd = [str(c) for c in cmd]
+    if echo:
+        print(f"# {what}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    r = subprocess.run(cmd, cwd=cwd, env=env or rank_env(), capture_output=True, text=True)
     if r.returncode:
         err = r.stderr if len(r.stderr) < 6000 else f"{r.stderr[:2000]}\n...\n{r.stderr[-4000:]}"
-        sys.exit(f"{what} failed:\n{' '.join(map(str, cmd))}\n{err}")
+        sys.exit(f"{what} failed (exit {r.returncode}):\n{' '.join(cmd)}\n{r.stdout[-2000:]}\n{err}")
     return r
 
 

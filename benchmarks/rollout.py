@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import (
-    DTYPES, SMOLLM2_CKPT, Reporter, columns, draft_variant, load_lm, load_note, machine,
-    median_by, relaunch, rank_env, smollm2_checkpoint)
+    Reporter, columns, draft_variant, load_note, machine, median_by, rank_env, relaunch)
+from benchmarks.workloads import DTYPES, SMOLLM2_CKPT, load_lm, smollm2_checkpoint
 
 DEFAULT_DRAFT = Path("out/bench/draft")
 MAKE_DRAFT = ("OMP_NUM_THREADS=2 python tools/train_draft.py --target out/bench/smollm2 --save "
