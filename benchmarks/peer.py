@@ -272,9 +272,8 @@ def summarise_trl(result: dict) -> dict:
 
 def omp_wait_policy() -> str:
     """OpenMP's wait policy for both sides: PASSIVE unless OMP_WAIT_POLICY is set. With the
-    default (spinning) policy a 2-thread torch process slows down ~20x while another process
-    holds one of the 2 cores (measured: 16 greedy tokens x 4 prompts, 1 s -> 21 s); TRL's
-    single 2-thread process would pay that, our 1-thread ranks would not."""
+    default (spinning) policy a multi-thread torch process slows down many times while another
+    process holds one of its cores: TRL's one process would pay that, our 1-thread ranks would not."""
     return os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
 

@@ -81,7 +81,7 @@ def check_files(args) -> str | None:
         return f"--load {args.load} is not a checkpoint"
     if any(n != 0 for _, n, _ in args.variants) and \
             not Path(args.draft_load, "latest_checkpointed_iteration.txt").is_file():
-        return (f"no draft checkpoint in {args.draft_load}: make one (2-10 minutes on 2 cores) with\n  {MAKE_DRAFT}\n"
+        return (f"no draft checkpoint in {args.draft_load}: make one with\n  {MAKE_DRAFT}\n"
                 "or pass --draft-load, or run only --variants off[,off+mig]")
     return None
 
