@@ -24,7 +24,7 @@ import time
 import torch
 
 from benchmarks.harness import Reporter, columns, load_note, machine, median_by
-from benchmarks.workloads import DTYPES, SMOLLM2_CKPT, load_lm, smollm2_checkpoint
+from benchmarks.workloads import DTYPES, SMOLLM2_CKPT, load_lm, smollm2_checkpoint, torch_dtype
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 
 
@@ -245,10 +245,9 @@ def main(argv=None) -> int:
     auto_spec = SpecConfig("auto", max_draft_tokens=args.max_draft_tokens)
 
     for name in args.dtypes:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
         actor, _ = load_lm(info.path, pg, name, args.seed)
         draft = load_lm(args.draft_load, pg, name, args.seed)[0] if args.draft_load else None
-        hf = None if args.skip_hf else load_hf(dtype)
+        hf = None if args.skip_hf else load_hf(torch_dtype(name))
         auto_engine = None
         if draft is not None and "auto" in args.num_draft_tokens:
             # one selector for every batch: it learns its costs from its first call (here,

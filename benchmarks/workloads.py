@@ -40,15 +40,20 @@ def smollm2_checkpoint(out: Path = SMOLLM2_CKPT) -> Path:
     return out
 
 
+def torch_dtype(name: str):
+    """``fp32`` / ``bf16`` -> the torch dtype."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
 def load_lm(path, pg, dtype: str, seed: int):
     """A megatron_rlhf checkpoint in ``dtype`` (``fp32``/``bf16``; weights cast after loading
     if needed): ``(model in eval mode, CheckpointInfo)``."""
-    import torch
-
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.checkpoint import load_checkpoint, read_checkpoint
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    dtype = torch_dtype(dtype)
     info = read_checkpoint(path)
     model = build_model(info.config, info.role, pg, dtype=dtype, seed=seed)
     load_checkpoint(model, pg, info.path)
