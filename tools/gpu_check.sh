@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check (issues 12, 28), run on the GPU machine from the repository root:
 #
-#   bash tools/gpu_check.sh [--smoke] [--out DIR] [other tools/gpu_check.py flags]
+#   bash tools/gpu_check.sh [--smoke] [--out DIR] [other flags of python -m gpu_check]
 #
 # The wheels that tools/gpu_prepare.sh put in .whl/ (megatron-core, psutil) and whose
 # modules do not import yet are installed into .whl/site (offline, --no-deps), and
-# .whl/site and the repository root go on PYTHONPATH. The seconds this takes are passed to
-# tools/gpu_check.py (--install-s: its "install" row, counted in its time budget); when the
-# install fails gpu_check.py still runs (--install-error: the install row fails), and when
+# .whl/site, the repository root and tools/ (the gpu_check package) go on PYTHONPATH. The seconds
+# this takes are passed to the check (--install-s: its "install" row, counted in its time budget);
+# when the install fails the check still runs (--install-error: the install row fails), and when
 # megatron.core does not import it writes the header and that row and runs no stage. This script
-# exits with gpu_check.py's status (non-zero when a stage failed). Output goes to --out,
+# exits with the check's status (non-zero when a stage failed). Output goes to --out,
 # default $OUT when set (the device tool returns what is written there), else
 # out/gpu_check. Python: $PYTHON, else .venv/bin/python when it exists, else python3.
 set -uo pipefail
@@ -19,7 +19,7 @@ PY=${PYTHON:-}
 if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT:$ROOT/tools${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
 importable() { "$PY" -c "import $1" >/dev/null 2>&1; }
@@ -54,5 +54,5 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 install_s=$(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
 
-"$PY" tools/gpu_check.py --out "${OUT:-out/gpu_check}" --install-s "$install_s" \
+"$PY" -m gpu_check --out "${OUT:-out/gpu_check}" --install-s "$install_s" \
     --installed "$installed" --install-error "$install_error" "$@"

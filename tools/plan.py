@@ -1,30 +1,14 @@
 #!/usr/bin/env python
 """Execution plans for an RLHF iteration on a cluster you describe (ReaLHF's search).
 
-  python tools/plan.py --actor llama2-70b --critic llama2-7b --reward llama2-7b \\
-      --nodes 8 --gpus-per-node 8 --gpu-memory-gb 80 [--hardware h100|h200|a100|FILE.json] \\
-      [--profile FILE.json ...] [--rollout-batch 512 --max-prompt-length 1024 --max-new-tokens 1024] \\
-      [--response-fractions 0.25,0.5,0.75,1] [--draft NAME --acceptance 0.6] \\
-      [--space full|trainer|models] [--seed 0] [--budget 20000] [--json] [--out PLAN.json]
+  python tools/plan.py --actor llama2-70b --critic llama2-7b --reward llama2-7b --nodes 8 --gpus-per-node 8 \\
+      --gpu-memory-gb 80 [--hardware h100|h200|a100|FILE.json] [--profile FILE.json ...] \\
+      [--space full|trainer|models] [--json] [--out PLAN.json]
 
-Models are presets (llama2-7b, llama2-13b, llama2-70b, smollm2-135m, ...) or checkpoint
-directories; the critic and reference default to the actor's shape, ``none`` leaves a
-role out (GRPO: ``--critic none``). Every call of the iteration's dataflow graph
-(``megatron_rlhf/plan/graph.py``: actor generation, reference/reward/critic inference,
-actor and critic training) gets a layout; the cost estimator (``plan/cost.py``) prices
-plans from the hardware profile (a roofline: sustained FLOP/s, memory and link
-bandwidths) or from profiles measured by ``tools/profile_costs.py``, and the search
-(``plan/search.py``) finds the fastest plan that fits in memory; the reference's, the
-reward model's and the critic's inference may take either half of the GPUs and run side by
-side.
-``--space models``: only plans the trainer executes (generation on ``--gen-layout``, the
-actor's other calls on ``--train-layout``, the reference's and reward model's inference and
-the critic's training and inference each on a layout of its own); ``--space trainer``:
-generation on its layout, every other call on one. Prints the plan (``TPxPPxDP@R``: over
-the GPUs from R on), predicted seconds per call and reallocation,
-memory per GPU, and the comparison with the heuristic default (every call on the
-smallest training layout that fits); ``--out`` writes the plan for ``train --plan``.
-Exit code 2 with a message when nothing fits (the smallest shortfall named).
+Every call of the iteration's dataflow graph gets a layout; the estimator prices plans from the
+hardware (or ``tools/profile_costs.py`` profiles) and the search finds the fastest plan that fits.
+Prints the plan, predicted seconds per call and reallocation, memory per GPU, and the comparison
+with the heuristic default; ``--out`` writes the plan for ``train --plan``. Exit code 2 when nothing fits.
 """
 
 from __future__ import annotations
@@ -35,13 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_plan import add_models_and_cluster, models_from  # noqa: E402
+from memory_plan import add_models_and_cluster, models_from  # tools/, beside this file
 
-from megatron_rlhf.plan import memory  # noqa: E402
-from megatron_rlhf.plan.cost import HARDWARE, Estimator, Hardware, Options, Profile, Speculation  # noqa: E402
-from megatron_rlhf.plan.graph import rlhf_graph  # noqa: E402
-from megatron_rlhf.plan.search import search  # noqa: E402
+from megatron_rlhf.plan import memory
+from megatron_rlhf.plan.cost import HARDWARE, Estimator, Hardware, Options, Profile, Speculation
+from megatron_rlhf.plan.graph import rlhf_graph
+from megatron_rlhf.plan.search import search
 
 
 def parser() -> argparse.ArgumentParser:

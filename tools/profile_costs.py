@@ -1,57 +1,15 @@
 #!/usr/bin/env python
 """Measure this machine's per-layer costs of one model shape for the plan estimator.
 
-    torchrun --nproc_per_node N tools/profile_costs.py --model PRESET|CKPT --out FILE.json \\
-        [--dtype fp32|bf16] [--layers 2] [--seq 128] [--context 64] [--tokens 1 2 ... 512] \\
-        [--batches 1 2 4 8 16 32] [--repeats 3] [--passes 3] [--tp 2 4] [--gpu-memory-gb G] [--force]
+    torchrun --nproc_per_node N tools/profile_costs.py --model PRESET|CKPT --out FILE.json [--dtype fp32|bf16] ...
 
-Writes a :class:`megatron_rlhf.plan.cost.Profile` (``tools/plan.py --profile FILE``,
-``train --plan auto --plan-hardware FILE``): seconds at TP=1 of one transformer layer's
-forward over ``tokens`` tokens (``forward``), its forward + backward (``train``), the LM
-head's forward (``head``: the output layer and the log-probs of the tokens, what an
-inference or a sampling step does after the layers), and one layer of a cached decode
-step of ``batches`` samples (one token each) after ``context`` cached tokens (``decode``);
-``head_train``: the head's forward + backward as the PPO loss runs it (log-probs and
-entropy); ``tp_tables``: the layer and head tables measured on TP-sharded models at each
-``--tp`` size, every TP group busy at once (their all-reduces included). ``hardware`` holds
-a :class:`~megatron_rlhf.plan.cost.Hardware` fitted alongside (``cpu-measured``):
-``intra_bw`` and ``ring_latency_s`` from timed all-reduces among the ranks (a ring's
-``2 (g-1)`` steps, each a latency and ``1/g`` of the bytes, fitted over groups of 2 and of
-all ranks), ``latency_s`` a whole all-reduce's fixed cost (point-to-point sends pay it),
-``reduce_scatter_*``/``all_gather_*`` gloo's reduce-scatter and all-gather (what the
-distributed optimizer runs) fitted apart, ``flops`` from the largest forward, ``mem_bw``
-from the LM head at one token (its weight streamed once),
-``layer_overhead_s``/``decode_overhead_s`` what a one-token forward or decode step of a
-layer costs beyond streaming its weights, ``gpus_per_node`` the number of ranks,
-``cores``/``threads_per_rank`` what they share (more threads than cores: oversubscribed)
-and ``gpu_memory_gb`` host memory / ranks (or ``--gpu-memory-gb``).
-
-Run it under the launch the costs are for: every rank times the same things at the same
-time (a barrier before each sample), so with 4 ranks on 2 cores the table holds the
-contention the trainer's ranks meet; each entry is the median over ``--repeats`` samples
-(each about 0.1 s of runs) on each rank, averaged over the ranks, and that is done
-``--passes`` times over the whole set (one pass after the other, so that a slow spell of
-the machine spoils one pass, not one table): the profile holds each entry's median over the
-passes, and the tables over token counts and batch sizes made non-decreasing (least
-squares; a cost cannot fall as the work grows), before the fits. The modules are the
-real ones: a ``--layers``-layer model of the shape from
-``megatron_rlhf.models.builder.build_model`` (the layers are timed by hooks on its decoder,
-forward and backward), the head through the model's own output layer, decode through
-``megatron_rlhf.generation.incremental.forward_cached`` on a ``KVCache`` (the generator's
-CPU path; its per-layer step function timed by a wrapper).
-
-``FILE.meta.json`` keeps the raw data and what the Profile has no field for: per-forward
-and per-step fixed costs, the raw collective timings and their fits, the cores, and the
-settings that make the cache key (profiles older than the ``head_train``/``tp_tables``
-fields and the collective fits in ``hardware`` are completed from it by
-:meth:`Profile.load`): an existing ``--out``
-is reused when its meta names the same shape, ranks, threads, dtype and tables, unless
-``--force``. Rank 0 writes both files (the meta also keeps every pass's tables and the
-medians before the monotone fit). SmolLM2-135M's shape on 4 ranks x 1 thread on the 2-core
-machine takes about 110 s a pass with the TP tables (310-345 s for the default 3); single
-passes are noisy there (entries move 10-20% between runs, single ones by up to 5x; with 3
-passes the fits of two profiles agreed within 10%) and any other load on the cores
-inflates them.
+Writes a :class:`megatron_rlhf.plan.cost.Profile` (``tools/plan.py --profile FILE``, ``train --plan auto
+--plan-hardware FILE``): seconds of one layer's forward, forward + backward, the LM head and a cached decode
+step, TP-sharded tables, and a ``Hardware`` fitted from timed collectives. Run it under the launch the
+costs are for: every rank times the same things at once, so the tables hold the contention the trainer
+meets. Each entry is the median over ``--passes`` of the ranks' mean of their medians, made
+non-decreasing in tokens and batch. ``FILE.meta.json`` keeps the raw data and the cache key: an
+existing ``--out`` with the same key is reused unless ``--force``.
 """
 
 from __future__ import annotations
@@ -66,8 +24,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32]
@@ -705,12 +661,12 @@ def main(argv=None) -> int:
 
 
 def _machine() -> str:
+    """The CPU's model name, a label only (tools/ cannot import benchmarks.harness.cpu_model)."""
     try:
-        from bench_generation import cpu_model
-
-        return cpu_model()
-    except Exception:  # noqa: BLE001 - a label only
-        return "unknown"
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    return next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), "unknown")
 
 
 if __name__ == "__main__":

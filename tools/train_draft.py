@@ -2,23 +2,13 @@
 """Distill a small draft model for speculative decoding from a target, on the target's own
 responses to the prompt set, and save it as a megatron_rlhf checkpoint (role ``draft``).
 
-    python tools/train_draft.py --target ckpt/smollm2 --save ckpt/smollm2-draft \\
-        --num-layers 4 --head-vocab-size 8064 --epochs 2 --bf16
-    python tools/train_draft.py --target ckpt/smollm2 --save ckpt/smollm2-fdraft \\
-        --feature-draft --num-layers 1 --epochs 8 --lr 3e-3 --bf16      # EAGLE-style
+    python tools/train_draft.py --target CKPT --save DRAFT --num-layers 4 --head-vocab-size 8064 --bf16
+    python tools/train_draft.py --target CKPT --save DRAFT --feature-draft --num-layers 1 --bf16   # EAGLE-style
 
-Steps: (1) the target answers the train split of the prompts (sampling at --temperature);
-(2) the draft takes the target's embedding, --num-layers of its layers (evenly spaced;
-the last ones for a feature draft, which also gets an input fusion of token and target
-hidden state) and final norm, and an LM head over the --head-vocab-size most frequent
-response tokens;
-(3) it is trained with forward KL to the target's distribution on those responses (the
-target's top-k, computed once; --tv-weight adds the top-k total variation, which is the
-rejection probability of speculative sampling), plus for a feature draft a smooth-L1 pull
-of its hidden states towards the target's (kept from the same forward);
-(4) mean accepted length with --eval-draft-tokens is measured on held-out prompts.
-See megatron_rlhf/generation/draft.py for why these shapes are fast. Runs under torchrun
-with tensor parallelism (world size = TP size).
+The draft takes the target's embedding, some of its layers and final norm, and an LM head over the
+most frequent response tokens; it is trained with forward KL to the target's top-k on the target's
+sampled responses (a feature draft also pulls its hidden states towards the target's), and its mean
+accepted length is measured on held-out prompts. Runs under torchrun (world size = TP size).
 """
 
 from __future__ import annotations

@@ -168,11 +168,11 @@ def test_tp3_speculative_equals_tp1_plain(world1, smol, smol_draft):
 
 
 def test_generation_benchmark_runs_interleaved_rounds(smol, smol_feature_draft, tmp_path):
-    """tools/bench_generation.py on a tiny budget: every kind of record, one value per round
+    """benchmarks.generation on a tiny budget: every kind of record, one value per round
     for floor, engine and HF, and ratios that are the medians of the rounds' ratios."""
     out = tmp_path / "bench.jsonl"
     r = subprocess.run(
-        [sys.executable, "tools/bench_generation.py", "--load", str(smol[0]), "--draft-load",
+        [sys.executable, "-m", "benchmarks.generation", "--load", str(smol[0]), "--draft-load",
          str(smol_feature_draft), "--batch-sizes", "2", "--dtypes", "bf16", "--max-new-tokens", "4",
          "--num-draft-tokens", "2", "--repeats", "3", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,

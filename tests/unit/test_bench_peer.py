@@ -1,24 +1,18 @@
-"""tools/bench_peer.py without TRL, installs or processes: its flags, the command lines and
+"""benchmarks.peer without TRL, installs or processes: its flags, the command lines and
 TRL settings it builds, the summaries of both sides' logs and the result table."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_peer.py"
-
-
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_peer", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("benchmarks.peer")
 
 
 def flag(cmd: list[str], name: str) -> str:

@@ -1,31 +1,23 @@
-"""The benchmark tools' own arithmetic (no real model, no processes): variant parsing, the
-rollout benchmark's makespan/ideal/idle records and busy clock, bench_rlhf's ratios."""
+"""The benchmarks' own arithmetic (no real model, no processes): variant parsing, the
+rollout benchmark's makespan/ideal/idle records and busy clock, benchmarks.rlhf's ratios."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
+import importlib
 
 import pytest
 
 from gen_fixtures import PROMPTS, actor_and_draft
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-
 
 def tool(name: str):
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))  # bench_rollout imports bench_generation
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """``benchmarks.NAME`` (the repository root is on pytest's pythonpath)."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def test_draft_lengths_and_variants_parse():
-    gen, roll, rlhf = tool("bench_generation"), tool("bench_rollout"), tool("bench_rlhf")
+    gen, roll, rlhf = tool("generation"), tool("rollout"), tool("rlhf")
     assert gen.draft_list("1,2,4,auto") == [1, 2, 4, "auto"]
     assert gen.parse_args(["--num-draft-tokens", "2,auto"]).num_draft_tokens == [2, "auto"]
     with pytest.raises(SystemExit):
@@ -52,7 +44,7 @@ def rank(wall, busy, lengths, out=0, hist=(3, 1)):
 
 
 def test_rollout_records_makespan_ideal_idle_and_ratios():
-    roll = tool("bench_rollout")
+    roll = tool("rollout")
     off = roll.run_record("off", 0, [rank(10.0, 10.0, [100, 8]), rank(4.0, 4.0, [8, 8])], 100)
     assert off["makespan_s"] == 10.0 and off["ideal_s"] == 7.0
     assert off["makespan_vs_ideal"] == pytest.approx(10 / 7)
@@ -69,7 +61,7 @@ def test_rollout_records_makespan_ideal_idle_and_ratios():
 
 
 def test_busy_clock_times_the_engine_compute(world1):
-    roll = tool("bench_rollout")
+    roll = tool("rollout")
     from megatron_rlhf.config import GenerationConfig, SpecConfig
     from megatron_rlhf.generation.engine import Generator
 
@@ -82,7 +74,7 @@ def test_busy_clock_times_the_engine_compute(world1):
 
 
 def test_rlhf_compare_is_the_median_of_per_round_ratios():
-    rlhf = tool("bench_rlhf")
+    rlhf = tool("rlhf")
 
     def row(gen, it, rew):
         return {"time_rollout_s": gen, "iteration_s": it, "gen_tokens_per_s": 10 / gen, "reward_mean": rew,
@@ -95,7 +87,7 @@ def test_rlhf_compare_is_the_median_of_per_round_ratios():
 
 
 def test_plan_bench_rows_ratios_and_replayed_predictions():
-    plan = tool("bench_plan")
+    plan = tool("plan")
     assert not hasattr(plan, "Proposed") and not hasattr(plan, "_proposed_class")
     meas = {"time_rollout_s": 2.0, "time_experience_s": 1.0, "time_train_s": 6.0, "time_reallocate_s": 0.0,
             "time_iteration_s": 9.0, "wall_iteration_s": 10.0}
@@ -130,7 +122,7 @@ def test_plan_bench_profiles_again_for_each_round_when_asked(monkeypatch, tmp_pa
     file of its own; without it the cached profile is reused (no ``--force``)."""
     import types
 
-    plan = tool("bench_plan")
+    plan = tool("plan")
     cmds = []
 
     def run(cmd, **kw):
@@ -147,7 +139,7 @@ def test_plan_bench_profiles_again_for_each_round_when_asked(monkeypatch, tmp_pa
 def test_bench_history_oracle_drafts_the_answer_from_where_the_sample_is(tmp_path):
     """The oracle variant's drafter proposes the sample's own answer from its position on
     (the ceiling of any draft); the bench takes a trained actor's iteration directory."""
-    hist = tool("bench_history")
+    hist = tool("history")
     drafter = hist.oracle_drafter()
     drafter.answers = {7: [10, 11, 12, 13]}
     drafter.begin(7, [1, 2, 3])
@@ -175,7 +167,7 @@ def test_bench_history_argmax_answers_are_the_greedy_continuations(world1):
     from megatron_rlhf.config import GenerationConfig, SpecConfig
     from megatron_rlhf.generation.engine import Generator
 
-    hist = tool("bench_history")
+    hist = tool("history")
     actor, _ = actor_and_draft(world1)
     prompts = [list(p) for p in PROMPTS]
     greedy = Generator(actor).generate(prompts, GenerationConfig(max_new_tokens=8, temperature=0.0),

@@ -218,12 +218,10 @@ def test_measure_runs_the_demos_workload():
     iteration, the prompt limit the estimate takes): the two stay in step."""
     import re
     import shlex
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(root / "tools"))
-    import memory_plan
+    import memory_plan  # tools/ is on pytest's pythonpath
 
     script = (root / "examples/cpu_demo.sh").read_text()
     grpo = script[script.index("megatron_rlhf.train --bf16"):]

@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -546,8 +544,7 @@ def test_plans_the_trainer_executes_and_plan_files(tmp_path):
 
 
 def test_tools_plan_prints_and_writes_a_plan(tmp_path, capsys):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import plan as tool
+    import plan as tool  # tools/plan.py: tools/ is on pytest's pythonpath
 
     out = tmp_path / "plan.json"
     assert tool.main(["--actor", "llama2-7b", "--critic", "llama2-7b", "--nodes", "1",

@@ -4,9 +4,7 @@ the Hardware, and older profiles are completed from their meta file."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,12 +15,9 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def tool():
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
-    spec = importlib.util.spec_from_file_location("profile_costs", TOOLS / "profile_costs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    import profile_costs  # tools/ is on pytest's pythonpath
+
+    return profile_costs
 
 
 def test_link_fits_recover_bandwidth_and_latency():

