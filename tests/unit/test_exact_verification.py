@@ -8,9 +8,9 @@ the same uniform; what could still differ is the actor's logits at a position (a
 verification over ``n + 1`` tokens runs GEMMs of other shapes than a one-token step) when
 the uniform falls within that rounding of a CDF boundary. Each comparison here is one
 fixed computation (fixed seeds, fp32, a CPU's deterministic kernels): on a given machine
-it matches or not every time. How likely a mismatch is elsewhere: ``tools/bench_flips.py``
+it matches or not every time. How likely a mismatch is elsewhere: ``python -m benchmarks.flips``
 measured 600-1,900 flips per million tokens on SmolLM2 in fp32 and ~560 in bf16 on the CPU
-(docs/benchmarks.md); these tiny models sample a few hundred tokens per comparison from
+(docs/benchmarks/flips_cpu.md); these tiny models sample a few hundred tokens per comparison from
 sharpened distributions over 512 tokens, where near-ties are rarer still.
 """
 

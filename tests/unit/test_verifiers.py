@@ -4,9 +4,7 @@ benchmark's smoke run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +21,6 @@ from megatron_rlhf.rlhf.rewards import (
 )
 from megatron_rlhf.rlhf.rewards import math_answer
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def sample(response: str, **meta) -> RewardInput:
@@ -153,9 +150,8 @@ def test_pool_scores_like_in_process():
 
 
 def test_bench_verify_smoke(capsys, tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_verify", TOOLS / "bench_verify.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import verify as bench
+
     out = tmp_path / "bench.jsonl"
     records = bench.main(["--count", "12", "--batch", "4", "--group", "3", "--workers", "0,1",
                           "--out", str(out)])
