@@ -1,16 +1,11 @@
-"""Advantage estimators and masked statistics for PPO-style RLHF.
+"""Advantages from an experience's rewards: token-level reward shaping and the estimators.
 
-Shapes: ``B`` samples, ``T`` response positions (right-padded); ``mask`` is ``[B, T]``,
-1 (or True) at response tokens and 0 at padding. Every ``[B, T]`` output is 0 at padding.
-
-- :func:`gae`: generalised advantage estimation with a learned value (PPO).
-- :func:`grpo_advantages`: group-relative scores, no value model (GRPO).
-- :func:`rloo_advantages`: leave-one-out baselines within a group, KL-shaped returns (RLOO).
-- :func:`reinforce_pp_advantages`: whitened discounted returns of the KL-shaped reward
-  (REINFORCE++).
-- :func:`masked_whiten`: batch (optionally data-parallel global) normalisation.
-
-Estimators are registered by name in :data:`ADVANTAGE_ESTIMATORS`.
+Entry point: :func:`estimate`, by the name in ``--advantage-estimator`` (:data:`ESTIMATORS`):
+gae (a critic), grpo (group-relative scores), rloo (leave-one-out baselines) and
+reinforce++ (whitened discounted returns). :func:`token_rewards` shapes the reward with
+the KL penalty (gae, rloo, reinforce++). Shapes: ``B`` samples, ``T`` response positions
+(right-padded); ``mask`` is ``[B, T]``, 1 at response tokens. Every ``[B, T]`` output is
+0 at padding. Whitening over a data-parallel group equals whitening the whole batch.
 """
 
 from __future__ import annotations
@@ -21,6 +16,8 @@ from torch import Tensor
 
 from megatron_rlhf import runtime
 from megatron_rlhf.config import ADVANTAGE_ESTIMATORS  # one list, also validated by PPOConfig
+from megatron_rlhf.config import PPOConfig
+from megatron_rlhf.rlhf.batch import Experience
 
 
 def check_advantage_estimator(name: str) -> None:
@@ -73,18 +70,33 @@ def masked_whiten(x: Tensor, mask: Tensor, group: dist.ProcessGroup | None = Non
     return out * m
 
 
-def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
+def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+    """Shaped per-token rewards: ``-kl_coef * kl`` everywhere, plus the score at the end.
+
+    ``scores`` [B] (one scalar per sample), ``kl`` [B, T], ``mask`` [B, T] right-padded.
+    The score is added at the last response token of each row; a row without response
+    tokens gets nothing. Returns [B, T], 0 at padding.
+    """
+    keep = mask.bool()  # [B, T]
+    rewards = torch.where(keep, -kl_coef * kl, torch.zeros_like(kl))  # [B, T]
+    lengths = keep.sum(dim=1)  # [B]
+    rows = torch.nonzero(lengths > 0).squeeze(1)  # [B'] rows with a response
+    rewards[rows, lengths[rows] - 1] += scores[rows].to(rewards.dtype)
+    return rewards
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
         lam: float) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over right-padded responses.
 
-    ``token_rewards``, ``values``, ``mask``: [B, T]; ``mask`` is a prefix of ones per row
+    ``rewards`` (:func:`token_rewards`), ``values``, ``mask``: [B, T]; ``mask`` is a prefix of ones per row
     (possibly empty). The value after the last response token is 0 (the episode ends).
     ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``,
     ``returns = A + V``. Returns ``(advantages [B, T], returns [B, T])``, 0 at padding.
     """
     m = mask.to(values.dtype)  # [B, T]
     zero = torch.zeros_like(values)
-    rewards = torch.where(m > 0, token_rewards, zero)  # [B, T], padding may hold garbage
+    rewards = torch.where(m > 0, rewards, zero)  # [B, T], padding may hold garbage
     values = torch.where(m > 0, values, zero)  # [B, T]
     T = values.shape[1]
     next_value = torch.zeros_like(values[:, 0])  # [B]
@@ -123,11 +135,11 @@ def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 
     return adv.reshape(B, 1) * mask.to(scores.dtype)  # [B, T]
 
 
-def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
     """``G_t = r_t + gamma * G_{t+1}`` over each right-padded response (``[B, T]``; 0 at
     padding, and nothing flows back from padding)."""
-    m = mask.to(token_rewards.dtype)
-    rewards = torch.where(m > 0, token_rewards, torch.zeros_like(token_rewards))
+    m = mask.to(rewards.dtype)
+    rewards = torch.where(m > 0, rewards, torch.zeros_like(rewards))
     out = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])  # [B]
     for t in reversed(range(rewards.shape[1])):
@@ -154,8 +166,6 @@ def rloo_advantages(scores: Tensor, kl: Tensor, mask: Tensor, group_size: int,
     mean of the other responses to its prompt, placed at its last token, minus
     ``kl_coef * kl`` at every token; the advantage at ``t`` is the return from ``t``
     (undiscounted). [B, T], 0 at padding."""
-    from megatron_rlhf.rlhf.losses import token_rewards
-
     return discounted_returns(token_rewards(leave_one_out(scores, group_size), kl, mask, kl_coef), mask)
 
 
@@ -164,8 +174,41 @@ def reinforce_pp_advantages(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: f
     """REINFORCE++ (Hu 2025): the discounted return of the KL-shaped reward (score at the
     last token, ``-kl_coef * kl`` at every token), whitened over every response token of
     the batch (over ``group``'s ranks too). [B, T], 0 at padding."""
-    from megatron_rlhf.rlhf.losses import token_rewards
-
     returns = discounted_returns(token_rewards(scores, kl, mask, kl_coef), mask, gamma)
     return masked_whiten(returns, mask, group=group)
 
+
+
+# ---------------------------------------------------------------------------- by name
+def _gae_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, Tensor]:
+    mask = exp.response_mask
+    adv, returns = gae(token_rewards(exp.scores, exp.kl, mask, cfg.kl_coef), exp.values, mask, cfg.gamma, cfg.lam)
+    return (masked_whiten(adv, mask, group=group) if cfg.whiten_advantages else adv), returns
+
+
+def _grpo_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, None]:
+    return grpo_advantages(exp.scores, cfg.rollout_n, exp.response_mask), None
+
+
+def _rloo_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, None]:
+    return rloo_advantages(exp.scores, exp.kl, exp.response_mask, cfg.rollout_n, cfg.kl_coef), None
+
+
+def _reinforce_pp_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, None]:
+    return reinforce_pp_advantages(exp.scores, exp.kl, exp.response_mask, cfg.kl_coef, cfg.gamma,
+                                   group=group), None
+
+
+ESTIMATORS = {"gae": _gae_of, "grpo": _grpo_of, "rloo": _rloo_of, "reinforce++": _reinforce_pp_of}
+"""Name (:data:`ADVANTAGE_ESTIMATORS`) -> ``fn(exp, cfg, group) -> (advantages, returns or None)``."""
+
+
+def estimate(exp: Experience, cfg: PPOConfig, group=None) -> None:
+    """Set ``exp.advantages`` (and ``exp.returns`` for gae) by ``cfg.advantage_estimator``
+    from ``exp.scores``, ``exp.kl`` and (gae) ``exp.values``; ``group``: the data-parallel
+    group that whitening spans (gae, reinforce++)."""
+    check_advantage_estimator(cfg.advantage_estimator)
+    advantages, returns = ESTIMATORS[cfg.advantage_estimator](exp, cfg, group)
+    exp.advantages = advantages
+    if returns is not None:
+        exp.returns = returns

@@ -33,7 +33,7 @@ class Experience:
     returns: Tensor | None = None  # [B, T] critic targets A_t + V_t (gae only)
     loss_weights: Tensor | None = None  # [B, T] weight of each token's loss (set per mini-batch)
     # The sampling settings that define the policy every log-prob here is under and PPO
-    # trains (losses.policy_logits); None: the model's own distribution at temperature 1.
+    # trains (policy.policy_logits); None: the model's own distribution at temperature 1.
     policy: GenerationConfig | None = None
 
     @property

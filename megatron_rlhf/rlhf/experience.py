@@ -1,6 +1,6 @@
 """Experience making: a rollout -> reference log-probs, values, rewards, KL, advantages.
 
-Log-probs are under the policy generation samples from (``losses.policy_logits``:
+Log-probs are under the policy generation samples from (``policy.policy_logits``:
 ``logits / temperature`` within the top-k/top-p set, the sampled token always kept), for
 the actor (old) and the reference alike; the :class:`Experience` records those sampling
 settings so that PPO trains that same policy. Old log-probs come from a training forward
@@ -22,16 +22,10 @@ from megatron_rlhf.data.padding import padded
 from megatron_rlhf.config import GenerationConfig, PPOConfig, RewardConfig
 from megatron_rlhf.models.forward import logits_of, values_of
 from megatron_rlhf.models.pipeline import map_micro_batches, pipelined
-from megatron_rlhf.rlhf import placement
-from megatron_rlhf.rlhf.advantages import (
-    gae,
-    grpo_advantages,
-    masked_whiten,
-    reinforce_pp_advantages,
-    rloo_advantages,
-)
+from megatron_rlhf.rlhf import advantages, placement
 from megatron_rlhf.rlhf.batch import Experience, in_row_order, last_token_index, pack, response_slice
-from megatron_rlhf.rlhf.losses import kl_estimate, policy_logprobs, reshapes_policy, token_rewards
+from megatron_rlhf.rlhf.kl import kl_estimate
+from megatron_rlhf.rlhf.policy import policy_logprobs, reshapes_policy
 from megatron_rlhf.rlhf.rewards import RewardError, RewardInput
 
 
@@ -47,7 +41,7 @@ def per_row(model, exp: Experience, micro_batch_size: int, fn, per_token: bool =
 @torch.no_grad()
 def response_logprobs(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
     """``[B, T]`` log-probs of the response tokens under ``model``'s policy for
-    ``exp.policy`` (:func:`~megatron_rlhf.rlhf.losses.policy_logits`), 0 at padding."""
+    ``exp.policy`` (:func:`~megatron_rlhf.rlhf.policy.policy_logits`), 0 at padding."""
     def fn(output, mb):
         logits = response_slice(logits_of(model, output), mb)
         return policy_logprobs(logits, mb.response_ids, exp.policy) * mb.response_mask
@@ -57,7 +51,7 @@ def response_logprobs(model, exp: Experience, micro_batch_size: int) -> torch.Te
 def recompute_by_default(dtype: torch.dtype, policy: GenerationConfig | None) -> bool:
     """Whether log pi_old comes from a training forward when ``recompute_logprobs`` is not
     set: for bf16 models (the cached decode and the full forward round differently) and
-    for a tempered or truncated policy (:func:`~megatron_rlhf.rlhf.losses.reshapes_policy`;
+    for a tempered or truncated policy (:func:`~megatron_rlhf.rlhf.policy.reshapes_policy`;
     its log-probs from the decode differ from the training forward's by rounding)."""
     return dtype != torch.float32 or reshapes_policy(policy)
 
@@ -145,7 +139,7 @@ class ExperienceMaker:
         (repeated for a group); ``first_index``: this rank's first sample in the global batch
         (named in reward errors); ``scores``: the samples' rewards when already computed
         (:meth:`score`, penalties included), else computed here."""
-        cfg, mbs = self.cfg, self.cfg.micro_batch_size
+        cfg = self.cfg
         responses = rollout.responses()
         dev = runtime.device()
         exp = self._batch(prompts, responses)
@@ -166,16 +160,7 @@ class ExperienceMaker:
         exp.scores = scores.to(dev)
         if cfg.use_critic:
             exp.values = self._placed_rows("critic", exp, sample_ids)
-            rewards = token_rewards(exp.scores, exp.kl, mask, cfg.kl_coef)
-            adv, exp.returns = gae(rewards, exp.values, mask, cfg.gamma, cfg.lam)
-            exp.advantages = masked_whiten(adv, mask, group=self.dp_group) if cfg.whiten_advantages else adv
-        elif cfg.advantage_estimator == "grpo":
-            exp.advantages = grpo_advantages(exp.scores, cfg.rollout_n, mask)
-        elif cfg.advantage_estimator == "rloo":
-            exp.advantages = rloo_advantages(exp.scores, exp.kl, mask, cfg.rollout_n, cfg.kl_coef)
-        else:
-            exp.advantages = reinforce_pp_advantages(exp.scores, exp.kl, mask, cfg.kl_coef, cfg.gamma,
-                                                     group=self.dp_group)
+        advantages.estimate(exp, cfg, group=self.dp_group)
         return exp
 
     def _batch(self, prompts: list[list[int]], responses: list[list[int]]) -> Experience:

@@ -7,7 +7,7 @@ mini-batch over *all* data-parallel ranks, then gradients are summed over DP: th
 is the same as one rank holding the whole batch.
 
 The actor is trained as the policy its samples were drawn from, ``exp.policy``
-(:func:`~megatron_rlhf.rlhf.losses.policy_logits`: tempered, truncated to the top-k/top-p
+(:func:`~megatron_rlhf.rlhf.policy.policy_logits`: tempered, truncated to the top-k/top-p
 set of the current logits with the sampled token kept); its entropy is that policy's.
 """
 
@@ -22,12 +22,9 @@ from megatron_rlhf.config import PPOConfig
 from megatron_rlhf.models.forward import logits_of, values_of
 from megatron_rlhf.models.pipeline import forward_backward, from_last_stage, model_output, pipelined
 from megatron_rlhf.rlhf.batch import Experience, response_slice
-from megatron_rlhf.rlhf.losses import (
-    kl_estimate,
-    policy_logprobs_and_entropy,
-    policy_loss,
-    value_loss,
-)
+from megatron_rlhf.rlhf.kl import kl_estimate
+from megatron_rlhf.rlhf.losses import policy_loss, value_loss
+from megatron_rlhf.rlhf.policy import policy_logprobs_and_entropy
 from megatron_rlhf.rlhf.optim import Trainee
 
 
