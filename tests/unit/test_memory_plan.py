@@ -193,7 +193,7 @@ def test_the_trainer_validation_asks_the_estimator(world1, tmp_path):
     stage and what to change when it does not."""
     import rlhf_fixtures as F
     from megatron_rlhf import train
-    from megatron_rlhf.rlhf.build import memory_warning
+    from megatron_rlhf.rlhf.train_plan import memory_warning
 
     actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
     prompts = F.write_prompts(tmp_path / "prompts.jsonl")
