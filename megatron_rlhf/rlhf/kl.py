@@ -13,9 +13,9 @@ from torch import Tensor
 
 from megatron_rlhf.config import KL_ESTIMATORS  # one list, also validated by PPOConfig
 
+# log-ratios are clamped to +-this before exp (k3, the PPO ratio): a token whose
+# probability moved by e^20 would overflow the loss, not inform it
 RATIO_LOG_CLAMP = 20.0
-"""Log-ratios are clamped to +-this before ``exp`` (k3, and the PPO ratio: a token whose
-probability moved by e^20 would overflow the loss, not inform it)."""
 
 
 def check_kl_estimator(name: str) -> None:
@@ -25,14 +25,10 @@ def check_kl_estimator(name: str) -> None:
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
-
-    ``logprobs``, ``ref_logprobs``: [B, T] log pi(a|s), log pi_ref(a|s). Estimators
-    (Schulman, "Approximating KL divergence"): ``k1 = logp - ref`` (unbiased, noisy),
-    ``k2 = 0.5 * (logp - ref)^2``, ``k3 = exp(ref - logp) - (ref - logp) - 1`` (unbiased,
-    low variance, >= 0; the log-ratio is clamped to [-20, 20] before ``exp``),
-    ``abs = |logp - ref|``. Returns [B, T].
-    """
+    """[B, T] estimate of KL(pi || pi_ref) from ``logprobs`` and ``ref_logprobs`` [B, T] of
+    tokens sampled from pi; ValueError for an unknown ``estimator``."""
+    # Schulman, "Approximating KL divergence": k1 unbiased and noisy; k2 = (k1^2)/2;
+    # k3 = exp(-k1) + k1 - 1, unbiased, low variance and >= 0; abs = |k1|
     check_kl_estimator(estimator)
     diff = logprobs - ref_logprobs  # [B, T] log(pi / pi_ref)
     if estimator == "k1":

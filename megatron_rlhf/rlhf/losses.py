@@ -1,8 +1,6 @@
 """The per-token losses the PPO update differentiates: the clipped policy surrogate and
-the clipped value loss.
-
-Inputs are ``[B, T]`` over response positions. Losses are returned per token and
-unmasked; the caller (:mod:`~megatron_rlhf.rlhf.update`) weights and sums them.
+the clipped value loss. Inputs ``[B, T]``; outputs per token and unmasked (the caller,
+:mod:`~megatron_rlhf.rlhf.update`, weights and sums them).
 """
 
 from __future__ import annotations
@@ -16,16 +14,10 @@ from megatron_rlhf.rlhf.kl import RATIO_LOG_CLAMP
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float,
                 clip_eps_high: float | None = None,
                 dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
-    """PPO clipped surrogate per token.
-
-    ``ratio = exp(clamp(logprobs - old_logprobs, +-RATIO_LOG_CLAMP))``; ``loss = max(-A * ratio,
-    -A * clamp(ratio, 1 - clip_eps, 1 + (clip_eps_high or clip_eps)))`` (clip-higher: a
-    larger upper bound); with ``dual_clip`` C, the loss of a negative advantage is at most
-    ``-A * C``. All inputs [B, T]. Returns ``(loss [B, T], clipped [B, T] bool)`` where
-    ``clipped`` marks tokens where a clip was active (the clipped branch strictly larger, or
-    the dual clip's cap taken). Unmasked.
-    """
-    high = clip_eps if clip_eps_high is None else clip_eps_high
+    """PPO clipped surrogate ``max(-A r, -A clamp(r, 1 - clip_eps, 1 + clip_eps_high))``,
+    capped at ``-A * dual_clip`` for A < 0. Returns ``(loss, clipped)``, [B, T] each,
+    ``clipped`` True where a clip or the cap was active."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high  # clip-higher: a larger upper bound
     log_ratio = (logprobs - old_logprobs).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
     ratio = torch.exp(log_ratio)  # [B, T]
     unclipped = -advantages * ratio
@@ -40,13 +32,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor,
                clip_eps: float | None) -> tuple[Tensor, Tensor]:
-    """Value-function loss per token, optionally clipped around the rollout's values.
-
-    With ``clip_eps``: ``0.5 * max((v - R)^2, (old + clamp(v - old, -eps, eps) - R)^2)``;
-    without: ``0.5 * (v - R)^2``. All inputs [B, T]. Returns ``(loss [B, T],
-    clipped [B, T] bool)``, ``clipped`` marking where the clipped term is strictly larger
-    (all False without clipping). Unmasked.
-    """
+    """``0.5 * (v - R)^2``, or with ``clip_eps`` the max with the term of ``v`` clipped to
+    ``old +- clip_eps``. Returns ``(loss, clipped)``, [B, T] each."""
     unclipped = (values - returns).square()  # [B, T]
     if clip_eps is None:
         return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)

@@ -1,12 +1,9 @@
 """The trained policy's log-probs and entropy from a model's logits.
 
-The trained policy is the distribution tokens are sampled from (:func:`policy_logits`):
-the softmax of ``logits / temperature`` within the top-k/top-p set of the current logits,
-as generation samples (``generation/sampling.py``), the sampled token always kept so its
-log-prob stays finite as the policy moves. Greedy, or temperature 1 without truncation:
-the actor's own distribution. The experience's old and reference log-probs and the
-update's new log-probs and entropy all come from here.
-Shapes: ``B`` samples, ``T`` response positions, ``V`` vocabulary.
+The trained policy is the distribution generation samples from (:func:`policy_logits`):
+``logits / temperature`` within the current top-k/top-p set, the sampled token always kept.
+The experience's old and reference log-probs and the update's new log-probs and entropy
+all come from here. Shapes: ``B`` samples, ``T`` response positions, ``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -26,11 +23,8 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
 
 
 def entropy_from_logits(logits: Tensor, truncated: bool = False) -> Tensor:
-    """Entropy of ``softmax(logits)`` [..., V] as ``logsumexp - sum(softmax * logits)``; [...].
-
-    ``truncated``: ``logits`` may hold ``-inf`` (tokens outside a top-k/top-p set), which
-    count as probability 0 (one more ``[..., V]`` pass, so only when asked).
-    """
+    """Entropy [...] of ``softmax(logits)`` [..., V]; ``truncated``: ``logits`` may hold ``-inf``
+    (probability 0; one more ``[..., V]`` pass, so only when asked)."""
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     probs = torch.softmax(logits, dim=-1)  # [..., V]
     inside = torch.where(probs > 0, logits, 0.0) if truncated else logits  # no 0 * -inf
@@ -38,9 +32,9 @@ def entropy_from_logits(logits: Tensor, truncated: bool = False) -> Tensor:
 
 
 def reshapes_policy(policy: GenerationConfig | None) -> bool:
-    """True when the trained policy may differ from the actor's own distribution: sampling
-    at a temperature other than 0 or 1, or with top-k/top-p truncation (a top-k of at least
-    the vocabulary counts too: then the two agree, and treating them apart costs nothing)."""
+    """Whether the trained policy may differ from the actor's own distribution (tempered or
+    truncated sampling)."""
+    # a top-k of at least the vocabulary counts too: treating it apart costs nothing
     return (policy is not None and not policy.greedy
             and not samples_actor(policy, vocab=float("inf")))
 
@@ -51,16 +45,13 @@ def truncates(policy: GenerationConfig, vocab: int) -> bool:
 
 
 def policy_logits(logits: Tensor, tokens: Tensor, policy: GenerationConfig | None) -> Tensor:
-    """Logits ``[..., V]`` of the trained policy at the positions that chose ``tokens [...]``.
-
-    ``policy`` None or greedy, or sampling the actor's own distribution: ``logits`` itself.
-    Otherwise fp32 ``logits / temperature`` with ``-inf`` outside the top-k/top-p set of
-    these ``logits`` (:func:`~megatron_rlhf.generation.sampling.sampling_logits`), except at
-    ``tokens``, which always stay in: a token sampled from an earlier policy keeps a finite
-    log-prob. Gradients flow through the kept logits (the renormalised softmax).
-    """
+    """Logits ``[..., V]`` of the trained policy at the positions that chose ``tokens [...]``:
+    ``logits`` itself for the actor's own distribution, else fp32 ``logits / temperature``
+    with ``-inf`` outside the top-k/top-p set except at ``tokens``."""
     if policy is None or policy.greedy or samples_actor(policy, logits.shape[-1]):
         return logits
+    # tokens stay in the set: one sampled from an earlier policy keeps a finite log-prob;
+    # gradients flow through the kept logits (the renormalised softmax)
     z = sampling_logits(logits, policy)  # [..., V]
     if not truncates(policy, logits.shape[-1]):
         return z  # tempered only: every token, the sampled one too, is already in
@@ -78,9 +69,8 @@ def policy_logprobs(logits: Tensor, tokens: Tensor, policy: GenerationConfig | N
 
 def policy_logprobs_and_entropy(logits: Tensor, tokens: Tensor, policy: GenerationConfig | None,
                                 entropy_grad: bool = True) -> tuple[Tensor, Tensor]:
-    """``(log pi(tokens), entropy of pi)``, both [...], under the trained policy
-    (:func:`policy_logits`, computed once). ``entropy_grad`` False: the entropy is a metric
-    only, computed outside autograd (no ``[..., V]`` tensors kept for a backward)."""
+    """``(log pi(tokens), entropy of pi)``, both [...], under the trained policy;
+    ``entropy_grad`` False: the entropy outside autograd (a metric only)."""
     z = policy_logits(logits, tokens, policy)
     truncated = z is not logits and truncates(policy, logits.shape[-1])  # -inf outside the set
     if entropy_grad:
