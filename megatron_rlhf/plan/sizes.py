@@ -90,21 +90,16 @@ def weight_bytes(cfg: ModelConfig, role: str, layout: Layout, stage: int,
 def layer_activation_bytes(cfg: ModelConfig, seq: int, batch: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
                            param_bytes: int = 2) -> int:
-    """Bytes one layer keeps for backward per micro-batch (Korthikanti et al. 2022, Sec. 4).
-
-    The paper, 16-bit, GeLU MLP of width 4h: ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` with TP
-    ``t``, ``s*b*h*(34 + 5*a*s/h)/t`` with sequence parallelism. Its 24/t is attention's
-    8 (Q, K, V and the output projection's input) plus the MLP's 16 (the 4h-wide GeLU input
-    and fc2 input, 2 bytes each, ``4*ffn/h``). SwiGLU keeps its fc1 output, 2*ffn wide
-    (gate and up), and the product ``silu(gate)*up``, ffn wide, so the MLP term is
-    ``6*ffn/h`` (16.1 for Llama-2-7B's 11008/4096, close to the paper's 16). GQA changes
-    nothing: the unfused attention stores K and V expanded to all query heads. The
-    replicated 10 (two norm inputs, the QKV and fc1 inputs, two dropout masks) is kept
-    although Llama trains without dropout: conservative. Selective recompute drops the
-    ``5*a*s/h`` attention-core term; full recompute keeps only the layer input ``2*s*b*h``
-    (/t with sequence parallelism); the one layer being recomputed is added once by the
-    caller (:func:`training_activation_bytes`).
-    """
+    """Bytes one layer keeps for backward per micro-batch of ``batch`` x ``seq`` tokens
+    (Korthikanti et al. 2022, Sec. 4, adapted to SwiGLU)."""
+    # The paper (16-bit, GeLU MLP 4h wide): s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP t,
+    # s*b*h*(34 + 5*a*s/h)/t with sequence parallelism. Its 24/t is attention's 8 (Q, K, V,
+    # the output projection's input) plus the MLP's 16 (4*ffn/h). SwiGLU keeps its fc1 output
+    # (2*ffn wide) and silu(gate)*up (ffn wide): 6*ffn/h. GQA changes nothing: the unfused
+    # attention stores K and V expanded to all heads. The replicated 10 keeps two dropout
+    # masks Llama does not use: conservative. Selective recompute drops the 5*a*s/h core
+    # term; full recompute keeps only the layer input 2*s*b*h (/t with sequence
+    # parallelism), the recomputed layer added once by training_activation_bytes.
     s, b, h, a, t = seq, batch, cfg.hidden_size, cfg.num_attention_heads, tp
     scale = param_bytes / 2  # the formulas count 2-byte elements
     if recompute == "full":
