@@ -1,5 +1,5 @@
 """PPO trains the policy that generation samples from: ``logits / temperature`` within the
-top-k/top-p set of the current logits, the sampled token always kept (``P.policy_logits``).
+top-k/top-p set of the current logits, the sampled token always kept (``policy.policy_logits``).
 
 Numerics against ``probs_for_sampling``; then a tiny random actor sampled at temperature
 0.7 with top-k and top-p: its old log-probs are the log-probs it was sampled with, and the
