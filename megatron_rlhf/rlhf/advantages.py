@@ -152,7 +152,6 @@ def reinforce_pp_advantages(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: f
     return masked_whiten(returns, mask, group=group)
 
 
-
 # ---------------------------------------------------------------------------- by name
 def _gae_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, Tensor]:
     mask = exp.response_mask
