@@ -42,8 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def validate(args: argparse.Namespace):
-    """Flags -> a validated :class:`~megatron_rlhf.rlhf.build.TrainPlan`; no collectives."""
-    from megatron_rlhf.rlhf.build import CheckpointPaths, make_plan
+    """Flags -> a validated :class:`~megatron_rlhf.rlhf.train_plan.TrainPlan`; no collectives."""
+    from megatron_rlhf.rlhf.train_plan import CheckpointPaths, make_plan
 
     paths = CheckpointPaths(actor=args.actor_load, reference=args.ref_load,
                             critic=args.critic_load, reward=args.reward_load,
@@ -73,7 +73,8 @@ def main(argv=None) -> int:
 
     # --- distributed from here on ---
     from megatron_rlhf.parallel.groups import build_process_groups
-    from megatron_rlhf.rlhf.build import build_trainer, one_layout
+    from megatron_rlhf.rlhf.build import build_trainer
+    from megatron_rlhf.rlhf.train_plan import one_layout
     from megatron_rlhf.rlhf.rewards import RewardError
 
     rank, world = runtime.init_distributed(seed=plan.loop.seed,

@@ -171,7 +171,7 @@ def head_logprobs(model, hidden: torch.Tensor, ids: torch.Tensor, entropy: bool 
     call: the output layer (tied or not), log-probs of ``ids`` (and the entropy, as the PPO
     loss computes it). ``hidden``: [s, b, h]."""
     from megatron_rlhf.models.forward import logits_of
-    from megatron_rlhf.rlhf.losses import entropy_from_logits, logprobs_from_logits
+    from megatron_rlhf.rlhf.policy import entropy_from_logits, logprobs_from_logits
 
     x = hidden
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None

@@ -1,215 +1,29 @@
 """Time and memory of the RLHF dataflow graph's calls under a plan (ReaLHF's estimator,
 with communication counted).
 
-Compute comes from per-layer costs: a :class:`Hardware` profile (a device's FLOP/s,
-memory bandwidth and link bandwidths: a roofline, for clusters you do not have) or, where
-``tools/profile_costs.py`` measured this machine, its per-layer timings (:class:`Profile`),
-interpolated (at TP > 1 without a measured TP table, a rank's share of a forward or a
-decode step is the fixed per-layer overhead in it, whole, and the rest / TP).
-Communication comes from the link bandwidths and a latency per collective:
-
-- TP: two all-reduces of the activations per layer and forward (two more in backward), each
-  ``2 (g-1)`` ring steps that pay a latency apiece where the machine's fit has one
-  (:attr:`Hardware.ring_latency_s`); where a profile measured TP-sharded layers and heads
-  (:attr:`Profile.tp_tables`), those tables, their all-reduces included;
-- PP: 1F1B with ``PP - 1`` bubble slots per optimizer step (forward-only calls pipeline
-  their micro-batches too), plus the send/recv of one micro-batch's activations per slot;
-  no bubble where the ranks of a node oversubscribe its cores (:attr:`Hardware.oversubscribed`:
-  a waiting rank hands its core to a busy one, and the measured costs hold every rank busy);
-  a micro-batch holds at most the samples of one data-parallel rank;
-- DP: the distributed optimizer's gradient reduce-scatter and parameter all-gather per
-  optimizer step (at their own fitted bandwidths where measured), or an all-reduce without
-  it; a tied embedding's gradient all-reduced between the first and last stage; the
-  optimizer step itself (memory-bound: :attr:`Hardware.optimizer_bytes_per_param`) and the
-  zeroing of the gradient buffer;
-- an LM's training pays its head's forward and backward with the loss over the response's
-  positions (:attr:`Profile.head_train`, or three forwards' worth) and the head's matmul
-  forward and backward (three forwards) over the prompt's; a critic's value head is negligible;
-- reallocation: a model's weights moved between two layouts (:meth:`Estimator.realloc`).
-
-Generation is priced round by round over the response lengths' distribution (the long
-tail: few samples live at the end) and, with a draft, under the drafting selector's rule:
-at each live batch the draft length that minimises time per emitted token, given the
-acceptance rate.
-
-Memory per GPU comes from :mod:`megatron_rlhf.plan.memory`'s accounting, per call.
-Everything is pure arithmetic (no torch).
+Entry point: :class:`Estimator` (:meth:`~Estimator.call_time`, :meth:`~Estimator.call_memory`,
+:meth:`~Estimator.realloc`). Compute comes from per-layer costs: a roofline
+:class:`~megatron_rlhf.plan.hardware.Hardware` or a measured, interpolated
+:class:`~megatron_rlhf.plan.hardware.Profile`. Communication is priced per parallel
+dimension (the comment above :class:`Estimator`). Generation is priced round by round over
+the response lengths' distribution and, with a draft, at the draft length that minimises
+time per emitted token. Memory per GPU comes from :mod:`~megatron_rlhf.plan.memory`.
+Pure arithmetic (no torch).
 """
 
 from __future__ import annotations
 
-import bisect
-import json
 import math
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from megatron_rlhf.config import ModelConfig
 from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.plan import memory as mem
 from megatron_rlhf.plan.graph import Call
+from megatron_rlhf.plan.hardware import HARDWARE, Hardware, Profile, interp, merge_meta, shape_key
 
-
-@dataclass(frozen=True)
-class Hardware:
-    """What a device and its links sustain (not their data-sheet peaks)."""
-
-    name: str
-    flops: float
-    """Dense matmul FLOP/s of one device in the model's dtype."""
-    mem_bw: float
-    """Device memory bytes/s."""
-    intra_bw: float
-    """Bytes/s per device in a collective inside a node (NCCL bus bandwidth over NVLink)."""
-    inter_bw: float
-    """Bytes/s per device in a collective across nodes (the NIC's share)."""
-    latency_s: float = 20e-6
-    """Fixed cost of one collective or one point-to-point transfer."""
-    layer_overhead_s: float = 0.0
-    """Fixed cost per layer and forward launched eagerly (kernel launches, Python)."""
-    decode_overhead_s: float = 0.0
-    """Fixed cost per layer of one decode step (0 with CUDA graphs)."""
-    gpus_per_node: int = 8
-    gpu_memory_gb: float = 80.0
-    ring_latency_s: float = 0.0
-    """Latency of each of a ring all-reduce's ``2 (g-1)`` steps (0: one ``latency_s`` per
-    all-reduce)."""
-    reduce_scatter_bw: float = 0.0
-    """Bytes/s of a reduce-scatter inside a node, in ``t = latency + (g-1)/g * bytes / bw``
-    (0: the all-reduce's bus bandwidth ``intra_bw``)."""
-    reduce_scatter_latency_s: float = 0.0
-    """Fixed cost of one reduce-scatter (used with ``reduce_scatter_bw``)."""
-    all_gather_bw: float = 0.0
-    """Bytes/s of an all-gather inside a node, as ``reduce_scatter_bw`` (0: ``intra_bw``)."""
-    all_gather_latency_s: float = 0.0
-    """Fixed cost of one all-gather (used with ``all_gather_bw``)."""
-    optimizer_bytes_per_param: float = 96.0
-    """Memory traffic of the optimizer step per parameter of its shard: torch's per-tensor
-    AdamW as megatron runs it without a fused kernel (weight decay 8 B, first moment 12,
-    second 24, the denominator's three passes 24, the update 16) plus the gradient norm (4)
-    and clipping (8); a fused Adam reads and writes 16 B per parameter (32)."""
-    cores: int = 0
-    """CPU cores the ranks of a node share (0: a device of its own per rank, never
-    oversubscribed)."""
-    threads_per_rank: int = 1
-
-    @property
-    def oversubscribed(self) -> bool:
-        """More busy threads than cores on a node: a rank that waits gives its core away."""
-        return self.cores > 0 and self.gpus_per_node * self.threads_per_rank > self.cores
-
-    def save(self, path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, path) -> "Hardware":
-        return cls(**json.loads(Path(path).read_text()))
-
-
-HARDWARE = {
-    # ~60-70% of dense bf16 peak in large GEMMs, ~85% of HBM bandwidth, NCCL bus bandwidth
-    # (GPU optimizers: fused Adam, 32 B per parameter)
-    "h100": Hardware("h100", flops=600e12, mem_bw=2.8e12, intra_bw=360e9, inter_bw=45e9,
-                     latency_s=20e-6, layer_overhead_s=30e-6, gpu_memory_gb=80.0,
-                     optimizer_bytes_per_param=32.0),
-    # measured on one H200 (DESIGN.md): bf16 GEMM ~790 TFLOP/s, device copy ~4.3 TB/s
-    "h200": Hardware("h200", flops=650e12, mem_bw=4.0e12, intra_bw=360e9, inter_bw=45e9,
-                     latency_s=20e-6, layer_overhead_s=30e-6, gpu_memory_gb=141.0,
-                     optimizer_bytes_per_param=32.0),
-    "a100": Hardware("a100", flops=230e12, mem_bw=1.7e12, intra_bw=230e9, inter_bw=23e9,
-                     latency_s=25e-6, layer_overhead_s=30e-6, gpu_memory_gb=80.0,
-                     optimizer_bytes_per_param=32.0),
-    # this project's 2-core CPU machine, rough (DESIGN.md): ~170 GFLOP/s fp32 GEMMs, 5-10 GB/s
-    # memory, gloo between processes; tools/profile_costs.py measures it properly
-    "cpu": Hardware("cpu", flops=1.5e11, mem_bw=7e9, intra_bw=2e9, inter_bw=1e9,
-                    latency_s=1e-4, layer_overhead_s=3e-4, decode_overhead_s=3e-4,
-                    gpus_per_node=2, gpu_memory_gb=12.0, cores=2),
-}
-
-
-@dataclass
-class Profile:
-    """Measured per-layer seconds at TP=1 on this machine (``tools/profile_costs.py``), for
-    one model shape: a forward of ``tokens`` tokens (``forward``), forward + backward
-    (``train``), a decode step of ``batch`` samples after ``context`` cached tokens
-    (``decode``), and the LM head's forward per token count (``head``)."""
-
-    shape: str
-    tokens: list[int]
-    forward: list[float]
-    train: list[float]
-    head: list[float]
-    batches: list[int]
-    decode: list[float]
-    context: int
-    hardware: dict = field(default_factory=dict)
-    """The :class:`Hardware` fitted alongside (links, collectives, cores, overheads)."""
-    head_train: list[float] = field(default_factory=list)
-    """The LM head's forward + backward per token count, with the loss's log-probs and
-    entropy (empty: three forwards)."""
-    tp_tables: dict = field(default_factory=dict)
-    """TP size -> ``{"tokens", "forward", "train", "head", "head_train"}``: the same tables
-    measured on TP-sharded models (every TP group of the machine busy at once, the
-    all-reduces included), for token counts from ``tokens[0]`` on."""
-
-    def save(self, path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, path) -> "Profile":
-        """The Profile at ``path``; what older profiles kept in ``FILE.meta.json`` beside it
-        (the head's backward, the TP tables, the collective fits, the cores) is read from there."""
-        data = json.loads(Path(path).read_text())
-        meta = Path(path).with_name(Path(path).stem + ".meta.json")
-        if meta.is_file() and "head_train" not in data:
-            data = merge_meta(data, json.loads(meta.read_text()))
-        return cls(**data)
-
-    def tp_table(self, tp: int, name: str, tokens: float) -> float | None:
-        """Seconds of table ``name`` at ``tp`` for ``tokens`` (None: not measured there)."""
-        t = self.tp_tables.get(str(tp), self.tp_tables.get(tp))
-        if tp <= 1 or not t or not t.get(name) or tokens < t["tokens"][0]:
-            return None
-        return _interp(t["tokens"], t[name], tokens)
-
-
-def merge_meta(data: dict, meta: dict) -> dict:
-    """A Profile's fields completed from ``tools/profile_costs.py``'s meta file: the head's
-    forward + backward, the TP tables, and into ``hardware`` the per-step all-reduce fit,
-    the reduce-scatter and all-gather fits and the cores the ranks shared."""
-    data = dict(data, hardware=dict(data.get("hardware", {})))
-    data.setdefault("head_train", meta.get("head_train_s", []))
-    data.setdefault("tp_tables", meta.get("tp_tables", {}))
-    hw = data["hardware"]
-    ring = meta.get("ring_fit")
-    if ring and "ring_latency_s" not in hw:  # a bandwidth and a latency from the one fit
-        hw.update(ring_latency_s=ring["latency_per_step_s"], intra_bw=ring["bus_bw"],
-                  inter_bw=ring["bus_bw"])
-    for op in ("reduce_scatter", "all_gather"):
-        fit = meta.get(f"{op}_fit")
-        if fit:
-            hw.setdefault(f"{op}_bw", fit["bw"])
-            hw.setdefault(f"{op}_latency_s", fit["latency_s"])
-    if "cores" in meta:
-        hw.setdefault("cores", meta["cores"])
-        hw.setdefault("threads_per_rank", meta.get("key", {}).get("threads", 1))
-    return data
-
-
-def shape_key(cfg: ModelConfig) -> str:
-    return (f"{cfg.num_layers}x{cfg.hidden_size}/{cfg.ffn_hidden_size} h{cfg.num_attention_heads}"
-            f"/{cfg.num_query_groups} v{cfg.padded_vocab_size}")
-
-
-def _interp(xs: list, ys: list, x: float) -> float:
-    """Piecewise-linear in x, extrapolated linearly (proportionally beyond the largest)."""
-    if x <= xs[0]:
-        return ys[0] * x / xs[0] if xs[0] else ys[0]
-    if x >= xs[-1]:
-        return ys[-1] * x / xs[-1]
-    i = bisect.bisect_right(xs, x)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+__all__ = ["HARDWARE", "Estimator", "Hardware", "Options", "Profile", "Speculation", "merge_meta",
+           "shape_key"]
 
 
 def _stages(lay: Layout):
@@ -266,6 +80,27 @@ class Options:
     speculation: Speculation | None = None
 
 
+# What each parallel dimension costs:
+# - TP: two all-reduces of the activations per layer and forward (two more in backward), each
+#   2 (g-1) ring steps that pay a latency apiece where the machine's fit has one
+#   (Hardware.ring_latency_s); where a profile measured TP-sharded layers and heads
+#   (Profile.tp_tables), those tables, their all-reduces included. Without a TP table, a
+#   rank's share of a forward or decode step is the fixed per-layer overhead, whole, and the
+#   rest / TP (_tp_share).
+# - PP: 1F1B with PP - 1 bubble slots per optimizer step (forward-only calls pipeline their
+#   micro-batches too), plus the send/recv of one micro-batch's activations per slot; no
+#   bubble where the ranks of a node oversubscribe its cores (Hardware.oversubscribed: a
+#   waiting rank hands its core to a busy one); a micro-batch holds at most the samples of
+#   one data-parallel rank.
+# - DP: the distributed optimizer's gradient reduce-scatter and parameter all-gather per
+#   optimizer step (at their own fitted bandwidths where measured), or an all-reduce without
+#   it; a tied embedding's gradient all-reduced between the first and last stage; the
+#   optimizer step (memory-bound: Hardware.optimizer_bytes_per_param) and the zeroing of the
+#   gradient buffer.
+# - An LM's training pays its head's forward and backward with the loss over the response's
+#   positions (Profile.head_train, or three forwards' worth) and the head's matmul forward
+#   and backward over the prompt's; a critic's value head is negligible.
+# - Reallocation: a model's weights moved between two layouts (Estimator.realloc).
 class Estimator:
     """Seconds and bytes of calls under layouts, for one set of models and one machine."""
 
@@ -313,7 +148,7 @@ class Estimator:
         if measured is not None:
             return measured
         if p is not None:
-            compute = _tp_share(_interp(p.tokens, p.forward, tokens), self.hw.layer_overhead_s, tp)
+            compute = _tp_share(interp(p.tokens, p.forward, tokens), self.hw.layer_overhead_s, tp)
         else:
             params = mem.layer_params(cfg).sharded
             flops = tokens * (2 * params + 2 * seq * cfg.hidden_size) / tp
@@ -330,7 +165,7 @@ class Estimator:
         if measured is not None:
             return measured + recompute
         if p is not None:
-            compute = _interp(p.tokens, p.train, tokens) / tp
+            compute = interp(p.tokens, p.train, tokens) / tp
         else:
             compute = 3 * (self.layer_forward(cfg, batch, seq, tp)
                            - 2 * self.all_reduce(tokens * cfg.hidden_size * self.opt.param_bytes, tp))
@@ -347,7 +182,7 @@ class Estimator:
         if measured is not None:
             return measured
         if p is not None and (not train or p.head_train):
-            return _interp(p.tokens, p.head_train if train else p.head, tokens) / tp
+            return interp(p.tokens, p.head_train if train else p.head, tokens) / tp
         if train:  # the backward's two matmuls: twice the forward
             return 3 * self.head(cfg, tokens, tp)
         vocab = cfg.head_vocab_size or cfg.padded_vocab_size
@@ -359,7 +194,7 @@ class Estimator:
         p = self._profile(cfg)
         if p is not None:
             # measured at ``p.context``: weights dominate at small batches, so scale by tokens
-            compute = _tp_share(_interp(p.batches, p.decode, batch * n), self.hw.decode_overhead_s, tp)
+            compute = _tp_share(interp(p.batches, p.decode, batch * n), self.hw.decode_overhead_s, tp)
         else:
             params = mem.layer_params(cfg).sharded
             kv = 2 * cfg.num_query_groups * cfg.kv_channels * self.opt.param_bytes

@@ -1,15 +1,11 @@
 """The dataflow graph of one RLHF iteration (ReaLHF): model function calls and what flows
 between them.
 
-A node is a model function call (:class:`Call`): a model (actor, reference, critic,
-reward, draft), a kind (``generate``, ``infer`` or ``train``), the samples it processes
-and their lengths. An edge (:class:`Edge`) carries data (samples, log-probs, values,
-rewards) or weights: the actor's weights go from its training call to the next
-iteration's generation, the critic's from training to the next inference. A weight edge
+A node (:class:`Call`) is a model's call: a kind (``generate``, ``infer``, ``train``), its
+samples and their lengths. An edge (:class:`Edge`) carries data or weights; a weight edge
 between two calls of one model under different layouts is a parameter reallocation.
-
-The graph is pure description (no torch): the cost estimator (:mod:`.cost`) prices its
-calls and edges under a plan, and the search (:mod:`.search`) assigns the layouts.
+Entry point: :func:`rlhf_graph`. Pure description (no torch): :mod:`.cost` prices it
+and :mod:`.search` assigns the layouts.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """Execution plans for the RLHF dataflow graph and their search (ReaLHF).
 
 A :class:`Plan` gives every call of the graph a layout (TP x PP x DP; generation PP=1)
-over all GPUs, or, for the reference's, the reward model's and the critic's inference and
-for the actor's and the critic's training, over either half of them. Calls run one after
-another, but the inference calls run together, and so do the two training calls: each GPU
-runs its share of them in turn, so calls on disjoint GPUs overlap (ReaLHF's concurrent
-calls). The draft's distillation follows the actor's training, and reallocations involve
-every GPU: both stay sequential.
-A weight edge between two calls of one model under different layouts costs a reallocation. :func:`evaluate` prices a plan with the
-cost estimator (:mod:`.cost`): time per call, reallocations, peak memory per call against
-the GPUs' memory. :func:`search` finds the fastest plan that fits: exhaustively where the
-space is small, by simulated annealing (seeded, deterministic) beyond that, and compares
-it with the heuristic default (every call on the training layout that fits with the
-smallest model-parallel size).
-
-``space="trainer"`` restricts plans to generation on its own layout (``--gen-layout``) and
-every other call on one layout over all GPUs (``--train-layout``); ``space="models"`` to
-what the trainer executes: the actor's training on all GPUs or either half
-(``--train-layout``), and the reference's and reward model's inference and the critic's
-training and inference each on a layout of its own (``--ref-layout``, ``--reward-layout``,
-``--critic-layout``, ``--critic-infer-layout``), over all GPUs or either half. In both,
-the draft's distillation runs on the generation layout or on a train layout over all GPUs
-(``--draft-train-layout``).
+over all GPUs or, for the calls that may, over either half. The inference calls run
+together, and so do the two training calls, so calls on disjoint GPUs overlap; the
+draft's distillation and the reallocations stay sequential. :func:`evaluate` prices a
+plan with the cost estimator (:mod:`.cost`); :func:`search` finds the fastest plan that
+fits (exhaustively where the space is small, else by seeded simulated annealing) and
+compares it with the heuristic default (:func:`heuristic`).
 """
 
 from __future__ import annotations
@@ -247,7 +232,12 @@ class SearchResult:
 def search(graph: Graph, est: Estimator, cluster: mem.Cluster, seed: int = 0,
            space: str = "full", budget: int = 20_000) -> SearchResult:
     """The fastest plan that fits; ValueError naming the smallest memory shortfall when
-    none does. Deterministic for a seed."""
+    none does. Deterministic for a seed. ``space``: full, trainer or models."""
+    # trainer: generation on its own layout (--gen-layout), every other call on one layout
+    # over all GPUs (--train-layout). models: what the trainer executes, the actor's training
+    # on all GPUs or either half, the reference's and reward model's inference and the
+    # critic's training and inference each on its own layout (--ref-layout, ...). In both,
+    # the draft distils on the generation layout or a train layout over all GPUs.
     if space not in ("full", "trainer", "models"):
         raise ValueError(f"space must be full, trainer or models, got {space!r}")
     cands = candidates(graph, est, cluster)

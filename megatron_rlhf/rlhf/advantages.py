@@ -1,16 +1,11 @@
-"""Advantage estimators and masked statistics for PPO-style RLHF.
+"""Advantages from an experience's rewards: token-level reward shaping and the estimators.
 
-Shapes: ``B`` samples, ``T`` response positions (right-padded); ``mask`` is ``[B, T]``,
-1 (or True) at response tokens and 0 at padding. Every ``[B, T]`` output is 0 at padding.
-
-- :func:`gae`: generalised advantage estimation with a learned value (PPO).
-- :func:`grpo_advantages`: group-relative scores, no value model (GRPO).
-- :func:`rloo_advantages`: leave-one-out baselines within a group, KL-shaped returns (RLOO).
-- :func:`reinforce_pp_advantages`: whitened discounted returns of the KL-shaped reward
-  (REINFORCE++).
-- :func:`masked_whiten`: batch (optionally data-parallel global) normalisation.
-
-Estimators are registered by name in :data:`ADVANTAGE_ESTIMATORS`.
+Entry point: :func:`estimate`, by the name in ``--advantage-estimator`` (:data:`ESTIMATORS`):
+gae (a critic), grpo (group-relative scores), rloo (leave-one-out baselines) and
+reinforce++ (whitened discounted returns). :func:`token_rewards` shapes the reward with
+the KL penalty (gae, rloo, reinforce++). Shapes: ``B`` samples, ``T`` response positions
+(right-padded); ``mask`` is ``[B, T]``, 1 at response tokens. Every ``[B, T]`` output is
+0 at padding. Whitening over a data-parallel group equals whitening the whole batch.
 """
 
 from __future__ import annotations
@@ -21,6 +16,8 @@ from torch import Tensor
 
 from megatron_rlhf import runtime
 from megatron_rlhf.config import ADVANTAGE_ESTIMATORS  # one list, also validated by PPOConfig
+from megatron_rlhf.config import PPOConfig
+from megatron_rlhf.rlhf.batch import Experience
 
 
 def check_advantage_estimator(name: str) -> None:
@@ -36,10 +33,7 @@ def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of ``x`` over masked elements, over everything or along ``dim``.
-
-    An empty selection (no masked element) gives 0 rather than NaN.
-    """
+    """Mean of ``x`` over masked elements, over everything or along ``dim`` (0 when empty)."""
     m = mask.to(x.dtype)
     if dim is None:
         return (x * m).sum() / m.sum().clamp(min=1)
@@ -53,16 +47,12 @@ def _global_sum(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 
 def masked_whiten(x: Tensor, mask: Tensor, group: dist.ProcessGroup | None = None,
                   shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """``(x - mean) / sqrt(var + eps)`` over the masked elements of ``x`` [B, T].
-
-    Mean and population variance (divide by the count) are taken over all masked
-    elements of the batch; with ``group`` they are global over that process group
-    (two all-reduces: count and sum, then sum of squared deviations), so a batch split
-    over data-parallel ranks is whitened exactly as the whole batch on one rank.
-    With ``shift_mean=False`` the mean is added back after scaling. 0 at padding.
-    """
+    """``(x - mean) / sqrt(var + eps)`` over the masked elements of ``x`` [B, T], global
+    over ``group``; ``shift_mean=False`` adds the mean back. [B, T], 0 at padding."""
     m = mask.to(x.dtype)  # [B, T]
     x = torch.where(m > 0, x, torch.zeros_like(x))  # padding may hold garbage
+    # population statistics in two all-reduces (count and sum, then squared deviations):
+    # a batch split over data-parallel ranks is whitened exactly as on one rank
     count_sum = _global_sum(torch.stack([m.sum(), (x * m).sum()]), group)  # [2]
     mean = count_sum[1] / count_sum[0].clamp(min=1)
     sq_dev = _global_sum(((x - mean) ** 2 * m).sum(), group)
@@ -73,18 +63,25 @@ def masked_whiten(x: Tensor, mask: Tensor, group: dist.ProcessGroup | None = Non
     return out * m
 
 
-def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
-        lam: float) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over right-padded responses.
+def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+    """Per-token rewards [B, T]: ``-kl_coef * kl`` at every response token, plus ``scores``
+    [B] at each row's last one (none for an empty row); 0 at padding."""
+    keep = mask.bool()  # [B, T]
+    rewards = torch.where(keep, -kl_coef * kl, torch.zeros_like(kl))  # [B, T]
+    lengths = keep.sum(dim=1)  # [B]
+    rows = torch.nonzero(lengths > 0).squeeze(1)  # [B'] rows with a response
+    rewards[rows, lengths[rows] - 1] += scores[rows].to(rewards.dtype)
+    return rewards
 
-    ``token_rewards``, ``values``, ``mask``: [B, T]; ``mask`` is a prefix of ones per row
-    (possibly empty). The value after the last response token is 0 (the episode ends).
-    ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``,
-    ``returns = A + V``. Returns ``(advantages [B, T], returns [B, T])``, 0 at padding.
-    """
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
+        lam: float) -> tuple[Tensor, Tensor]:
+    """GAE over right-padded responses: ``(advantages, returns = A + V)``, both [B, T] and 0
+    at padding, from ``rewards``, ``values`` and ``mask`` [B, T]."""
+    # delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}; V after the end is 0
     m = mask.to(values.dtype)  # [B, T]
     zero = torch.zeros_like(values)
-    rewards = torch.where(m > 0, token_rewards, zero)  # [B, T], padding may hold garbage
+    rewards = torch.where(m > 0, rewards, zero)  # [B, T], padding may hold garbage
     values = torch.where(m > 0, values, zero)  # [B, T]
     T = values.shape[1]
     next_value = torch.zeros_like(values[:, 0])  # [B]
@@ -101,20 +98,14 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
 
 def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 1e-6,
                     scale_by_std: bool = True) -> Tensor:
-    """Group-relative advantages (GRPO): each score against its group's statistics.
-
-    ``scores`` [B] come in consecutive groups of ``group_size`` samples of one prompt.
-    A sample's advantage is ``(score - group mean) / (group std + eps)`` with the unbiased
-    std, or only ``score - group mean`` when ``scale_by_std=False``. With
-    ``group_size == 1`` the unbiased std is undefined and the advantage is 0 (a single
-    sample carries no relative signal). Broadcast over the response tokens of ``mask``
-    [B, T]; returns [B, T], 0 at padding.
-    """
+    """GRPO: ``(score - group mean) / (group std + eps)`` (unbiased std; without it when not
+    ``scale_by_std``) of ``scores`` [B] in consecutive groups of ``group_size``, broadcast
+    over ``mask`` [B, T]. Returns [B, T], 0 at padding; raises ValueError for a bad group."""
     B = scores.shape[0]
     if group_size < 1 or B % group_size != 0:
         raise ValueError(f"batch size {B} must be a multiple of the group size {group_size}")
     grouped = scores.view(B // group_size, group_size)  # [G, group_size]
-    if group_size == 1:
+    if group_size == 1:  # no unbiased std, and one sample carries no relative signal
         adv = torch.zeros_like(grouped)
     else:
         adv = grouped - grouped.mean(dim=1, keepdim=True)
@@ -123,11 +114,10 @@ def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 
     return adv.reshape(B, 1) * mask.to(scores.dtype)  # [B, T]
 
 
-def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """``G_t = r_t + gamma * G_{t+1}`` over each right-padded response (``[B, T]``; 0 at
-    padding, and nothing flows back from padding)."""
-    m = mask.to(token_rewards.dtype)
-    rewards = torch.where(m > 0, token_rewards, torch.zeros_like(token_rewards))
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """``G_t = r_t + gamma * G_{t+1}`` [B, T] over each right-padded response; 0 at padding."""
+    m = mask.to(rewards.dtype)
+    rewards = torch.where(m > 0, rewards, torch.zeros_like(rewards))
     out = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])  # [B]
     for t in reversed(range(rewards.shape[1])):
@@ -137,8 +127,7 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) 
 
 
 def leave_one_out(scores: Tensor, group_size: int) -> Tensor:
-    """``scores`` [B] (consecutive groups of ``group_size``) minus the mean of the other
-    scores of their group: ``r_i - (sum_j r_j - r_i) / (k - 1)``."""
+    """``scores`` [B] minus the mean of the others in their group of ``group_size`` (>= 2)."""
     B = scores.shape[0]
     if group_size < 2 or B % group_size:
         raise ValueError(f"leave-one-out needs groups of >= 2 samples dividing the batch "
@@ -150,22 +139,48 @@ def leave_one_out(scores: Tensor, group_size: int) -> Tensor:
 
 def rloo_advantages(scores: Tensor, kl: Tensor, mask: Tensor, group_size: int,
                     kl_coef: float) -> Tensor:
-    """RLOO (Ahmadian et al. 2024, as OpenRLHF runs it): each sample's score against the
-    mean of the other responses to its prompt, placed at its last token, minus
-    ``kl_coef * kl`` at every token; the advantage at ``t`` is the return from ``t``
-    (undiscounted). [B, T], 0 at padding."""
-    from megatron_rlhf.rlhf.losses import token_rewards
-
+    """RLOO (Ahmadian et al. 2024, as OpenRLHF runs it): the undiscounted return of the
+    KL-shaped leave-one-out score. [B, T], 0 at padding."""
     return discounted_returns(token_rewards(leave_one_out(scores, group_size), kl, mask, kl_coef), mask)
 
 
 def reinforce_pp_advantages(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float,
                             gamma: float = 1.0, group: dist.ProcessGroup | None = None) -> Tensor:
-    """REINFORCE++ (Hu 2025): the discounted return of the KL-shaped reward (score at the
-    last token, ``-kl_coef * kl`` at every token), whitened over every response token of
-    the batch (over ``group``'s ranks too). [B, T], 0 at padding."""
-    from megatron_rlhf.rlhf.losses import token_rewards
-
+    """REINFORCE++ (Hu 2025): the discounted return of the KL-shaped reward, whitened over
+    the batch's response tokens on ``group``'s ranks. [B, T], 0 at padding."""
     returns = discounted_returns(token_rewards(scores, kl, mask, kl_coef), mask, gamma)
     return masked_whiten(returns, mask, group=group)
 
+
+# ---------------------------------------------------------------------------- by name
+def _gae_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, Tensor]:
+    mask = exp.response_mask
+    adv, returns = gae(token_rewards(exp.scores, exp.kl, mask, cfg.kl_coef), exp.values, mask, cfg.gamma, cfg.lam)
+    return (masked_whiten(adv, mask, group=group) if cfg.whiten_advantages else adv), returns
+
+
+def _grpo_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, None]:
+    return grpo_advantages(exp.scores, cfg.rollout_n, exp.response_mask), None
+
+
+def _rloo_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, None]:
+    return rloo_advantages(exp.scores, exp.kl, exp.response_mask, cfg.rollout_n, cfg.kl_coef), None
+
+
+def _reinforce_pp_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, None]:
+    return reinforce_pp_advantages(exp.scores, exp.kl, exp.response_mask, cfg.kl_coef, cfg.gamma,
+                                   group=group), None
+
+
+ESTIMATORS = {"gae": _gae_of, "grpo": _grpo_of, "rloo": _rloo_of, "reinforce++": _reinforce_pp_of}
+"""Name (:data:`ADVANTAGE_ESTIMATORS`) -> ``fn(exp, cfg, group) -> (advantages, returns or None)``."""
+
+
+def estimate(exp: Experience, cfg: PPOConfig, group=None) -> None:
+    """Set ``exp.advantages`` (and gae's ``exp.returns``) by ``cfg.advantage_estimator`` from
+    ``exp.scores``, ``exp.kl`` and ``exp.values``; whitening spans ``group``."""
+    check_advantage_estimator(cfg.advantage_estimator)
+    advantages, returns = ESTIMATORS[cfg.advantage_estimator](exp, cfg, group)
+    exp.advantages = advantages
+    if returns is not None:
+        exp.returns = returns

@@ -1,8 +1,7 @@
-"""The one batch container of the RLHF loop: a rollout turned into training experience.
+"""The one batch container of the RLHF loop (:class:`Experience`) and its packing.
 
-Sequences are packed as ``[prompt, left-padded to P | response, right-padded to T]``, so
-every response starts at column ``P`` and the logits at column ``P - 1 + t`` predict
-response token ``t``. All per-token fields are ``[B, T]`` over response positions.
+Sequences are ``[prompt, left-padded to P | response, right-padded to T]``: every response
+starts at column ``P``, and the logits at column ``P - 1 + t`` predict response token ``t``.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ class Experience:
     returns: Tensor | None = None  # [B, T] critic targets A_t + V_t (gae only)
     loss_weights: Tensor | None = None  # [B, T] weight of each token's loss (set per mini-batch)
     # The sampling settings that define the policy every log-prob here is under and PPO
-    # trains (losses.policy_logits); None: the model's own distribution at temperature 1.
+    # trains (policy.policy_logits); None: the model's own distribution at temperature 1.
     policy: GenerationConfig | None = None
 
     @property
@@ -63,9 +62,8 @@ class Experience:
         return [self.select(slice(i, i + size)) for i in range(0, self.batch_size, size)]
 
     def columns(self, prompt: int, response: int) -> "Experience":
-        """The last ``prompt`` prompt columns and the first ``response`` response columns
-        (the others must be padding in every row: positions count real tokens only, so the
-        forward is unchanged)."""
+        """The last ``prompt`` prompt columns and the first ``response`` response columns; the
+        others must be padding in every row (positions count real tokens, so the forward is unchanged)."""
         p = self.prompt_len
         fields = {}
         for f in dataclasses.fields(self):
@@ -78,12 +76,9 @@ class Experience:
         return Experience(**fields)
 
     def micro_batches(self, size: int, one_width: bool = False) -> tuple[list["Experience"], Tensor]:
-        """``(micro-batches, order)``: the rows in chunks of ``size``, longest responses first,
-        each cut to the columns its own rows use (:meth:`columns`), so that no forward runs
-        over columns of padding alone (``one_width``: cut every chunk to the columns any
-        row uses, for pipeline schedules, whose micro-batches share one shape).
-        ``order[i]``: the row of ``self`` that is the ``i``-th row over the chunks
-        (:func:`in_row_order` puts per-row results back). One host read of the lengths."""
+        """``(micro-batches, order)``: chunks of ``size`` rows, longest responses first, each cut
+        to the columns its rows use (``one_width``: those any row uses, one shape for pipeline
+        schedules); ``order[i]``: the row of ``self`` that is the ``i``-th over the chunks."""
         p = self.prompt_len
         lengths = torch.stack([self.attention_mask[:, :p].sum(1), self.response_mask.sum(1).long()], 1)
         lengths = lengths.tolist()
@@ -104,9 +99,8 @@ class Experience:
         return parts, order
 
 
+# the Experience fields over prompt and response columns (the other 2-D ones are per response token)
 SEQUENCE_FIELDS = ("input_ids", "attention_mask")
-"""The :class:`Experience` fields over prompt and response columns (the other ``[B, ...]``
-fields of two dimensions are per response token)."""
 
 
 def in_row_order(parts: list[Tensor], order: Tensor, width: int | None = None) -> Tensor:
@@ -132,10 +126,8 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int, devi
 
 
 def response_slice(full: Tensor, exp: Experience) -> Tensor:
-    """Columns of a model output that predict the response tokens: of a ``[B, P+T, ...]``
-    output, or of one over the last columns only (``output_from`` of
-    :func:`~megatron_rlhf.models.forward.masked_forward`: it starts at column
-    ``P+T - its width``)."""
+    """``[B, T, ...]`` the columns of a model output that predict the response tokens, of a
+    ``[B, P+T, ...]`` output or one over the last columns only; ValueError if it is too short."""
     p, t = exp.prompt_len, exp.response_mask.shape[1]
     start = p - 1 - (exp.input_ids.shape[1] - full.shape[1])
     if start < 0:

@@ -1,15 +1,10 @@
 """DAPO's dynamic sampling (``--filter-groups``): train only on prompt groups with a signal.
 
-A group whose ``rollout_n`` rewards are all equal (every answer right, or every answer
-wrong) has zero group-normalised advantage: it adds nothing to the policy gradient but
-noise from the KL and entropy terms, and shrinks the effective batch. With the filter on,
-such groups are dropped after scoring, and the generator draws more prompts, round after
-round, until every data-parallel rank holds its share of informative groups or
-``filter_max_tries`` rounds have run; a batch still short is filled with dropped groups
-(counted), so every update sees a full batch.
-
-Each rank keeps its own share (the samples of a group stay on the rank that made them);
-the rounds are collective, every rank running as many as the slowest needs.
+A group whose rewards are all equal has zero group-normalised advantage. Such groups are
+dropped after scoring (:class:`GroupFilter`) and more prompts are drawn, round after round,
+until every data-parallel rank holds its share or ``filter_max_tries`` rounds have run; a
+batch still short is filled with dropped groups (counted). A group stays on the rank that
+made it; every rank runs as many rounds as the slowest needs.
 """
 
 from __future__ import annotations
@@ -54,24 +49,18 @@ def gather_rollout(parts: list[Rollout], picks: list[tuple[int, int]], pad_id: i
 
 @dataclass
 class GroupFilter:
-    """Collects informative groups over generation rounds on one rank.
-
-    ``need``: groups this rank trains on; ``n``: samples per group. Per round,
-    :meth:`add` takes the round's rollout, its per-sample rewards and the samples' other
-    columns (prompt ids, texts, records' fields, sample ids: lists of one entry per sample).
-    """
+    """Collects ``need`` informative groups of ``n`` samples over generation rounds on one rank."""
 
     need: int
     n: int
     parts: list = field(default_factory=list)
-    kept: list = field(default_factory=list)
-    """``(part, first row, scores [n])`` of the informative groups, in the order found."""
+    kept: list = field(default_factory=list)  # (part, first row, scores [n]) in the order found
     dropped: list = field(default_factory=list)
-    columns: list = field(default_factory=list)
-    """Per part: the columns given to :meth:`add`."""
+    columns: list = field(default_factory=list)  # per part: the columns given to add()
     rounds: int = 0
 
     def add(self, rollout: Rollout, scores: torch.Tensor, columns: tuple) -> None:
+        """One round: its rollout, ``scores`` [B] and per-sample column lists (ids, texts, ...)."""
         part = len(self.parts)
         self.parts.append(rollout)
         self.columns.append(columns)

@@ -1,15 +1,11 @@
-"""Experience making: a rollout -> reference log-probs, values, rewards, KL, advantages.
+"""Experience making: a rollout -> old and reference log-probs, KL, rewards, values, advantages.
 
-Log-probs are under the policy generation samples from (``losses.policy_logits``:
-``logits / temperature`` within the top-k/top-p set, the sampled token always kept), for
-the actor (old) and the reference alike; the :class:`Experience` records those sampling
-settings so that PPO trains that same policy. Old log-probs come from a training forward
-(by default for bf16 and for a tempered or truncated policy, :func:`recompute_by_default`:
-the first mini-batch's ratio is then exactly 1) or else from generation.
-
-Every data-parallel rank turns its own samples into :class:`Experience`; the only
-collectives are the models' own TP all-reduces, the DP-global whitening of GAE
-advantages, and an all-reduce that stops every rank together when a reward fails.
+Entry point: :meth:`ExperienceMaker.make`. A batch goes pack (:mod:`.batch`) -> inference
+calls (here, or on their own layouts: :mod:`.placement`) -> KL (:mod:`.kl`) -> rewards
+(:meth:`~ExperienceMaker.score`) -> advantages (:mod:`.advantages`). Every log-prob is under
+the sampling policy (:mod:`.policy`), which the :class:`Experience` records for the update.
+Each data-parallel rank makes its own samples' experience; the only collectives are TP
+all-reduces, the DP-global whitening and the all-reduce that stops all ranks on a reward error.
 """
 
 from __future__ import annotations
@@ -22,22 +18,15 @@ from megatron_rlhf.data.padding import padded
 from megatron_rlhf.config import GenerationConfig, PPOConfig, RewardConfig
 from megatron_rlhf.models.forward import logits_of, values_of
 from megatron_rlhf.models.pipeline import map_micro_batches, pipelined
-from megatron_rlhf.rlhf import placement
-from megatron_rlhf.rlhf.advantages import (
-    gae,
-    grpo_advantages,
-    masked_whiten,
-    reinforce_pp_advantages,
-    rloo_advantages,
-)
+from megatron_rlhf.rlhf import advantages, placement
 from megatron_rlhf.rlhf.batch import Experience, in_row_order, last_token_index, pack, response_slice
-from megatron_rlhf.rlhf.losses import kl_estimate, policy_logprobs, reshapes_policy, token_rewards
+from megatron_rlhf.rlhf.kl import kl_estimate
+from megatron_rlhf.rlhf.policy import policy_logprobs, reshapes_policy
 from megatron_rlhf.rlhf.rewards import RewardError, RewardInput
 
 
 def per_row(model, exp: Experience, micro_batch_size: int, fn, per_token: bool = True) -> torch.Tensor:
-    """``fn(output, mb)`` of every micro-batch (:meth:`~megatron_rlhf.rlhf.batch.Experience.micro_batches`:
-    no forward over padding columns alone), back in ``exp``'s rows: ``[B, T]`` when
+    """``fn(output, mb)`` of every micro-batch of ``exp``, back in its rows: ``[B, T]`` when
     ``per_token``, else ``[B]``."""
     parts, order = exp.micro_batches(micro_batch_size, one_width=pipelined(model))
     outs = map_micro_batches(model, parts, fn)
@@ -46,8 +35,7 @@ def per_row(model, exp: Experience, micro_batch_size: int, fn, per_token: bool =
 
 @torch.no_grad()
 def response_logprobs(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
-    """``[B, T]`` log-probs of the response tokens under ``model``'s policy for
-    ``exp.policy`` (:func:`~megatron_rlhf.rlhf.losses.policy_logits`), 0 at padding."""
+    """``[B, T]`` log-probs of the response tokens under ``exp.policy``, 0 at padding."""
     def fn(output, mb):
         logits = response_slice(logits_of(model, output), mb)
         return policy_logprobs(logits, mb.response_ids, exp.policy) * mb.response_mask
@@ -55,26 +43,23 @@ def response_logprobs(model, exp: Experience, micro_batch_size: int) -> torch.Te
 
 
 def recompute_by_default(dtype: torch.dtype, policy: GenerationConfig | None) -> bool:
-    """Whether log pi_old comes from a training forward when ``recompute_logprobs`` is not
-    set: for bf16 models (the cached decode and the full forward round differently) and
-    for a tempered or truncated policy (:func:`~megatron_rlhf.rlhf.losses.reshapes_policy`;
-    its log-probs from the decode differ from the training forward's by rounding)."""
+    """Whether log pi_old comes from a training forward when ``recompute_logprobs`` is unset."""
+    # bf16: the cached decode and the full forward round differently; a tempered or
+    # truncated policy: the decode's log-probs differ from the forward's by rounding
     return dtype != torch.float32 or reshapes_policy(policy)
 
 
 def recomputes(cfg: PPOConfig, dtype: torch.dtype, policy: GenerationConfig | None) -> bool:
-    """Whether the experience runs a forward of the actor for log pi_old: as
-    ``cfg.recompute_logprobs`` says, or when unset, never where the update's own forward
-    gives them (:attr:`~megatron_rlhf.config.PPOConfig.old_from_update`), else
-    :func:`recompute_by_default`."""
+    """Whether the experience runs a forward of the actor for log pi_old."""
     if cfg.recompute_logprobs is not None:
         return cfg.recompute_logprobs
+    # unset: never where the update's own forward gives them (old_from_update)
     return not cfg.old_from_update and recompute_by_default(dtype, policy)
 
 
 def generation_logprobs(rollout, policy: GenerationConfig | None) -> torch.Tensor:
-    """``[B, T]`` the rollout's log-probs under ``policy``: the sampling distribution's
-    for a tempered or truncated policy, else the actor's at temperature 1."""
+    """``[B, T]`` the rollout's log-probs under ``policy`` (the sampling distribution's, or
+    the actor's at temperature 1)."""
     return rollout.sampling_logprobs if reshapes_policy(policy) else rollout.response_logprobs
 
 
@@ -94,20 +79,17 @@ def reward_model_scores(model, exp: Experience, micro_batch_size: int) -> torch.
     return per_row(model, exp, micro_batch_size, fn, per_token=False)
 
 
+# the per-token fields each training call reads besides the tokens
 TRAINING_INPUTS = {"actor_train": ("old_logprobs", "ref_logprobs", "advantages"),
                    "critic_train": ("values", "returns")}
-"""The per-token fields each training call reads besides the tokens."""
 
 
 class ExperienceMaker:
     """Scores and annotates rollouts with the reference, critic and reward.
 
-    ``gen``: the settings the rollouts were sampled with; they define the policy of every
-    log-prob (None: the models' own distributions at temperature 1). ``actor``: needed to
-    recompute old log-probs (``cfg.recompute_logprobs``; None there: :func:`recomputes`
-    when the actor is given; ``recompute``: decided already, e.g. where the actor is
-    elsewhere). ``reference``: None when no KL term reads it
-    (``cfg.kl_coef`` 0); ``ref_logprobs`` and ``kl`` then stay 0.
+    ``gen``: the sampling settings, the policy of every log-prob (None: temperature 1).
+    ``actor``: recomputes old log-probs (``recompute``: None decides by :func:`recomputes`).
+    ``reference``: None when no KL term reads it; ``ref_logprobs`` and ``kl`` then stay 0.
     """
 
     def __init__(self, cfg: PPOConfig, reference, critic=None, reward_model=None,
@@ -129,24 +111,20 @@ class ExperienceMaker:
             raise ValueError("recompute_logprobs needs the actor")
         self.reward = reward or RewardConfig()
         self.scorer = None if reward_fn is None else _scorer(reward_fn, self.reward)
+        # samples given 0 for a crash or a timeout since take_reward_stats()
         self.reward_stats = {"reward_errors": 0, "reward_timeouts": 0}
-        """Samples given 0 for a crash or a timeout since :meth:`take_reward_stats`."""
+        # call on a layout of its own (reference, critic, reward, actor: inference;
+        # actor_train, critic_train) -> this rank's placement.Share, set per iteration
         self.placed: dict = {}
-        """Call (``reference``, ``critic``, ``reward``, ``actor``: inference, the last the old
-        log-probs' recompute; ``actor_train``, ``critic_train``) -> this
-        rank's :class:`~megatron_rlhf.rlhf.placement.Share` of the iteration's samples, for
-        the calls on a layout of their own (set per iteration; an empty share on the ranks
-        outside a layout over part of the world)."""
         self._tables: dict = {}
 
     def make(self, prompts: list[list[int]], prompt_texts: list[str], rollout,
              first_index: int = 0, metas: list[dict] | None = None,
              scores: torch.Tensor | None = None) -> Experience:
-        """``prompts``/``prompt_texts``/``metas`` (the records' other fields) per sample
-        (repeated for a group); ``first_index``: this rank's first sample in the global batch
-        (named in reward errors); ``scores``: the samples' rewards when already computed
-        (:meth:`score`, penalties included), else computed here."""
-        cfg, mbs = self.cfg, self.cfg.micro_batch_size
+        """The :class:`Experience` of ``rollout``. ``prompts``, ``prompt_texts``, ``metas``: per
+        sample; ``first_index``: this rank's first global sample; ``scores``: ``[B]`` rewards
+        when already computed (:meth:`score`), else computed here."""
+        cfg = self.cfg
         responses = rollout.responses()
         dev = runtime.device()
         exp = self._batch(prompts, responses)
@@ -167,20 +145,11 @@ class ExperienceMaker:
         exp.scores = scores.to(dev)
         if cfg.use_critic:
             exp.values = self._placed_rows("critic", exp, sample_ids)
-            rewards = token_rewards(exp.scores, exp.kl, mask, cfg.kl_coef)
-            adv, exp.returns = gae(rewards, exp.values, mask, cfg.gamma, cfg.lam)
-            exp.advantages = masked_whiten(adv, mask, group=self.dp_group) if cfg.whiten_advantages else adv
-        elif cfg.advantage_estimator == "grpo":
-            exp.advantages = grpo_advantages(exp.scores, cfg.rollout_n, mask)
-        elif cfg.advantage_estimator == "rloo":
-            exp.advantages = rloo_advantages(exp.scores, exp.kl, mask, cfg.rollout_n, cfg.kl_coef)
-        else:
-            exp.advantages = reinforce_pp_advantages(exp.scores, exp.kl, mask, cfg.kl_coef, cfg.gamma,
-                                                     group=self.dp_group)
+        advantages.estimate(exp, cfg, group=self.dp_group)
         return exp
 
     def _batch(self, prompts: list[list[int]], responses: list[list[int]]) -> Experience:
-        """An Experience of token lists, every per-token field zero (to be filled)."""
+        """An Experience of token lists, every per-token field zero."""
         ids, att, mask = pack(prompts, responses, self.pad_id, runtime.device())
         zeros = torch.zeros_like(mask)
         return Experience(input_ids=ids, attention_mask=att, response_mask=mask, old_logprobs=zeros,
@@ -188,9 +157,9 @@ class ExperienceMaker:
                           kl=zeros, advantages=zeros, policy=self.gen)
 
     def _placed_tables(self) -> dict[str, dict]:
-        """The inference calls on layouts of their own, each on its share of the samples,
-        all before one world exchange of the results (so calls on disjoint ranks run at
-        the same time): call -> {global sample index: row (or scalar)}."""
+        """Call -> {global sample index: row or scalar} of the inference calls on layouts of
+        their own; collective over the world."""
+        # every call computes before one exchange, so calls on disjoint ranks overlap
         models = self._inference_calls()
         mine = {}
         for name, share in self.placed.items():
@@ -207,13 +176,13 @@ class ExperienceMaker:
         return placement.gather_tables(mine) if any(n in models for n in self.placed) else {}
 
     def _inference_calls(self) -> dict:
-        """Inference call -> (its model, the function computing its per-sample results)."""
+        """Inference call -> (its model, its per-sample function)."""
         return {"reference": (self.reference, response_logprobs), "critic": (self.critic, response_values),
                 "reward": (self.reward_model, reward_model_scores), "actor": (self.actor, response_logprobs)}
 
     def _placed_rows(self, name: str, exp: Experience, sample_ids) -> torch.Tensor:
-        """Inference call ``name``'s results for this rank's samples: computed here, or, for a
-        call on a layout of its own, the rows :meth:`_placed_tables` brought back."""
+        """Inference call ``name``'s results for this rank's samples (computed here, or
+        brought back by :meth:`_placed_tables`)."""
         if name not in self.placed:
             model, compute = self._inference_calls()[name]
             return compute(model, exp, self.cfg.micro_batch_size)
@@ -223,10 +192,8 @@ class ExperienceMaker:
         return padded(mine, 0, mine[0].dtype, width=exp.response_mask.shape[1])
 
     def on_layout(self, exp: Experience, name: str, sample_ids: list[int]) -> Experience:
-        """The batch that training call ``name`` (``actor_train``, ``critic_train``: on a
-        layout of its own) trains on: the samples of its data-parallel ranks with their PPO
-        inputs (:data:`TRAINING_INPUTS`); collective over the world. None on the ranks
-        outside a layout over part of the world."""
+        """The batch training call ``name`` trains on, on its own layout (None outside it);
+        collective over the world."""
         share, fields = self.placed[name], TRAINING_INPUTS[name]
         host = {f: getattr(exp, f).detach().cpu() for f in fields}
         rows = [(self._tokens[s], [host[f][i, :len(self._tokens[s][1])].clone() for f in fields])

@@ -76,7 +76,7 @@ def wandb_mode() -> str:
 
 def start_wandb(project: str, log_dir: str | None, config: dict | None):
     """A W&B run of ``project`` (files under ``log_dir``), offline when an online start fails."""
-    import wandb  # optional: checked before the run starts (build.make_plan)
+    import wandb  # optional: checked before the run starts (train_plan.make_plan)
 
     kwargs = dict(project=project, dir=log_dir, config=config or {}, reinit=True)
     mode = wandb_mode()

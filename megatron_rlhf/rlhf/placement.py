@@ -1,16 +1,11 @@
 """Calls on layouts of their own: the data edges of the experience and training stages.
 
-The train layout's data-parallel ranks hold the iteration's samples (after generation,
-:mod:`~megatron_rlhf.rlhf.regroup`). A call placed on another layout (``--ref-layout``,
-``--reward-layout``, ``--critic-layout``, ``--critic-infer-layout``, each with its own
-TP x PP x DP) computes for the samples *its* data-parallel ranks hold: the token lists
-travel there and the per-sample results come back, by global sample index, so that nothing
-depends on which rank computed what. Both moves are one world all-gather of per-sample
-Python lists (token ids, or result rows trimmed to the response): a few MB per iteration
-even for 512 samples of 2048 tokens. The inference calls all compute before their results
-are exchanged, in one all-gather: the reference and the reward model on disjoint ranks
-(``--ref-layout 1x1x4 --reward-layout 1x1x4@4`` on 8 ranks) run at the same time, each
-model held by its own ranks only (ReaLHF's concurrent calls).
+A call placed on another layout (``--ref-layout``, ``--reward-layout``, ``--critic-layout``,
+``--critic-infer-layout``) computes for the samples *its* data-parallel ranks hold: token
+lists travel there and per-sample results come back by global sample index, so nothing
+depends on which rank computed what. Each move is one world all-gather of per-sample
+Python lists (:func:`gather_tables`). The inference calls all compute before one exchange,
+so calls on disjoint ranks run at the same time (ReaLHF's concurrent calls).
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ import torch.distributed as dist
 
 @dataclass
 class Elsewhere:
-    """A model this rank does not hold: its layout covers other ranks (``--ref-layout
-    1x1x2@2``); it computes nothing here (an empty :class:`Share`)."""
+    """A model this rank does not hold (its layout covers other ranks); it computes nothing here."""
 
     name: str
 
@@ -43,9 +37,8 @@ def all_gather_object(obj) -> list:
 
 
 def gather_tables(mine: dict[str, tuple[list[int], list]]) -> dict[str, dict]:
-    """``{name: (sample_ids, rows)}`` of every rank (one row per sample) as ``{name: {global
-    sample index: row}}``, on every rank, in one world all-gather (TP and PP ranks of one
-    data-parallel rank give the same rows; a rank may have none)."""
+    """``{name: {global sample index: row}}`` on every rank from each rank's ``{name:
+    (sample_ids, rows)}``, in one world all-gather (a rank may have none)."""
     tables: dict[str, dict] = {}
     for theirs in all_gather_object({k: (list(ids), rows) for k, (ids, rows) in mine.items()}):
         for name, (ids, rows) in theirs.items():

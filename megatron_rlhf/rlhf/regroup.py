@@ -1,12 +1,8 @@
 """Samples between layouts: rollouts made on the generation layout's data-parallel ranks
-go to the training layout's.
+go to the training layout's (``--gen-layout``).
 
-When generation runs under its own layout (``--gen-layout``), its data-parallel ranks hold
-other samples than the training layout's. :func:`regroup` hands every training rank the
-samples its data-parallel index owns, in global order; the first TP rank of each
-generation replica contributes (TP ranks hold the same samples), every rank receives.
-One ``all_gather_object`` of token and log-prob lists per iteration: a few MB at
-hundreds of samples of a thousand tokens.
+Entry point: :func:`regroup`, one world ``all_gather_object`` of token and log-prob lists
+per iteration; the first TP rank of each generation replica contributes, every rank receives.
 """
 
 from __future__ import annotations
@@ -22,9 +18,9 @@ from megatron_rlhf.rlhf.batch import Experience, pack
 
 def regroup(rollout: Rollout, sample_ids: list[int], gen_pg, want_ids: list[int],
             want_prompts: list[list[int]], pad_id: int) -> Rollout:
-    """The rollout of samples ``want_ids`` (prompts ``want_prompts``), gathered from the
-    generation ranks that made them (this rank made ``sample_ids`` under ``gen_pg``).
-    Collective over the world. Keeps this rank's own generation statistics."""
+    """The rollout of samples ``want_ids`` (prompts ``want_prompts``) from the generation
+    ranks that made them (this rank: ``sample_ids``); collective over the world. Keeps this
+    rank's generation statistics; RuntimeError if a sample was made by no rank."""
     records = []
     if gen_pg.tp.rank() == 0:
         for i, (sid, n) in enumerate(zip(sample_ids, rollout.lengths.tolist())):
@@ -53,8 +49,7 @@ def regroup(rollout: Rollout, sample_ids: list[int], gen_pg, want_ids: list[int]
 
 
 def token_batch(prompts: list[list[int]], rollout: Rollout, pad_id: int) -> Experience:
-    """Prompts and responses as an :class:`Experience` with only its tokens set (what draft
-    distillation reads), for the generation layout's own samples."""
+    """An :class:`Experience` of only the tokens (what draft distillation reads)."""
     ids, att, mask = pack(prompts, rollout.responses(), pad_id, rollout.response_ids.device)
     zeros = torch.zeros_like(mask)
     return Experience(input_ids=ids, attention_mask=att, response_mask=mask, old_logprobs=zeros,

@@ -1,28 +1,12 @@
 """The SPMD RLHF loop: every rank runs every stage of every iteration (colocation).
 
-    rollout     the speculative generator samples ``rollout_n`` responses per prompt
-    experience  reference log-probs, critic values, rewards, KL, advantages
-    train       PPO epochs for the actor (and the critic); optionally the draft
-
-Data-parallel ranks take disjoint prompts; tensor-parallel ranks of one replica run in
-lockstep on the same prompts and seeds. Generation may run under its own layout
-(``--gen-layout``, with the draft): its samples are then regrouped onto the train layout's
-data-parallel ranks for the experience, and after the update the actor's weights are
-reallocated to the generation copy (``reallocate`` stage, before draft distillation, whose
-teacher is the updated actor); a critic whose inference has a layout apart from its
-training (``--critic-infer-layout``) gets its weights reallocated there in the same stage,
-as does a draft distilled on the train layout (``--draft-train-layout train``, taught by
-the actor's training copy before the reallocation). The actor's and the critic's training
-may each cover part of the world (``--train-layout 1x1x2 --critic-layout 1x1x2@2`` with a
-``--gen-layout`` over it all): the generation layout's ranks then hold the samples, every
-model call is placed (:mod:`~megatron_rlhf.rlhf.placement`), and the two models train at
-the same time, each on its own ranks.
-Each iteration's prompts and sampling seed are a
-function of (seed, iteration) alone, and a sample's random numbers are keyed by its index
-in the iteration's global batch, so a resumed run repeats the uninterrupted one and (with
-a fixed draft length) the samples do not depend on the data-parallel size. With more than
-one data-parallel rank, unfinished samples migrate from busy ranks to idle ones during
-generation (:mod:`megatron_rlhf.generation.migration`) and come back for the experience.
+Entry point: :meth:`RLHFTrainer.run`; one iteration (:meth:`RLHFTrainer.iteration`) is a
+short sequence of named stages, each measured for time and memory: rollout (generation,
+:mod:`~megatron_rlhf.generation`) -> experience (:mod:`.experience`) -> train (:mod:`.update`)
+-> reallocate (weights to the models' second layouts) -> draft (distillation).
+Data-parallel ranks take disjoint prompts; TP ranks of one replica run in lockstep. An
+iteration's prompts and seed depend on (seed, iteration) alone and a sample's random
+numbers on its global index, so a resumed run repeats the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -53,29 +37,21 @@ from megatron_rlhf.rlhf.update import train_actor, train_critic, train_draft
 class Models:
     """The models of a run, built and loaded on this rank."""
 
+    # None outside a layout over part of the world; reference (reward_model, critic_inf
+    # alike) is then a reshard.Absent copy, and None when no KL term reads it
     actor: Trainee | None
-    """None on the ranks outside a train layout over part of the world (see ``elsewhere``)."""
     reference: torch.nn.Module | None = None
-    """An :class:`~megatron_rlhf.parallel.reshard.Absent` copy on the ranks outside a
-    reference layout over part of the world (so for ``reward_model`` and ``critic_inf``);
-    None when no KL term reads it (``kl_coef`` 0)."""
     critic: Trainee | None = None
-    """None without a critic, and on the ranks outside its layout over part of the world."""
     draft: torch.nn.Module | None = None
     draft_trainee: Trainee | None = None
     reward_model: torch.nn.Module | None = None
+    # second copies, reallocated from actor / critic after each update: the actor in the
+    # generation layout (the draft lives there too), the critic in its inference layout
     actor_gen: torch.nn.Module | None = None
-    """The actor in the generation layout, when it differs from the train layout (the
-    draft lives there too); its weights are reallocated from ``actor`` after each update."""
-
     critic_inf: torch.nn.Module | None = None
-    """The critic in its inference layout, when it differs from its training layout; its
-    weights are reallocated from ``critic`` after each update."""
-
+    # actor/critic -> the Absent copy that ranks outside its training layout pass to the
+    # reallocations and checkpoint saves (collective over the world)
     elsewhere: dict = field(default_factory=dict)
-    """``actor``/``critic`` -> an :class:`~megatron_rlhf.parallel.reshard.Absent` copy, on the
-    ranks outside a training layout over part of the world: what they pass to the
-    reallocations and checkpoint saves (collective over the world) in its place."""
 
     @property
     def generating_actor(self) -> torch.nn.Module:
@@ -93,15 +69,13 @@ class Models:
         return self.draft_trainee is not None and self.draft_trainee.model is not self.draft
 
     def trained(self, name: str) -> tuple[torch.nn.Module | None, object]:
-        """``(model, process groups)`` of trained model ``name`` (``actor``, ``critic``):
-        its training copy, or its ``Absent`` stand-in and None outside its layout (None,
-        None: no such model)."""
+        """``(model, process groups)`` of trained model ``name``: its training copy, or its
+        ``Absent`` stand-in and None outside its layout."""
         t = {"actor": self.actor, "critic": self.critic}[name]
         return (t.model, t.pg) if t is not None else (self.elsewhere.get(name), None)
 
     def trainees(self, critic: bool) -> dict:
-        """The optimizers a checkpoint holds: name -> Trainee, None on the ranks outside its
-        layout (the same names on every rank)."""
+        """The optimizers a checkpoint holds: name -> Trainee (None outside its layout)."""
         out = {"actor": self.actor}
         if critic:
             out["critic"] = self.critic
@@ -110,8 +84,7 @@ class Models:
         return out
 
     def copies(self) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
-        """``(trained, copy)`` pairs of the models with a second layout, whose weights move
-        from the first to the second after every update (either may be ``Absent``)."""
+        """``(trained, copy)`` pairs of the models with a second layout (either may be ``Absent``)."""
         draft = self.draft_trainee.model if self.draft_on_train_layout else None
         pairs = [(self.trained("actor")[0], self.actor_gen), (self.trained("critic")[0], self.critic_inf),
                  (draft, self.draft if draft is not None else None)]
@@ -135,9 +108,8 @@ class RLHFTrainer:
                  heldout: HeldOut | None = None):
         self.m, self.generator, self.maker = models, generator, maker
         self.heldout = heldout
+        # call (reference, reward, critic, critic_train) -> its own layout's process groups
         self.model_pgs = model_pgs or {}
-        """Call (reference, reward, critic: inference; critic_train) -> the process groups
-        of its own layout (None on the ranks outside one over part of the world)."""
         # (None: on GPU; only where the actor generates on a copy of its own)
         release = runtime.has_cuda() if release_train_copy is None else release_train_copy
         self.release_train_copy = release and models.actor_gen is not None
@@ -186,10 +158,9 @@ class RLHFTrainer:
         return self.history
 
     def _my_samples(self, it: int, dp_group, round_: int = 0):
-        """This rank's share of iteration ``it``'s samples under a layout's DP group:
-        prompt ids, prompt texts, global sample indices (whole prompt groups) and the
-        records' other fields. ``round_`` > 0: a further draw of prompts (--filter-groups),
-        from a stream of its own, with sample indices after the earlier rounds'."""
+        """``(prompt ids, texts, global sample indices, records' fields)`` of this rank's share
+        of iteration ``it`` under ``dp_group``; ``round_`` > 0: a further draw (--filter-groups)."""
+        # a further round draws from a stream of its own, its sample indices after those of earlier rounds
         g = self.ppo.global_batch_size
         if round_ == 0:
             idx = batch_indices(len(self.prompt_ids), g, it, self.loop.seed)
@@ -206,8 +177,7 @@ class RLHFTrainer:
         return ids, texts, list(range(first, first + len(ids))), metas
 
     def _generate(self, ids, sample_ids, gen: GenerationConfig, seed: int):
-        """A generation call on the generation layout: the trainees' optimizer states (and,
-        where generation has a copy of its own, the training weights) wait on the host."""
+        """A generation call on the generation layout; trainee states wait on the host."""
         m = self.m
         for t in (m.actor, m.critic, m.draft_trainee):
             if t is not None:
@@ -222,8 +192,8 @@ class RLHFTrainer:
         return generated
 
     def _filtered_rollout(self, it: int):
-        """--filter-groups: rounds of generation and scoring until this rank (and every other)
-        holds its share of groups whose rewards differ (:mod:`~megatron_rlhf.rlhf.dynamic_sampling`)."""
+        """--filter-groups: rounds of generation and scoring until every rank holds its share of
+        informative groups (:mod:`.dynamic_sampling`)."""
         per_rank = self.ppo.global_batch_size // self.pg.dp.size()
         keep = GroupFilter(need=per_rank, n=self.ppo.rollout_n)
         dev = runtime.device()
@@ -242,8 +212,7 @@ class RLHFTrainer:
         return rollout, scores, ids, texts, sids, metas, metrics
 
     def evaluate(self, it: int) -> dict:
-        """The policy on the held-out records (every rank of the generation layout takes
-        every DP-size-th record), scored with the run's reward: ``eval/*`` metrics."""
+        """``eval/*`` metrics of the policy on the held-out records, scored with the run's reward."""
         h, dp = self.heldout, self.gen_pg.dp
         k, start = h.cfg.eval_samples, time.perf_counter()
         mine = list(range(dp.rank(), len(h.records), dp.size()))
@@ -260,6 +229,10 @@ class RLHFTrainer:
         return out
 
     def iteration(self, it: int) -> dict:
+        """Run iteration ``it``'s stages on this rank; returns its metrics."""
+        # With --gen-layout the samples are regrouped onto the train layout's DP ranks for the
+        # experience; models on layouts of their own (--ref-layout, --critic-layout, ...) are
+        # placed calls (placement.py), and actor and critic on disjoint ranks train at once.
         m, stages = self.m, offload.StageMemory()
         host, dev = torch.device("cpu"), runtime.device()
         scores, extra = None, {}
@@ -324,9 +297,8 @@ class RLHFTrainer:
         return metrics
 
     def _memory_components(self) -> dict:
-        """``mem_<model>_<component>_gb`` (GiB) of this rank: each trainee's weights, gradient
-        buffers and optimizer states (:func:`~megatron_rlhf.rlhf.offload.trainee_bytes`), the
-        other models' weights (what ``tools/memory_plan.py --measure`` sets beside the estimate)."""
+        """``mem_<model>_<component>_gb`` (GiB) of this rank: trainees' weights, gradients and
+        optimizer states, the other models' weights."""
         m, out = self.m, {}
         for name, t in (("actor", m.actor), ("critic", m.critic)):
             if t is not None:
@@ -337,9 +309,8 @@ class RLHFTrainer:
         return out
 
     def _train(self, exp, sample_ids: list[int], it: int) -> dict:
-        """PPO for the actor and the critic, each on its layout's data-parallel ranks (the
-        batch moved there when its layout is not the one holding the samples); on disjoint
-        ranks the two train at the same time. Their metrics, on every rank."""
+        """PPO for the actor and the critic, each on its layout's DP ranks; their metrics, on
+        every rank."""
         m, out = self.m, {}
         calls = [("actor_train", m.actor, train_actor)]
         if self.ppo.use_critic:
@@ -366,9 +337,8 @@ class RLHFTrainer:
         return out
 
     def _rollout_metrics(self, generated, rollout, exp) -> dict:
-        """Reward, KL and length statistics over the train layout's data-parallel ranks,
-        generation statistics over the generation layout's (``generated``: this rank's
-        samples as generated, ``rollout``: as regrouped for training)."""
+        """Reward, KL and length statistics over the train layout's DP ranks, generation
+        statistics over the generation layout's (``rollout``: ``generated`` regrouped)."""
         mask = exp.response_mask
         s = generated.stats
         dev, scores = mask.device, exp.scores.double()

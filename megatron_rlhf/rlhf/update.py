@@ -1,14 +1,11 @@
 """PPO updates of the actor and the critic over one iteration's experience.
 
-Each PPO epoch splits this rank's samples into ``num_mini_batches`` mini-batches (one
-optimizer step each), and each mini-batch into micro-batches whose gradients accumulate.
-Per-token losses are summed and divided by the number of response tokens in the
-mini-batch over *all* data-parallel ranks, then gradients are summed over DP: the update
-is the same as one rank holding the whole batch.
-
-The actor is trained as the policy its samples were drawn from, ``exp.policy``
-(:func:`~megatron_rlhf.rlhf.losses.policy_logits`: tempered, truncated to the top-k/top-p
-set of the current logits with the sampled token kept); its entropy is that policy's.
+Entry points: :func:`train_actor`, :func:`train_critic`, :func:`train_draft`. Each PPO epoch
+splits this rank's samples into ``num_mini_batches`` mini-batches (one optimizer step
+each) of accumulated micro-batches. Per-token losses are weighted over the mini-batch's
+tokens on *all* data-parallel ranks, so the update equals one rank holding the whole
+batch. The actor trains as the policy its samples were drawn from (``exp.policy``,
+:mod:`.policy`).
 """
 
 from __future__ import annotations
@@ -22,12 +19,9 @@ from megatron_rlhf.config import PPOConfig
 from megatron_rlhf.models.forward import logits_of, values_of
 from megatron_rlhf.models.pipeline import forward_backward, from_last_stage, model_output, pipelined
 from megatron_rlhf.rlhf.batch import Experience, response_slice
-from megatron_rlhf.rlhf.losses import (
-    kl_estimate,
-    policy_logprobs_and_entropy,
-    policy_loss,
-    value_loss,
-)
+from megatron_rlhf.rlhf.kl import kl_estimate
+from megatron_rlhf.rlhf.losses import policy_loss, value_loss
+from megatron_rlhf.rlhf.policy import policy_logprobs_and_entropy
 from megatron_rlhf.rlhf.optim import Trainee
 
 
@@ -54,15 +48,11 @@ def _global_tokens(mask: torch.Tensor, group) -> torch.Tensor:
 
 
 def loss_weights(mask: torch.Tensor, agg: str, group, horizon: int | None = None) -> torch.Tensor:
-    """``[b, T]`` per-token weights turning a mini-batch's per-token losses into one loss
-    whose gradients, summed over the data-parallel ``group``, are the whole batch's:
-
-    - ``token-mean``: ``mask / (response tokens on all ranks)``;
-    - ``seq-mean-token-mean``: ``mask / (the response's length x responses on all ranks)``;
-    - ``seq-mean-token-sum-norm`` (Dr. GRPO): ``mask / (horizon x responses on all ranks)``,
-      ``horizon`` a constant (the response-length limit), so no response's tokens count
-      more for being short.
-    """
+    """``[b, T]`` per-token weights of aggregation ``agg`` whose weighted loss has, summed over
+    the data-parallel ``group``, the whole batch's gradients; ValueError for an unknown ``agg``."""
+    # token-mean: mask / (tokens on all ranks); seq-mean-token-mean: mask / (own length x
+    # responses on all ranks); seq-mean-token-sum-norm (Dr. GRPO): mask / (horizon x responses),
+    # horizon the response-length limit, so no response's tokens count more for being short
     mask = mask.float()
     if agg == "token-mean":
         return mask / _global_tokens(mask, group).float()
@@ -78,8 +68,7 @@ def loss_weights(mask: torch.Tensor, agg: str, group, horizon: int | None = None
 
 
 def _mini_batches(exp: Experience, cfg: PPOConfig, epoch: int, seed: int | None) -> list[Experience]:
-    """This epoch's mini-batches: the samples in a fresh seeded order each epoch (when there
-    is more than one mini-batch: else the order changes nothing but rounding)."""
+    """This epoch's mini-batches, in a fresh seeded order when there are several."""
     if seed is not None and cfg.num_mini_batches > 1:
         g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % (2**63))
         exp = exp.select(torch.randperm(exp.batch_size, generator=g).to(exp.input_ids.device))
@@ -89,14 +78,9 @@ def _mini_batches(exp: Experience, cfg: PPOConfig, epoch: int, seed: int | None)
 def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_loss,
                 agg: str = "token-mean", horizon: int | None = None, seed: int | None = None) -> dict:
     """PPO epochs x mini-batches (one optimizer step each) x micro-batches (accumulated,
-    through the pipeline when the model is a pipeline stage).
-
-    ``micro_loss(output, mb, sums)`` returns the per-token loss ``[b, T]`` of a micro-batch
-    from the model's raw output and adds its metrics to ``sums`` (on the last pipeline
-    stage); it is weighted by :func:`loss_weights` (``agg``: token-mean by default, over the
-    mini-batch on all DP ranks) and summed. ``seed``: reshuffle the samples between epochs.
-    Returns token-mean metrics over all ranks.
-    """
+    pipelined where the model is a pipeline stage); returns token-mean metrics over all ranks.
+    ``micro_loss(output, mb, sums)``: a micro-batch's per-token loss ``[b, T]`` (weighted by
+    :func:`loss_weights` of ``agg``), adding its metrics to ``sums``."""
     t.model.train()
     sums, norms, all_tokens = _Sums(), [], torch.zeros((), dtype=torch.float64, device=exp.response_mask.device)
     for epoch in range(cfg.ppo_epochs):
@@ -115,9 +99,8 @@ def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_lo
 
 def policy_from_output(actor, output, mb: Experience,
                        with_entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log pi(a_t | s_t), entropy of pi(. | s_t))``, both ``[b, T]``, from the actor's
-    raw output, under the policy ``mb.policy`` (what PPO trains); the entropy outside
-    autograd unless ``with_entropy_grad`` (it is then a metric only)."""
+    """``(log pi(a_t | s_t), entropy)``, both ``[b, T]``, of the actor's raw output under
+    ``mb.policy``; the entropy outside autograd unless ``with_entropy_grad``."""
     logits = response_slice(logits_of(actor, output), mb)
     return policy_logprobs_and_entropy(logits, mb.response_ids, mb.policy, with_entropy_grad)
 
@@ -162,9 +145,8 @@ def _value_loss(output, mb: Experience, cfg: PPOConfig, sums: _Sums) -> torch.Te
 
 def train_actor(t: Trainee, exp: Experience, cfg: PPOConfig, horizon: int | None = None,
                 seed: int | None = None) -> dict:
-    """PPO epochs over ``exp`` for the actor, its loss aggregated as ``cfg.loss_agg``
-    (``horizon``: the response-length limit, for seq-mean-token-sum-norm; ``seed``: the
-    mini-batches' order per epoch); token-mean metrics over all ranks."""
+    """PPO epochs over ``exp`` for the actor; token-mean metrics over all ranks. ``horizon``:
+    the response-length limit (seq-mean-token-sum-norm); ``seed``: the mini-batches' order."""
     out = _ppo_passes(t, exp, cfg, "actor", lambda out, mb, sums: _policy_loss(t.model, out, mb, cfg, sums),
                       agg=cfg.loss_agg, horizon=horizon, seed=seed)
     out["actor_lr"] = t.scheduler.current_lr
@@ -179,13 +161,10 @@ def train_critic(t: Trainee, exp: Experience, cfg: PPOConfig, horizon: int | Non
 
 
 def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk: int) -> dict:
-    """One distillation step of the draft towards the (updated) actor on fresh rollouts.
-
-    The teacher is the actor's top-``topk`` distribution at each response position; the
-    loss is the forward KL to the draft (:mod:`megatron_rlhf.generation.draft`). A feature
-    draft reads the actor's hidden states from the same forward and also regresses its own
-    hidden states onto them.
-    """
+    """One distillation step of the draft towards ``actor``'s top-``topk`` distribution at
+    each response position (forward KL, :mod:`megatron_rlhf.generation.draft`); returns
+    ``draft_kl`` (and ``draft_feature_loss``)."""
+    # a feature draft also regresses its hidden states onto the actor's, from the same forward
     from megatron_rlhf.generation.draft import (
         feature_loss, head_logits, target_logits_and_features, teacher_topk, topk_distill_loss)
 

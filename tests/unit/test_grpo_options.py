@@ -13,7 +13,8 @@ from megatron_rlhf.rlhf.batch import Experience
 from megatron_rlhf.rlhf.dynamic_sampling import GroupFilter, informative_groups
 from megatron_rlhf.rlhf.evaluation import eval_metrics
 from megatron_rlhf.rlhf.experience import overlong_penalty
-from megatron_rlhf.rlhf.losses import RATIO_LOG_CLAMP, policy_loss
+from megatron_rlhf.rlhf.kl import RATIO_LOG_CLAMP
+from megatron_rlhf.rlhf.losses import policy_loss
 from megatron_rlhf.rlhf.update import _mini_batches, loss_weights
 
 

@@ -193,7 +193,7 @@ def test_the_trainer_validation_asks_the_estimator(world1, tmp_path):
     stage and what to change when it does not."""
     import rlhf_fixtures as F
     from megatron_rlhf import train
-    from megatron_rlhf.rlhf.build import memory_warning
+    from megatron_rlhf.rlhf.train_plan import memory_warning
 
     actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
     prompts = F.write_prompts(tmp_path / "prompts.jsonl")
@@ -263,3 +263,18 @@ def test_a_cpu_run_keeps_the_trainee_state_in_every_stage():
         assert cpu.stage(name).total - gpu.stage(name).total == state
         assert "actor_optimizer" not in gpu.stage(name).parts
     assert cpu.stage("training").total == gpu.stage("training").total
+
+
+def test_workload_from_configs():
+    """The trainer's workload comes from its configs: samples per iteration, lengths,
+    micro- and mini-batches, and the draft tokens verified only with a draft."""
+    from megatron_rlhf.config import GenerationConfig, LoopConfig, PPOConfig, SpecConfig
+
+    ppo = PPOConfig(global_batch_size=6, rollout_n=4, micro_batch_size=3, num_mini_batches=2)
+    loop, gen = LoopConfig(max_prompt_length=77), GenerationConfig(max_new_tokens=55)
+    spec = SpecConfig(num_draft_tokens=3)
+    w = Workload.from_configs(ppo, loop, gen, spec, has_draft=True)
+    assert w == Workload(rollout_batch=24, max_prompt_length=77, max_new_tokens=55, micro_batch_size=3,
+                         num_mini_batches=2, num_draft_tokens=3)
+    assert Workload.from_configs(ppo, loop, gen, SpecConfig(), has_draft=False).num_draft_tokens == \
+        SpecConfig().base_tokens(False)

@@ -565,7 +565,7 @@ def test_plan_auto_gives_the_trainer_layouts_it_can_run(world1, tmp_path, monkey
     import rlhf_fixtures as F
     from megatron_rlhf.config import GenerationConfig, LoopConfig, ParallelConfig, PPOConfig, SpecConfig
     from megatron_rlhf.models.checkpoint import read_checkpoint
-    from megatron_rlhf.rlhf.build import execution_plan
+    from megatron_rlhf.rlhf.planning import execution_plan
 
     info = read_checkpoint(F.make_actor_checkpoint(tmp_path / "actor", world1))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

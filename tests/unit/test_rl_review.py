@@ -22,7 +22,7 @@ import torch
 from megatron_rlhf.config import OptimConfig, PPOConfig, preset
 from megatron_rlhf.finetune import data as D
 from megatron_rlhf.finetune import losses as FL
-from megatron_rlhf.rlhf import losses
+from megatron_rlhf.rlhf.kl import kl_estimate
 
 VOCAB = 32
 SEED = 3
@@ -192,7 +192,7 @@ def _policy_stats(model, exp, estimator: str):
         logp_all = torch.log_softmax(logits, -1)
         logp = logp_all.gather(-1, exp.response_ids[..., None]).squeeze(-1)
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-        kl = losses.kl_estimate(logp, exp.ref_logprobs.double(), estimator)
+        kl = kl_estimate(logp, exp.ref_logprobs.double(), estimator)
     return _masked_mean(entropy, exp.response_mask), _masked_mean(kl, exp.response_mask)
 
 
@@ -369,7 +369,7 @@ def _expected_grad(theta, ref_logp, estimator: str):
     theta = theta.clone().requires_grad_(True)
     logp = torch.log_softmax(theta, -1)  # [V]
     weights = logp.detach().exp()
-    est = losses.kl_estimate(logp[None], ref_logp[None], estimator)[0]  # [V]
+    est = kl_estimate(logp[None], ref_logp[None], estimator)[0]  # [V]
     (weights * est).sum().backward()
     return theta.grad
 
@@ -404,7 +404,7 @@ def test_kl_estimators_expected_gradients(seed):
 
     pi, logp = torch.softmax(theta, -1), torch.log_softmax(theta, -1)
     kl = float((pi * (logp - ref_logp)).sum())
-    mean = {k: float((pi * losses.kl_estimate(logp[None], ref_logp[None], k)[0]).sum())
+    mean = {k: float((pi * kl_estimate(logp[None], ref_logp[None], k)[0]).sum())
             for k in ("k1", "k2", "k3")}
     assert mean["k1"] == pytest.approx(kl, rel=1e-10) and mean["k3"] == pytest.approx(kl, rel=1e-10)
     assert not math.isclose(mean["k2"], kl, rel_tol=1e-3)

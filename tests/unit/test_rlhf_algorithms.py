@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.rlhf import advantages as adv
-from megatron_rlhf.rlhf import losses
+from megatron_rlhf.rlhf import kl as K
+from megatron_rlhf.rlhf import losses, policy
 
 SEEDS = (0, 1, 2)
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -233,6 +234,33 @@ def test_advantage_estimator_names():
         adv.check_advantage_estimator("x")
 
 
+@pytest.mark.parametrize("name", ["gae", "grpo", "rloo", "reinforce++"])
+def test_estimate_by_name(name):
+    """:func:`adv.estimate` dispatches every registered name to its estimator, bit for bit."""
+    from megatron_rlhf.config import PPOConfig
+    from megatron_rlhf.rlhf.batch import Experience
+
+    assert tuple(adv.ESTIMATORS) == adv.ADVANTAGE_ESTIMATORS
+    g = torch.Generator().manual_seed(3)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float64)
+    scores, kl = torch.randn(4, generator=g, dtype=torch.float64), torch.randn(4, 4, generator=g, dtype=torch.float64)
+    values = torch.randn(4, 4, generator=g, dtype=torch.float64) * mask
+    zeros = torch.zeros_like(mask)
+    exp = Experience(input_ids=torch.zeros(4, 6, dtype=torch.long), attention_mask=torch.ones(4, 6),
+                     response_mask=mask, old_logprobs=zeros, ref_logprobs=zeros, scores=scores, kl=kl,
+                     advantages=zeros, values=values)
+    cfg = PPOConfig(advantage_estimator=name, rollout_n=2, gamma=0.9, lam=0.8)
+    adv.estimate(exp, cfg)
+    if name == "gae":
+        a, r = adv.gae(adv.token_rewards(scores, kl, mask, cfg.kl_coef), values, mask, 0.9, 0.8)
+        assert torch.equal(exp.advantages, adv.masked_whiten(a, mask)) and torch.equal(exp.returns, r)
+        return
+    want = {"grpo": lambda: adv.grpo_advantages(scores, 2, mask),
+            "rloo": lambda: adv.rloo_advantages(scores, kl, mask, 2, cfg.kl_coef),
+            "reinforce++": lambda: adv.reinforce_pp_advantages(scores, kl, mask, cfg.kl_coef, 0.9)}[name]()
+    assert torch.equal(exp.advantages, want) and exp.returns is None
+
+
 # --------------------------------------------------------------------------------- losses
 
 def _kl_ref(lp: float, ref: float, estimator: str) -> float:
@@ -248,11 +276,11 @@ def _kl_ref(lp: float, ref: float, estimator: str) -> float:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("estimator", losses.KL_ESTIMATORS)
+@pytest.mark.parametrize("estimator", K.KL_ESTIMATORS)
 def test_kl_estimate(seed, estimator):
     lp, ref, _, _, _ = _batch(seed)
     lp, ref = lp.clamp(-5, 5), ref.clamp(-5, 5)
-    out = losses.kl_estimate(lp, ref, estimator)
+    out = K.kl_estimate(lp, ref, estimator)
     B, T = lp.shape
     _assert_rows(out, [[_kl_ref(lp[b, t].item(), ref[b, t].item(), estimator)
                         for t in range(T)] for b in range(B)])
@@ -261,7 +289,7 @@ def test_kl_estimate(seed, estimator):
 
 
 def test_k3_clamps_log_ratio():
-    out = losses.kl_estimate(torch.tensor([[-1000.0, 0.0]], dtype=torch.float64),
+    out = K.kl_estimate(torch.tensor([[-1000.0, 0.0]], dtype=torch.float64),
                              torch.tensor([[0.0, -1000.0]], dtype=torch.float64), "k3")
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[0, 0].item(), math.exp(20.0) - 21.0, **TOL)
@@ -269,19 +297,19 @@ def test_k3_clamps_log_ratio():
 
 
 def test_kl_estimator_names():
-    for name in losses.KL_ESTIMATORS:
-        losses.check_kl_estimator(name)
+    for name in K.KL_ESTIMATORS:
+        K.check_kl_estimator(name)
     with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'; valid: k1, k2, k3, abs"):
-        losses.check_kl_estimator("k4")
+        K.check_kl_estimator("k4")
     with pytest.raises(ValueError, match="k4"):
-        losses.kl_estimate(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
+        K.kl_estimate(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_token_rewards(seed):
     kl, _, _, mask, lengths = _batch(seed)
     scores = torch.randn(8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    out = losses.token_rewards(scores, kl, mask, kl_coef=0.05)
+    out = adv.token_rewards(scores, kl, mask, kl_coef=0.05)
     ref = []
     for b, n in enumerate(lengths):
         row = [-0.05 * kl[b, t].item() if t < n else 0.0 for t in range(kl.shape[1])]
@@ -300,7 +328,7 @@ def _logits(seed: int, dtype=torch.float64):
 def test_logprobs_from_logits(seed):
     logits, g = _logits(seed)
     tokens = torch.randint(0, 11, (3, 5), generator=g)
-    out = losses.logprobs_from_logits(logits, tokens)
+    out = policy.logprobs_from_logits(logits, tokens)
     ref = []
     for b in range(3):
         row = []
@@ -316,7 +344,7 @@ def test_logprobs_from_logits(seed):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_entropy_from_logits(seed):
     logits, _ = _logits(seed)
-    out = losses.entropy_from_logits(logits)
+    out = policy.entropy_from_logits(logits)
     ref = []
     for b in range(3):
         row = []
@@ -331,12 +359,12 @@ def test_entropy_from_logits(seed):
 def test_bf16_logits_are_computed_in_float32():
     logits, g = _logits(0, torch.bfloat16)
     tokens = torch.randint(0, 11, (3, 5), generator=g)
-    lp = losses.logprobs_from_logits(logits, tokens)
-    ent = losses.entropy_from_logits(logits)
+    lp = policy.logprobs_from_logits(logits, tokens)
+    ent = policy.entropy_from_logits(logits)
     assert lp.dtype == ent.dtype == torch.float32
-    torch.testing.assert_close(lp, losses.logprobs_from_logits(logits.float(), tokens),
+    torch.testing.assert_close(lp, policy.logprobs_from_logits(logits.float(), tokens),
                                rtol=0, atol=0)
-    torch.testing.assert_close(ent, losses.entropy_from_logits(logits.float()), rtol=0, atol=0)
+    torch.testing.assert_close(ent, policy.entropy_from_logits(logits.float()), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

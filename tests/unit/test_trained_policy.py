@@ -1,5 +1,5 @@
 """PPO trains the policy that generation samples from: ``logits / temperature`` within the
-top-k/top-p set of the current logits, the sampled token always kept (``losses.policy_logits``).
+top-k/top-p set of the current logits, the sampled token always kept (``policy.policy_logits``).
 
 Numerics against ``probs_for_sampling``; then a tiny random actor sampled at temperature
 0.7 with top-k and top-p: its old log-probs are the log-probs it was sampled with, and the
@@ -13,7 +13,7 @@ from megatron_rlhf.config import GenerationConfig, PPOConfig, SpecConfig, preset
 from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.generation.sampling import probs_for_sampling
 from megatron_rlhf.models.builder import build_model
-from megatron_rlhf.rlhf import losses
+from megatron_rlhf.rlhf import policy as P
 from megatron_rlhf.rlhf.experience import ExperienceMaker
 from megatron_rlhf.rlhf.update import _policy_micro, _Sums, policy_forward
 from rlhf_fixtures import POSITIONS, PROMPTS, VOCAB
@@ -41,14 +41,14 @@ def _logits_and_tokens(policy: GenerationConfig, seed: int = 0):
 @pytest.mark.parametrize("policy", POLICIES, ids=_name)
 def test_logprob_is_log_of_the_sampling_probability(policy):
     logits, tokens, p = _logits_and_tokens(policy)
-    lp = losses.policy_logprobs(logits, tokens, policy)
+    lp = P.policy_logprobs(logits, tokens, policy)
     inside = p > 0
     assert inside[:2].all()
     assert (~inside[2:]).any() == (policy.top_k > 0 or policy.top_p < 1)  # both cases seen
     assert (lp[inside] - p[inside].log()).abs().max() <= 1e-6
     assert torch.isfinite(lp).all()
     # a token outside the set is kept in it: the policy's set plus that one token
-    z = losses.policy_logits(logits, tokens, policy)
+    z = P.policy_logits(logits, tokens, policy)
     assert torch.isfinite(z.gather(-1, tokens[..., None])).all()
     assert torch.equal(torch.isfinite(z), (probs_for_sampling(logits, policy) > 0)
                        | torch.nn.functional.one_hot(tokens, 40).bool())
@@ -56,17 +56,17 @@ def test_logprob_is_log_of_the_sampling_probability(policy):
 
 def test_temperature_and_truncation_are_not_ignored():
     logits, tokens, _ = _logits_and_tokens(TEMPERED)
-    untempered = losses.logprobs_from_logits(logits, tokens)
-    assert (losses.policy_logprobs(logits, tokens, TEMPERED) - untempered).abs().min() > 1e-3
+    untempered = P.logprobs_from_logits(logits, tokens)
+    assert (P.policy_logprobs(logits, tokens, TEMPERED) - untempered).abs().min() > 1e-3
 
 
 @pytest.mark.parametrize("policy", [None, GenerationConfig(temperature=0.0),
                                     GenerationConfig(temperature=1.0, top_k=40)], ids=_name)
 def test_greedy_and_untempered_train_the_actor_itself(policy):
     logits, tokens = 3 * torch.randn(4, 5, 40), torch.randint(0, 40, (4, 5))
-    lp, ent = losses.policy_logprobs_and_entropy(logits, tokens, policy)
-    assert torch.equal(lp, losses.logprobs_from_logits(logits, tokens))
-    assert torch.equal(ent, losses.entropy_from_logits(logits))
+    lp, ent = P.policy_logprobs_and_entropy(logits, tokens, policy)
+    assert torch.equal(lp, P.logprobs_from_logits(logits, tokens))
+    assert torch.equal(ent, P.entropy_from_logits(logits))
 
 
 @pytest.mark.parametrize("policy", [None, *POLICIES], ids=_name)
@@ -75,8 +75,8 @@ def test_an_entropy_kept_as_a_metric_is_the_same_entropy(policy):
     log-probs; values and log-prob gradients equal the differentiable path's."""
     logits, tokens, _ = _logits_and_tokens(policy or TEMPERED, seed=2)
     a, b = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
-    lp, ent = losses.policy_logprobs_and_entropy(a, tokens, policy)
-    lp2, ent2 = losses.policy_logprobs_and_entropy(b, tokens, policy, entropy_grad=False)
+    lp, ent = P.policy_logprobs_and_entropy(a, tokens, policy)
+    lp2, ent2 = P.policy_logprobs_and_entropy(b, tokens, policy, entropy_grad=False)
     assert not ent2.requires_grad and torch.isfinite(ent2).all()
     assert torch.allclose(lp, lp2, atol=1e-6) and torch.allclose(ent.detach(), ent2, atol=1e-5)
     lp.sum().backward()
@@ -88,8 +88,8 @@ def test_an_entropy_kept_as_a_metric_is_the_same_entropy(policy):
 def test_entropy_and_gradients_of_the_truncated_policy(policy):
     logits, tokens, _ = _logits_and_tokens(policy, seed=1)
     logits.requires_grad_(True)
-    lp, ent = losses.policy_logprobs_and_entropy(logits, tokens, policy)
-    z = losses.policy_logits(logits.detach(), tokens, policy)
+    lp, ent = P.policy_logprobs_and_entropy(logits, tokens, policy)
+    z = P.policy_logits(logits.detach(), tokens, policy)
     q = z.softmax(-1)
     want = -(q * torch.where(q > 0, q.log(), 0.0)).sum(-1)
     assert (ent.detach() - want).abs().max() <= 1e-5

@@ -1,0 +1,41 @@
+"""Per-token KL(pi || pi_ref) estimates from sampled tokens, chosen by name
+(:data:`KL_ESTIMATORS`).
+
+Read twice in an iteration: by the experience (the KL penalty that shapes the reward,
+:func:`~megatron_rlhf.rlhf.advantages.token_rewards`) and by the update (the KL loss
+term of grpo). Shapes: ``[B, T]`` over response positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megatron_rlhf.config import KL_ESTIMATORS  # one list, also validated by PPOConfig
+
+# log-ratios are clamped to +-this before exp (k3, the PPO ratio): a token whose
+# probability moved by e^20 would overflow the loss, not inform it
+RATIO_LOG_CLAMP = 20.0
+
+
+def check_kl_estimator(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is one of :data:`KL_ESTIMATORS`."""
+    if name not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {name!r}; valid: {', '.join(KL_ESTIMATORS)}")
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """[B, T] estimate of KL(pi || pi_ref) from ``logprobs`` and ``ref_logprobs`` [B, T] of
+    tokens sampled from pi; ValueError for an unknown ``estimator``."""
+    # Schulman, "Approximating KL divergence": k1 unbiased and noisy; k2 = (k1^2)/2;
+    # k3 = exp(-k1) + k1 - 1, unbiased, low variance and >= 0; abs = |k1|
+    check_kl_estimator(estimator)
+    diff = logprobs - ref_logprobs  # [B, T] log(pi / pi_ref)
+    if estimator == "k1":
+        return diff
+    if estimator == "k2":
+        return 0.5 * diff.square()
+    if estimator == "abs":
+        return diff.abs()
+    log_ratio = (-diff).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)  # log(pi_ref / pi)
+    return torch.exp(log_ratio) - log_ratio - 1
