@@ -61,8 +61,7 @@ class Speculation:
     """A draft for generation and the acceptance it reaches."""
 
     draft: ModelConfig
-    acceptance: float = 0.6
-    """Probability that the actor accepts one draft token (per position)."""
+    acceptance: float = 0.6  # Probability that the actor accepts one draft token (per position).
     max_draft_tokens: int = 4
 
 
@@ -74,9 +73,9 @@ class Options:
     micro_batch_size: int = 1
     recompute: str = "none"
     distributed_optimizer: bool = True
+    # Each sample's response length as a fraction of ``gen_len`` (quantiles of the
+    # distribution; ``(1.0,)``: every sample runs to the maximum, no tail).
     response_fractions: tuple = (1.0,)
-    """Each sample's response length as a fraction of ``gen_len`` (quantiles of the
-    distribution; ``(1.0,)``: every sample runs to the maximum, no tail)."""
     speculation: Speculation | None = None
 
 

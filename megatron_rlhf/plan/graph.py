@@ -20,25 +20,17 @@ MODELS = ("actor", "reference", "critic", "reward", "draft")
 class Call:
     """One model function call of the iteration."""
 
-    name: str
-    """Unique name, e.g. ``actor_gen``, ``ref_inf``, ``actor_train``."""
-    model: str
-    """Which model runs (one of :data:`MODELS`)."""
-    kind: str
-    """``generate``, ``infer`` (forward only) or ``train`` (forward, backward, optimizer)."""
-    samples: int
-    """Sequences processed per iteration (over all data-parallel ranks)."""
-    prompt_len: int
-    """Prompt tokens per sequence (the longest)."""
-    gen_len: int
-    """Response tokens per sequence (the longest)."""
-    passes: int = 1
-    """Training: PPO epochs (each sample is trained on this many times)."""
-    steps: int = 1
-    """Training: optimizer steps per pass (mini-batches)."""
+    name: str  # Unique name, e.g. ``actor_gen``, ``ref_inf``, ``actor_train``.
+    model: str  # Which model runs (one of :data:`MODELS`).
+    kind: str  # ``generate``, ``infer`` (forward only) or ``train`` (forward, backward, optimizer).
+    samples: int  # Sequences processed per iteration (over all data-parallel ranks).
+    prompt_len: int  # Prompt tokens per sequence (the longest).
+    gen_len: int  # Response tokens per sequence (the longest).
+    passes: int = 1  # Training: PPO epochs (each sample is trained on this many times).
+    steps: int = 1  # Training: optimizer steps per pass (mini-batches).
+    # Generation: samples come in groups of this many (responses to one prompt), which one
+    # data-parallel rank generates together.
     group: int = 1
-    """Generation: samples come in groups of this many (responses to one prompt), which one
-    data-parallel rank generates together."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -60,9 +52,9 @@ class Edge:
     src: str
     dst: str
     kind: str
+    # What flows: ``samples``, ``logprobs``, ``values``, ``rewards``, or the model whose
+    # weights move.
     what: str
-    """What flows: ``samples``, ``logprobs``, ``values``, ``rewards``, or the model whose
-    weights move."""
 
 
 @dataclass

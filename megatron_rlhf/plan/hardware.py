@@ -20,42 +20,36 @@ class Hardware:
     """What a device and its links sustain (not their data-sheet peaks)."""
 
     name: str
-    flops: float
-    """Dense matmul FLOP/s of one device in the model's dtype."""
-    mem_bw: float
-    """Device memory bytes/s."""
+    flops: float  # Dense matmul FLOP/s of one device in the model's dtype.
+    mem_bw: float  # Device memory bytes/s.
+    # Bytes/s per device in a collective inside a node (NCCL bus bandwidth over NVLink).
     intra_bw: float
-    """Bytes/s per device in a collective inside a node (NCCL bus bandwidth over NVLink)."""
-    inter_bw: float
-    """Bytes/s per device in a collective across nodes (the NIC's share)."""
-    latency_s: float = 20e-6
-    """Fixed cost of one collective or one point-to-point transfer."""
+    inter_bw: float  # Bytes/s per device in a collective across nodes (the NIC's share).
+    latency_s: float = 20e-6  # Fixed cost of one collective or one point-to-point transfer.
+    # Fixed cost per layer and forward launched eagerly (kernel launches, Python).
     layer_overhead_s: float = 0.0
-    """Fixed cost per layer and forward launched eagerly (kernel launches, Python)."""
-    decode_overhead_s: float = 0.0
-    """Fixed cost per layer of one decode step (0 with CUDA graphs)."""
+    decode_overhead_s: float = 0.0  # Fixed cost per layer of one decode step (0 with CUDA graphs).
     gpus_per_node: int = 8
     gpu_memory_gb: float = 80.0
+    # Latency of each of a ring all-reduce's ``2 (g-1)`` steps (0: one ``latency_s`` per
+    # all-reduce).
     ring_latency_s: float = 0.0
-    """Latency of each of a ring all-reduce's ``2 (g-1)`` steps (0: one ``latency_s`` per
-    all-reduce)."""
+    # Bytes/s of a reduce-scatter inside a node, in ``t = latency + (g-1)/g * bytes / bw``
+    # (0: the all-reduce's bus bandwidth ``intra_bw``).
     reduce_scatter_bw: float = 0.0
-    """Bytes/s of a reduce-scatter inside a node, in ``t = latency + (g-1)/g * bytes / bw``
-    (0: the all-reduce's bus bandwidth ``intra_bw``)."""
+    # Fixed cost of one reduce-scatter (used with ``reduce_scatter_bw``).
     reduce_scatter_latency_s: float = 0.0
-    """Fixed cost of one reduce-scatter (used with ``reduce_scatter_bw``)."""
+    # Bytes/s of an all-gather inside a node, as ``reduce_scatter_bw`` (0: ``intra_bw``).
     all_gather_bw: float = 0.0
-    """Bytes/s of an all-gather inside a node, as ``reduce_scatter_bw`` (0: ``intra_bw``)."""
-    all_gather_latency_s: float = 0.0
-    """Fixed cost of one all-gather (used with ``all_gather_bw``)."""
+    all_gather_latency_s: float = 0.0  # Fixed cost of one all-gather (used with ``all_gather_bw``).
+    # Memory traffic of the optimizer step per parameter of its shard: torch's per-tensor
+    # AdamW as megatron runs it without a fused kernel (weight decay 8 B, first moment 12,
+    # second 24, the denominator's three passes 24, the update 16) plus the gradient norm (4)
+    # and clipping (8); a fused Adam reads and writes 16 B per parameter (32).
     optimizer_bytes_per_param: float = 96.0
-    """Memory traffic of the optimizer step per parameter of its shard: torch's per-tensor
-    AdamW as megatron runs it without a fused kernel (weight decay 8 B, first moment 12,
-    second 24, the denominator's three passes 24, the update 16) plus the gradient norm (4)
-    and clipping (8); a fused Adam reads and writes 16 B per parameter (32)."""
+    # CPU cores the ranks of a node share (0: a device of its own per rank, never
+    # oversubscribed).
     cores: int = 0
-    """CPU cores the ranks of a node share (0: a device of its own per rank, never
-    oversubscribed)."""
     threads_per_rank: int = 1
 
     @property
@@ -105,15 +99,15 @@ class Profile:
     batches: list[int]
     decode: list[float]
     context: int
+    # The :class:`Hardware` fitted alongside (links, collectives, cores, overheads).
     hardware: dict = field(default_factory=dict)
-    """The :class:`Hardware` fitted alongside (links, collectives, cores, overheads)."""
+    # The LM head's forward + backward per token count, with the loss's log-probs and
+    # entropy (empty: three forwards).
     head_train: list[float] = field(default_factory=list)
-    """The LM head's forward + backward per token count, with the loss's log-probs and
-    entropy (empty: three forwards)."""
+    # TP size -> ``{"tokens", "forward", "train", "head", "head_train"}``: the same tables
+    # measured on TP-sharded models (every TP group of the machine busy at once, the
+    # all-reduces included), for token counts from ``tokens[0]`` on.
     tp_tables: dict = field(default_factory=dict)
-    """TP size -> ``{"tokens", "forward", "train", "head", "head_train"}``: the same tables
-    measured on TP-sharded models (every TP group of the machine busy at once, the
-    all-reduces included), for token counts from ``tokens[0]`` on."""
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1))

@@ -32,37 +32,33 @@ from megatron_rlhf.plan.sizes import (
 from megatron_rlhf.plan.workload import GB, RECOMPUTE, Cluster, MemoryOptions, StageLayouts, Workload
 
 STAGES = ("generation", "inference", "training")
+# Models whose shapes a stage's layout must fit (the critic also sits, in its train layout,
+# on the GPUs during generation).
 STAGE_ROLES = {
     "generation": ("actor", "draft"),
     "inference": ("actor", "reference", "critic", "reward"),
     "training": ("actor", "critic"),
 }
-"""Models whose shapes a stage's layout must fit (the critic also sits, in its train layout,
-on the GPUs during generation)."""
 
-ADAM_BYTES_PER_PARAM = 12
-"""fp32 master weight (4) + Adam first and second moments (4 + 4)."""
+ADAM_BYTES_PER_PARAM = 12  # fp32 master weight (4) + Adam first and second moments (4 + 4).
+# A decode step's logits in fp32 and the sampling probabilities derived from them.
 SAMPLING_BYTES_PER_ENTRY = 4 + 4
-"""A decode step's logits in fp32 and the sampling probabilities derived from them."""
+# Real tokens per prefill run on a GPU (``generation.incremental.PREFILL_CHUNK_TOKENS["cuda"]``,
+# checked equal by a test).
 PREFILL_CHUNK_TOKENS = 8192
-"""Real tokens per prefill run on a GPU (``generation.incremental.PREFILL_CHUNK_TOKENS["cuda"]``,
-checked equal by a test)."""
 
 
 @dataclass
 class StageEstimate:
     """Peak memory of one RLHF stage on one GPU (the worst pipeline stage)."""
 
-    stage: str
-    """generation, inference or training."""
-    layout: Layout
-    """The stage's layout."""
+    stage: str  # generation, inference or training.
+    layout: Layout  # The stage's layout.
+    # The pipeline stage reported: the one with the largest total (0 when PP is 1).
     pipeline_stage: int
-    """The pipeline stage reported: the one with the largest total (0 when PP is 1)."""
+    # What is resident, in bytes per GPU, e.g. ``{"actor_weights": ..., "kv_cache": ...}``.
     parts: dict[str, int]
-    """What is resident, in bytes per GPU, e.g. ``{"actor_weights": ..., "kv_cache": ...}``."""
-    capacity: int
-    """Usable bytes per GPU: the GPU's memory less the reserve."""
+    capacity: int  # Usable bytes per GPU: the GPU's memory less the reserve.
 
     @property
     def total(self) -> int:
@@ -88,14 +84,11 @@ class StageEstimate:
 class Estimate:
     """Peak memory per GPU of every stage of one iteration."""
 
-    stages: list[StageEstimate]
-    """generation, inference, training, in that order."""
-    cluster: Cluster
-    """The GPUs."""
-    reserve: int
-    """Bytes per GPU kept free (CUDA context, NCCL, fragmentation)."""
+    stages: list[StageEstimate]  # generation, inference, training, in that order.
+    cluster: Cluster  # The GPUs.
+    reserve: int  # Bytes per GPU kept free (CUDA context, NCCL, fragmentation).
+    # The options the estimate was made with (:func:`fits_or_raise` advises from them).
     options: MemoryOptions
-    """The options the estimate was made with (:func:`fits_or_raise` advises from them)."""
 
     @property
     def fits(self) -> bool:
@@ -394,6 +387,8 @@ def layout_text(layout: Layout, pipeline: bool = True) -> str:
     return f"{text}@{first}" if first else text
 
 
+# The estimator's public names, its inputs (:mod:`~megatron_rlhf.plan.workload`) and sizes
+# (:mod:`~megatron_rlhf.plan.sizes`) included.
 __all__ = [
     "GB", "STAGES", "RECOMPUTE", "Cluster", "Workload", "MemoryOptions", "StageLayouts",
     "StageParams", "StageEstimate", "Estimate", "estimate", "fits_or_raise", "check_layouts",
@@ -402,5 +397,3 @@ __all__ = [
     "kv_cache_bytes", "logits_bytes", "weight_bytes", "LM_ROLES", "search_train_layouts",
     "candidate_layouts", "layout_text",
 ]
-"""The estimator's public names, its inputs (:mod:`~megatron_rlhf.plan.workload`) and sizes
-(:mod:`~megatron_rlhf.plan.sizes`) included."""

@@ -24,17 +24,15 @@ from megatron_rlhf.plan import memory as mem
 from megatron_rlhf.plan.cost import Estimator
 from megatron_rlhf.plan.graph import Graph
 
-EXHAUSTIVE_LIMIT = 20_000
-"""Plans evaluated one by one up to this many; simulated annealing beyond."""
+EXHAUSTIVE_LIMIT = 20_000  # Plans evaluated one by one up to this many; simulated annealing beyond.
 
+# Training calls that may take either half of the GPUs (:func:`halves`), beside each other.
 HALF_TRAIN = ("actor_train", "critic_train")
-"""Training calls that may take either half of the GPUs (:func:`halves`), beside each other."""
 
 
 @dataclass
 class Plan:
-    layouts: dict[str, Layout]
-    """Call name -> its layout."""
+    layouts: dict[str, Layout]  # Call name -> its layout.
 
     def text(self, call: str) -> str:
         lay = self.layouts[call]
@@ -68,20 +66,16 @@ class Plan:
 class Evaluation:
     plan: Plan
     time_s: float
-    calls: dict[str, dict]
-    """Call -> its time parts (``total`` included)."""
-    reallocs: dict[str, tuple]
-    """Weight edge ``src->dst`` -> (seconds, bytes per GPU)."""
-    memory: dict[str, int]
-    """Call -> peak bytes per GPU."""
-    capacity: int
-    """Usable bytes per GPU."""
+    calls: dict[str, dict]  # Call -> its time parts (``total`` included).
+    reallocs: dict[str, tuple]  # Weight edge ``src->dst`` -> (seconds, bytes per GPU).
+    memory: dict[str, int]  # Call -> peak bytes per GPU.
+    capacity: int  # Usable bytes per GPU.
+    # Seconds the inference calls save by running on disjoint GPUs at once (their sum
+    # less the busiest GPU's share).
     overlap_s: float = 0.0
-    """Seconds the inference calls save by running on disjoint GPUs at once (their sum
-    less the busiest GPU's share)."""
+    # Seconds the actor's and the critic's training save the same way (0 where one of
+    # them covers all GPUs).
     train_overlap_s: float = 0.0
-    """Seconds the actor's and the critic's training save the same way (0 where one of
-    them covers all GPUs)."""
 
     @property
     def shortfall(self) -> int:
@@ -347,10 +341,10 @@ def _plan_text(plan: Plan) -> str:
 
 
 _CALL_MODEL = {"ref_inf": "reference", "reward_inf": "reward", "critic_train": "critic", "critic_inf": "critic_inf"}
+# Calls the trainer can place on a layout of their own, and the ``ParallelConfig`` field that does it.
 OWN_LAYOUT = {call: MODEL_LAYOUTS[name] for call, name in _CALL_MODEL.items()}
-"""Calls the trainer can place on a layout of their own, and the ``ParallelConfig`` field that does it."""
+# The same calls and the flag that sets each field.
 OWN_LAYOUT_FLAG = {call: flag_of(key) for call, key in OWN_LAYOUT.items()}
-"""The same calls and the flag that sets each field."""
 
 
 def trainer_flags(plan: Plan) -> dict[str, str]:

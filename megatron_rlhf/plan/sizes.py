@@ -12,23 +12,22 @@ from megatron_rlhf.config import ModelConfig
 from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.plan.workload import MemoryOptions, Workload
 
-LM_ROLES = ("actor", "reference", "draft")
-"""Roles with an LM head (logits over the vocabulary)."""
+LM_ROLES = ("actor", "reference", "draft")  # Roles with an LM head (logits over the vocabulary).
+# Roles whose LM head is replaced by a scalar head ``hidden -> 1``.
 VALUE_ROLES = ("critic", "reward")
-"""Roles whose LM head is replaced by a scalar head ``hidden -> 1``."""
+# Whole-sequence logits: the head's bf16 output, its fp32 copy, and the fp32 log-softmax
+# (the softmax saved for backward, or the gradient, in training).
 LOGIT_BYTES_PER_ENTRY = 2 + 4 + 4
-"""Whole-sequence logits: the head's bf16 output, its fp32 copy, and the fp32 log-softmax
-(the softmax saved for backward, or the gradient, in training)."""
 
 
 @dataclass(frozen=True)
 class StageParams:
     """Parameters of one pipeline stage of one model, before tensor parallelism."""
 
+    # Split over TP: attention and MLP matrices, the vocab-parallel embedding and LM head.
     sharded: int
-    """Split over TP: attention and MLP matrices, the vocab-parallel embedding and LM head."""
+    # Held whole by every TP rank: RMSNorm weights, a value head, a feature draft's fusion.
     replicated: int
-    """Held whole by every TP rank: RMSNorm weights, a value head, a feature draft's fusion."""
 
     @property
     def total(self) -> int:

@@ -12,25 +12,22 @@ from dataclasses import dataclass
 from megatron_rlhf.config import GenerationConfig, LoopConfig, PPOConfig, SpecConfig
 from megatron_rlhf.parallel.layout import Layout
 
+# Bytes in the GB this module reports (decimal, as GPU vendors and the sanity numbers use).
 GB = 10**9
-"""Bytes in the GB this module reports (decimal, as GPU vendors and the sanity numbers use)."""
 
 RECOMPUTE = ("none", "selective", "full")
+# Share of each GPU kept free for the CUDA context (~0.5-1 GB), NCCL buffers and the
+# caching allocator's fragmentation, unless ``MemoryOptions.reserve_gb`` is given.
 DEFAULT_RESERVE_FRACTION = 0.10
-"""Share of each GPU kept free for the CUDA context (~0.5-1 GB), NCCL buffers and the
-caching allocator's fragmentation, unless ``MemoryOptions.reserve_gb`` is given."""
 
 
 @dataclass
 class Cluster:
     """The GPUs every stage runs on."""
 
-    nodes: int = 1
-    """Number of nodes."""
-    gpus_per_node: int = 8
-    """GPUs per node (a TP group must stay inside a node)."""
-    gpu_memory_gb: float = 80.0
-    """Memory of one GPU in GB (10**9 bytes)."""
+    nodes: int = 1  # Number of nodes.
+    gpus_per_node: int = 8  # GPUs per node (a TP group must stay inside a node).
+    gpu_memory_gb: float = 80.0  # Memory of one GPU in GB (10**9 bytes).
 
     def __post_init__(self) -> None:
         _positive_int("nodes", self.nodes)
@@ -47,19 +44,18 @@ class Cluster:
 class Workload:
     """What one RLHF iteration processes."""
 
+    # Samples generated per iteration over all GPUs (prompts x responses per prompt).
     rollout_batch: int = 512
-    """Samples generated per iteration over all GPUs (prompts x responses per prompt)."""
-    max_prompt_length: int = 1024
-    """Longest prompt in tokens."""
+    max_prompt_length: int = 1024  # Longest prompt in tokens.
+    # Longest response in tokens; sequences are taken at prompt + response length.
     max_new_tokens: int = 1024
-    """Longest response in tokens; sequences are taken at prompt + response length."""
+    # Sequences per forward (inference) and per forward/backward (training).
     micro_batch_size: int = 1
-    """Sequences per forward (inference) and per forward/backward (training)."""
+    # Optimizer steps per PPO epoch; micro-batches per step = samples / (DP x mbs x this).
     num_mini_batches: int = 1
-    """Optimizer steps per PPO epoch; micro-batches per step = samples / (DP x mbs x this)."""
+    # Tokens a draft proposes per verification (with a draft: the actor scores this + 1
+    # tokens per sample per step).
     num_draft_tokens: int = 4
-    """Tokens a draft proposes per verification (with a draft: the actor scores this + 1
-    tokens per sample per step)."""
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch", "max_prompt_length", "max_new_tokens",
@@ -98,27 +94,27 @@ class Workload:
 class MemoryOptions:
     """How the trainer stores things; defaults are megatron-core's usual choices."""
 
+    # Bytes per weight, KV-cache entry and activation element (2: bf16, 4: fp32).
     param_bytes: int = 2
-    """Bytes per weight, KV-cache entry and activation element (2: bf16, 4: fp32)."""
+    # Gradient buffers in fp32 (megatron DDP's grad buffer, 4 B/param); False: bf16 (2 B).
     fp32_grads: bool = True
-    """Gradient buffers in fp32 (megatron DDP's grad buffer, 4 B/param); False: bf16 (2 B)."""
+    # Shard fp32 masters and Adam moments (12 B/param) over DP; False: every replica holds all.
     distributed_optimizer: bool = True
-    """Shard fp32 masters and Adam moments (12 B/param) over DP; False: every replica holds all."""
+    # Activation recompute in training: none, selective (attention core) or full (each layer).
     recompute: str = "none"
-    """Activation recompute in training: none, selective (attention core) or full (each layer)."""
+    # Megatron sequence parallelism: activations outside attention/MLP split over TP too.
     sequence_parallel: bool = False
-    """Megatron sequence parallelism: activations outside attention/MLP split over TP too."""
+    # Release (or offload) the actor's training-layout weights while generation runs (ReaLHF).
     release_train_copy: bool = True
-    """Release (or offload) the actor's training-layout weights while generation runs (ReaLHF)."""
+    # The loss reads each TP rank's vocabulary shard of the logits (megatron's vocab-parallel
+    # cross entropy); False: logits gathered over TP, as ``models.forward.lm_logits`` does today.
     vocab_parallel_logits: bool = True
-    """The loss reads each TP rank's vocabulary shard of the logits (megatron's vocab-parallel
-    cross entropy); False: logits gathered over TP, as ``models.forward.lm_logits`` does today."""
+    # GB per GPU kept free; None: ``DEFAULT_RESERVE_FRACTION`` of the GPU's memory.
     reserve_gb: float | None = None
-    """GB per GPU kept free; None: ``DEFAULT_RESERVE_FRACTION`` of the GPU's memory."""
+    # Between training stages the trainees' gradient buffers and optimizer states wait in
+    # host memory (``rlhf.offload.park_trainee``, a GPU run); False: they stay where they are
+    # and count in generation and inference too (a CPU run, whose host is its device).
     park_on_host: bool = True
-    """Between training stages the trainees' gradient buffers and optimizer states wait in
-    host memory (``rlhf.offload.park_trainee``, a GPU run); False: they stay where they are
-    and count in generation and inference too (a CPU run, whose host is its device)."""
 
     def __post_init__(self) -> None:
         if self.param_bytes not in (2, 4):
@@ -137,12 +133,12 @@ class MemoryOptions:
 class StageLayouts:
     """A layout per stage; all stages run on every GPU of the cluster."""
 
+    # Training of actor and critic (TPxPPxDP); the critic also keeps it during generation.
     train: Layout
-    """Training of actor and critic (TPxPPxDP); the critic also keeps it during generation."""
+    # Generation (TPxDP, PP=1); None: the train TP with DP taking the rest (today's behaviour).
     gen: Layout | None = None
-    """Generation (TPxDP, PP=1); None: the train TP with DP taking the rest (today's behaviour)."""
+    # Experience (reference/critic/reward/actor forwards); None: the train layout.
     infer: Layout | None = None
-    """Experience (reference/critic/reward/actor forwards); None: the train layout."""
 
     def resolved(self) -> dict[str, Layout]:
         """``{stage: layout}`` with the defaults filled in."""

@@ -172,8 +172,8 @@ def _reinforce_pp_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, No
                                    group=group), None
 
 
+# Name (:data:`ADVANTAGE_ESTIMATORS`) -> ``fn(exp, cfg, group) -> (advantages, returns or None)``.
 ESTIMATORS = {"gae": _gae_of, "grpo": _grpo_of, "rloo": _rloo_of, "reinforce++": _reinforce_pp_of}
-"""Name (:data:`ADVANTAGE_ESTIMATORS`) -> ``fn(exp, cfg, group) -> (advantages, returns or None)``."""
 
 
 def estimate(exp: Experience, cfg: PPOConfig, group=None) -> None:

@@ -15,22 +15,18 @@ from typing import Any
 class RewardInput:
     """One prompt/response pair as seen by a reward function."""
 
-    prompt: str
-    """The user instruction text, without the chat template."""
-    response: str
-    """The decoded response, special tokens skipped."""
-    prompt_ids: list[int]
-    """Token ids of the (templated) prompt."""
+    prompt: str  # The user instruction text, without the chat template.
+    response: str  # The decoded response, special tokens skipped.
+    prompt_ids: list[int]  # Token ids of the (templated) prompt.
+    # Token ids of the response; the EOS token is included when the response finished.
     response_ids: list[int]
-    """Token ids of the response; the EOS token is included when the response finished."""
+    # ``"eos"`` if generation stopped at EOS, ``"length"`` if it hit the token limit.
     finish_reason: str
-    """``"eos"`` if generation stopped at EOS, ``"length"`` if it hit the token limit."""
-    eos_token_id: int | None
-    """The tokenizer's EOS token id, or None if it has none."""
+    eos_token_id: int | None  # The tokenizer's EOS token id, or None if it has none.
+    # Every other field of the dataset record, untouched; empty for plain prompts.
     meta: dict = field(default_factory=dict)
-    """Every other field of the dataset record, untouched; empty for plain prompts."""
+    # The ground truth: the record's ``--answer-key`` field, set by the trainer (or None).
     answer: Any = None
-    """The ground truth: the record's ``--answer-key`` field, set by the trainer (or None)."""
 
 
 # a per-sample function; a batched one is Callable[[list[RewardInput]], list[float]]
