@@ -1,15 +1,13 @@
 """Time and memory of the RLHF dataflow graph's calls under a plan (ReaLHF's estimator,
-with communication counted).
+with communication counted). Pure arithmetic, no torch.
 
-Entry point: :class:`Estimator` (:meth:`~Estimator.call_time`, :meth:`~Estimator.call_memory`,
-:meth:`~Estimator.realloc`). Compute comes from per-layer costs: a roofline
-:class:`~megatron_rlhf.plan.hardware.Hardware` or a measured, interpolated
-:class:`~megatron_rlhf.plan.hardware.Profile`. Communication is priced per parallel
-dimension (the comment above :class:`Estimator`). Generation is priced round by round over
-the response lengths' distribution and, with a draft, at the draft length that minimises
-time per emitted token. Memory per GPU comes from :mod:`~megatron_rlhf.plan.memory`.
-Pure arithmetic (no torch).
+Entry point: :class:`Estimator` (``call_time``, ``call_memory``, ``realloc``).
 """
+# Compute comes from per-layer costs: a roofline Hardware or a measured, interpolated Profile
+# (plan.hardware). Communication is priced per parallel dimension (the comment above
+# Estimator). Generation is priced round by round over the response lengths' distribution
+# and, with a draft, at the draft length that minimises time per emitted token. Memory per
+# GPU comes from plan.memory.
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ __all__ = ["HARDWARE", "Estimator", "Hardware", "Options", "Profile", "Speculati
 
 
 def _stages(lay: Layout):
-    """(rank -> its pipeline stage in ``lay``, None outside it; the ranks where a stage's run
-    of GPUs starts or one ends)."""
+    """(rank -> stage in ``lay`` or None, the ranks where a stage's run of GPUs starts or ends)."""
     block, first = lay.tp * lay.dp, lay.first_rank
     if first is None:
         where = {r: i // block for i, r in enumerate(lay.ranks)}
@@ -41,17 +38,16 @@ def _stages(lay: Layout):
 
 
 def _holds_its_shard(src: Layout, dst: Layout) -> bool:
-    """Every GPU of ``dst`` is in ``src`` at the same TP rank and pipeline stage (TP and PP
-    agreeing)."""
+    """Every GPU of ``dst`` is in ``src`` at the same TP rank and pipeline stage."""
     where = {r: (i % src.tp, i // (src.tp * src.dp)) for i, r in enumerate(src.ranks)}
     return all(where.get(r) == (i % dst.tp, i // (dst.tp * dst.dp)) for i, r in enumerate(dst.ranks))
 
 
 def _tp_share(seconds: float, overhead: float, tp: int) -> float:
-    """One TP rank's share of ``seconds`` measured at TP=1: the fixed per-layer
-    ``overhead`` in it (launches, Python: :attr:`Hardware.layer_overhead_s`) is paid by
-    every rank, the rest splits ``tp`` ways (as in the roofline path, where only the
-    FLOPs and bytes divide)."""
+    """One TP rank's share of ``seconds`` measured at TP=1."""
+    # Every rank pays the fixed per-layer ``overhead`` (launches, Python:
+    # Hardware.layer_overhead_s); the rest splits ``tp`` ways, as in the roofline path,
+    # where only the FLOPs and bytes divide.
     fixed = min(max(overhead, 0.0), seconds)
     return fixed + (seconds - fixed) / tp
 
@@ -123,8 +119,8 @@ class Estimator:
         return hw.latency_s + 2 * (group - 1) / group * nbytes / bw
 
     def reduce_scatter(self, nbytes: float, group: int, op: str = "reduce_scatter") -> float:
-        """``nbytes`` in (``op="all_gather"``: out) over ``group`` ranks, at the fitted
-        bandwidth of that collective inside a node where the hardware has one."""
+        """Seconds of ``op`` on ``nbytes`` in (all_gather: out) over ``group`` ranks."""
+        # Inside a node at the fitted bandwidth of that collective where the hardware has one.
         if group <= 1:
             return 0.0
         bw, latency = getattr(self.hw, f"{op}_bw"), getattr(self.hw, f"{op}_latency_s")
@@ -139,8 +135,7 @@ class Estimator:
         return self.profiles.get(shape_key(cfg))
 
     def layer_forward(self, cfg: ModelConfig, batch: int, seq: int, tp: int) -> float:
-        """One layer's forward of ``batch`` sequences of ``seq`` tokens on one TP rank,
-        including its two activation all-reduces."""
+        """One layer's forward of ``batch`` x ``seq`` tokens on one TP rank, all-reduces included."""
         tokens = batch * seq
         p = self._profile(cfg)
         measured = p.tp_table(tp, "forward", tokens) if p is not None else None
@@ -171,8 +166,8 @@ class Estimator:
         return compute + recompute + 4 * self.all_reduce(tokens * cfg.hidden_size * self.opt.param_bytes, tp)
 
     def head(self, cfg: ModelConfig, tokens: int, tp: int, value: bool = False, train: bool = False) -> float:
-        """The LM head (or a value head: negligible) over ``tokens`` positions; ``train``:
-        its forward and backward with the loss's log-probs and entropy."""
+        """The LM head over ``tokens`` positions (``train``: forward and backward with the loss)."""
+        # A value head is negligible; the training loss adds log-probs and entropy.
         if value:
             return 0.0
         p = self._profile(cfg)
@@ -214,8 +209,8 @@ class Estimator:
         return self._memo[key]
 
     def micro_batches(self, call: Call, layout: Layout) -> tuple[int, int]:
-        """(micro-batch size, micro-batches per pass) on one data-parallel rank: a
-        micro-batch holds at most the samples the rank has."""
+        """(micro-batch size, micro-batches per pass) on one data-parallel rank."""
+        # A micro-batch holds at most the samples the rank has.
         per_rank = math.ceil(call.samples / layout.dp)
         mbs = min(self.opt.micro_batch_size, per_rank)
         return mbs, math.ceil(per_rank / mbs)
@@ -286,8 +281,8 @@ class Estimator:
         return {"prefill": prefill, "decode": decode}
 
     def _per_token(self, cfg: ModelConfig, live: int, context: int, tp: int, spec) -> float:
-        """Seconds per emitted token (per sample) at ``live`` samples: a plain step, or the
-        best draft length under the selector's rule."""
+        """Seconds per emitted token (per sample) at ``live`` samples."""
+        # A plain step, or the best draft length under the selector's rule.
         def step(model, n):
             return model.num_layers * self.layer_decode(model, live, context, n, tp) \
                 + self.head(model, live * n, tp)
@@ -303,11 +298,11 @@ class Estimator:
 
     # ------------------------------------------------------------------ reallocation
     def realloc(self, model: str, src: Layout, dst: Layout) -> tuple[float, int]:
-        """(seconds, bytes received per GPU) to move ``model``'s weights from layout ``src``
-        to ``dst``: each GPU of ``dst`` receives its new shard, less what it already holds
-        (the same TP shard of the same layers: TP and PP agree and ``src`` puts that GPU at
-        the same TP rank and stage). A GPU of ``dst`` outside ``src`` (training on half the
-        GPUs, generating on all) receives its whole shard."""
+        """(seconds, bytes received per GPU) to move ``model``'s weights from ``src`` to ``dst``."""
+        # Each GPU of ``dst`` receives its new shard, less what it already holds (the same TP
+        # shard of the same layers: TP and PP agree and ``src`` puts that GPU at the same TP
+        # rank and stage). A GPU of ``dst`` outside ``src`` (training on half the GPUs,
+        # generating on all) receives its whole shard.
         key = ("realloc", model, src, dst)
         if key not in self._memo:
             self._memo[key] = self._realloc(model, src, dst)
@@ -324,12 +319,12 @@ class Estimator:
 
     # ------------------------------------------------------------------ memory
     def call_memory(self, call: Call, layout: Layout, resident: dict[str, Layout]) -> int:
-        """Peak bytes on the worst GPU while ``call`` runs: its own working set plus the
-        weights that stay on the GPUs between calls (``resident``: model -> layout of the
-        actor's and critic's training copies, counted beside a second copy of the same model
-        in another layout; the reference and reward wait on the host). A resident model
-        counts on the GPUs its layout covers, with the stage it holds there: one over other
-        GPUs only (the critic training on the other half) adds nothing."""
+        """Peak bytes on the worst GPU while ``call`` runs, ``resident`` (model -> layout) included."""
+        # Its own working set plus the weights that stay on the GPUs between calls: the
+        # actor's and critic's training copies, counted beside a second copy of the same model
+        # in another layout (the reference and reward wait on the host). A resident model
+        # counts on the GPUs its layout covers, with the stage it holds there: one over other
+        # GPUs only (the critic training on the other half) adds nothing.
         held = {other: lay for other, lay in resident.items()
                 if other != call.model or call.kind == "generate" or lay != layout}
         return max(own + more for own, more in zip(self._working_bytes(call, layout),
@@ -376,8 +371,8 @@ class Estimator:
         return out
 
     def _resident_bytes(self, layout: Layout, held: dict[str, Layout]) -> list[int]:
-        """Per pipeline stage of ``layout``: the most bytes of ``held`` weights one GPU of
-        that stage keeps (each model on the GPUs of its layout, at the stage it has there)."""
+        """Per pipeline stage of ``layout``: the most bytes of ``held`` weights one GPU keeps."""
+        # Each model counts on the GPUs of its layout, at the stage it has there.
         out = [0] * layout.pp
         if not held:
             return out

@@ -1,13 +1,12 @@
 """Peak GPU memory per RLHF stage under each stage's layout: pure arithmetic, no torch.
 
 Entry point: :func:`estimate` (and :func:`fits_or_raise`, :func:`search_train_layouts`).
-It mirrors the trainer (:mod:`megatron_rlhf.rlhf.trainer`): every stage (generation,
-inference, training) runs on every GPU, and what a stage does not use waits in host
-memory. Each stage reports its worst pipeline stage, per GPU; gradients are freed between
-stages. Inputs live in :mod:`~megatron_rlhf.plan.workload`, per-piece sizes in
-:mod:`~megatron_rlhf.plan.sizes`. ``GB`` is 10**9 bytes (an "80 GB" GPU is taken as 80e9
-bytes, under its 80 GiB: conservative).
 """
+# It mirrors the trainer: every stage (generation, inference, training) runs on every GPU,
+# and what a stage does not use waits in host memory. Each stage reports its worst pipeline
+# stage, per GPU; gradients are freed between stages. Inputs live in plan.workload, per-piece
+# sizes in plan.sizes. GB is 10**9 bytes: an "80 GB" GPU is taken as 80e9 bytes, under its
+# 80 GiB (conservative).
 
 from __future__ import annotations
 
@@ -129,8 +128,9 @@ class Estimate:
 
 def check_layout(stage: str, layout: Layout, models: dict[str, ModelConfig],
                  cluster: Cluster, workload: Workload) -> None:
-    """Refuse a stage's layout, naming the fix: it must cover every GPU, keep TP inside a
-    node, shard every model of the stage, and split the rollout batch."""
+    """Raise ValueError naming the fix when a stage's layout cannot run."""
+    # It must cover every GPU, keep TP inside a node, shard every model of the stage, and
+    # split the rollout batch.
     name = layout_text(layout, pipeline=stage != "generation")
     if stage == "generation" and layout.pp != 1:
         raise ValueError(f"the gen layout {name} has pipeline parallel size {layout.pp}: "
@@ -190,10 +190,11 @@ def check_layouts(models: dict[str, ModelConfig], cluster: Cluster, layouts: Sta
 
 def generation_parts(models: dict[str, ModelConfig], gen: Layout, train: Layout,
                      workload: Workload, options: MemoryOptions) -> dict[str, int]:
-    """Generation (PP=1): actor (+ draft) in the gen layout, the actor's training copy unless
-    released (``release_train_copy``), the critic in the train layout, the KV caches of one
-    gen-DP rank's samples at full length, and the larger of a prefill chunk's working set
-    and a decode step's logits. Optimizer states, reference and reward wait on the host."""
+    """Generation's bytes per GPU (PP=1), by piece."""
+    # Actor (+ draft) in the gen layout, the actor's training copy unless released
+    # (release_train_copy), the critic in the train layout, the KV caches of one gen-DP
+    # rank's samples at full length, and the larger of a prefill chunk's working set and a
+    # decode step's logits. Optimizer states, reference and reward wait on the host.
     actor, draft = models["actor"], models.get("draft")
     o = options
     parts = {"actor_weights": weight_bytes(actor, "actor", gen, 0, o)}
@@ -224,8 +225,9 @@ def generation_parts(models: dict[str, ModelConfig], gen: Layout, train: Layout,
 
 def inference_parts(models: dict[str, ModelConfig], infer: Layout, gen: Layout, stage: int,
                     workload: Workload, options: MemoryOptions) -> dict[str, int]:
-    """Experience on pipeline stage ``stage``: every model's weights, and the largest
-    single-model forward of one micro-batch (models run one after the other)."""
+    """Experience's bytes per GPU on pipeline stage ``stage``, by piece."""
+    # Every model's weights, and the largest single-model forward of one micro-batch
+    # (models run one after the other).
     s, b, o = workload.seq_length, workload.micro_batch_size, options
     parts = {}
     for role in ("actor", "reference", "critic", "reward"):
@@ -249,9 +251,10 @@ def inference_parts(models: dict[str, ModelConfig], infer: Layout, gen: Layout, 
 
 def training_parts(models: dict[str, ModelConfig], train: Layout, gen: Layout, stage: int,
                    workload: Workload, options: MemoryOptions) -> dict[str, int]:
-    """Training on pipeline stage ``stage``: weights, gradient buffers and Adam states of
-    actor and critic; the larger of their activations (they train one after the other),
-    those 1F1B keeps in flight (Korthikanti et al. 2022, adapted to SwiGLU)."""
+    """Training's bytes per GPU on pipeline stage ``stage``, by piece."""
+    # Weights, gradient buffers and Adam states of actor and critic; the larger of their
+    # activations (they train one after the other), those 1F1B keeps in flight
+    # (Korthikanti et al. 2022, adapted to SwiGLU).
     o = options
     parts, acts = {}, []
     for role in ("actor", "critic"):
@@ -269,8 +272,9 @@ def training_parts(models: dict[str, ModelConfig], train: Layout, gen: Layout, s
 
 def trainee_state_parts(models: dict[str, ModelConfig], train: Layout, options: MemoryOptions,
                         stage: int = 0) -> dict[str, int]:
-    """Gradient buffers and Adam states (with fp32 masters) of actor and critic on pipeline
-    stage ``stage`` of their train layout: ``<role>_grads``, ``<role>_optimizer``."""
+    """``<role>_grads`` and ``<role>_optimizer`` bytes on pipeline stage ``stage``."""
+    # Gradient buffers and Adam states (with fp32 masters) of actor and critic, in their
+    # train layout.
     parts = {}
     for role in ("actor", "critic"):
         if role in models:
@@ -290,9 +294,8 @@ def estimate(models: dict[str, ModelConfig], cluster: Cluster, layouts: StageLay
              workload: Workload | None = None, options: MemoryOptions | None = None) -> Estimate:
     """Peak memory per GPU of each stage; ValueError naming the fix for a bad layout.
 
-    ``models`` maps roles (actor, and any of reference, critic, reward, draft) to configs;
-    a role left out is not resident (no critic: GRPO; no reward model: a rule reward).
-    """
+    ``models``: role (actor, reference, critic, reward, draft) -> config; a role left out
+    is not resident (no critic: GRPO; no reward model: a rule reward)."""
     workload = workload or Workload()
     options = options or MemoryOptions()
     lay = check_layouts(models, cluster, layouts, workload)
@@ -361,8 +364,9 @@ def search_train_layouts(models: dict[str, ModelConfig], cluster: Cluster,
                          workload: Workload | None = None, options: MemoryOptions | None = None,
                          gen: Layout | None = None, infer: Layout | None = None,
                          fitting_only: bool = True) -> list[Estimate]:
-    """Estimates of every valid train layout (the gen and infer layouts fixed, or their
-    defaults), smallest peak first; only those that fit unless ``fitting_only`` is False."""
+    """Estimates of every valid train layout, smallest peak first (only those that fit
+    unless ``fitting_only`` is False)."""
+    # The gen and infer layouts stay fixed, or at their defaults.
     found = []
     for train in candidate_layouts(cluster):
         try:
@@ -378,8 +382,8 @@ def search_train_layouts(models: dict[str, ModelConfig], cluster: Cluster,
 # ---------------------------------------------------------------- small helpers
 
 def layout_text(layout: Layout, pipeline: bool = True) -> str:
-    """``"TPxPPxDP"``, or ``"TPxDP"`` for a layout without pipeline (generation); with
-    ``"@R"`` for one over ranks ``R..R+size-1``, R > 0 (:meth:`Layout.parse`'s form)."""
+    """``"TPxPPxDP"`` (``"TPxDP"`` without pipeline), ``"@R"`` from rank R > 0 (``Layout.parse``'s form)."""
+
     text = f"{layout.tp}x{layout.pp}x{layout.dp}" if pipeline else f"{layout.tp}x{layout.dp}"
     first = layout.first_rank
     if first is None:

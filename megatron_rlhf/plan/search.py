@@ -1,13 +1,13 @@
 """Execution plans for the RLHF dataflow graph and their search (ReaLHF).
 
-A :class:`Plan` gives every call of the graph a layout (TP x PP x DP; generation PP=1)
-over all GPUs or, for the calls that may, over either half. The inference calls run
-together, and so do the two training calls, so calls on disjoint GPUs overlap; the
-draft's distillation and the reallocations stay sequential. :func:`evaluate` prices a
-plan with the cost estimator (:mod:`.cost`); :func:`search` finds the fastest plan that
-fits (exhaustively where the space is small, else by seeded simulated annealing) and
-compares it with the heuristic default (:func:`heuristic`).
+Entry points: :func:`evaluate` prices a :class:`Plan` with :mod:`.cost`; :func:`search`
+finds the fastest plan that fits and compares it with :func:`heuristic`.
 """
+# A plan gives every call a layout (TP x PP x DP; generation PP=1) over all GPUs or, for
+# the calls that may, over either half. The inference calls run together, and so do the two
+# training calls, so calls on disjoint GPUs overlap; the draft's distillation and the
+# reallocations stay sequential. The search is exhaustive where the space is small, else
+# seeded simulated annealing.
 
 from __future__ import annotations
 
@@ -97,9 +97,9 @@ class Evaluation:
 
 def evaluate(graph: Graph, plan: Plan, est: Estimator, cluster: mem.Cluster,
              reserve_gb: float | None = None) -> Evaluation:
-    """Price ``plan``: calls in graph order, reallocations on weight edges, memory per call;
-    the inference calls, and the training calls but the draft's, each as one step that
-    lasts as long as its busiest GPU's share."""
+    """Price ``plan``: calls in graph order, reallocations on weight edges, memory per call."""
+    # The inference calls, and the training calls but the draft's, each run as one step that
+    # lasts as long as its busiest GPU's share.
     missing = [c.name for c in graph.calls if c.name not in plan.layouts]
     if missing:
         raise ValueError(f"the plan gives no layout to {missing}")
@@ -129,8 +129,8 @@ def evaluate(graph: Graph, plan: Plan, est: Estimator, cluster: mem.Cluster,
 
 
 def _together(names: list[str], calls: dict, plan: Plan) -> tuple[float, float]:
-    """(seconds of ``names`` run together: the busiest rank's sum of the calls it takes part
-    in, what that saves against their sum)."""
+    """(seconds of ``names`` run together, what that saves against their sum)."""
+    # Together they last the busiest rank's sum of the calls it takes part in.
     busy: dict[int, float] = {}
     for name in names:
         for r in plan.layouts[name].ranks:
@@ -140,11 +140,11 @@ def _together(names: list[str], calls: dict, plan: Plan) -> tuple[float, float]:
 
 
 def candidates(graph: Graph, est: Estimator, cluster: mem.Cluster) -> dict[str, list[Layout]]:
-    """Every layout each call may take: all GPUs, TP inside a node dividing the model's
-    heads and KV heads, PP dividing its layers (1 for generation), DP splitting its samples;
-    for the reference's, the reward model's and the critic's inference and for the actor's
-    and the critic's training (:data:`HALF_TRAIN`) also either half of the GPUs (see
-    :func:`halves`)."""
+    """Every layout each call may take, by call name."""
+    # All GPUs: TP inside a node dividing the model's heads and KV heads, PP dividing its
+    # layers (1 for generation), DP splitting its samples. The reference's, the reward
+    # model's and the critic's inference and the :data:`HALF_TRAIN` calls may also take
+    # either half of the GPUs (:func:`halves`).
     out = {}
     for call in graph.calls:
         cfg = est.models[call.model]
@@ -174,9 +174,9 @@ def candidates(graph: Graph, est: Estimator, cluster: mem.Cluster) -> dict[str, 
 
 
 def halves(cluster: mem.Cluster) -> list[Layout]:
-    """The layouts of :func:`~megatron_rlhf.plan.memory.candidate_layouts` over the first
-    and over the second half of the GPUs (half the nodes, or half of a single node): where
-    a call on half runs beside another call on the other half."""
+    """``candidate_layouts`` over the first and over the second half of the GPUs."""
+    # Half the nodes, or half of a single node: a call on one half runs beside another
+    # call on the other half.
     if cluster.nodes > 1 and cluster.nodes % 2 == 0:
         half = mem.Cluster(cluster.nodes // 2, cluster.gpus_per_node, cluster.gpu_memory_gb)
     elif cluster.nodes == 1 and cluster.gpus_per_node % 2 == 0:
@@ -188,8 +188,9 @@ def halves(cluster: mem.Cluster) -> list[Layout]:
 
 
 def heuristic(graph: Graph, est: Estimator, cluster: mem.Cluster, cands: dict) -> Plan:
-    """Every call on one training layout over all GPUs: the smallest TP x PP (TP first,
-    inside a node) whose training fits, DP the rest; generation on its TP with DP the rest."""
+    """Every call on one training layout over all GPUs, generation on its TP with DP the rest."""
+    # The training layout is the smallest TP x PP (TP first, inside a node) whose training
+    # fits, DP the rest.
     train_calls = [c.name for c in graph.calls if c.kind != "generate"]
     shared = [lay for lay in cands[train_calls[0]] if lay.size == cluster.gpus
               and all(lay in cands[c] for c in train_calls)] if train_calls else []
@@ -225,8 +226,9 @@ class SearchResult:
 
 def search(graph: Graph, est: Estimator, cluster: mem.Cluster, seed: int = 0,
            space: str = "full", budget: int = 20_000) -> SearchResult:
-    """The fastest plan that fits; ValueError naming the smallest memory shortfall when
-    none does. Deterministic for a seed. ``space``: full, trainer or models."""
+    """The fastest plan that fits (deterministic for a seed); ``space``: full, trainer or models.
+
+    Raises ValueError naming the smallest memory shortfall when none fits."""
     # trainer: generation on its own layout (--gen-layout), every other call on one layout
     # over all GPUs (--train-layout). models: what the trainer executes, the actor's training
     # on all GPUs or either half, the reference's and reward model's inference and the
@@ -310,8 +312,8 @@ def _exhaustive(names, choices, value) -> None:
 
 
 def _anneal(names, choices, value, rng: random.Random, budget: int, default) -> None:
-    """Simulated annealing over one call's layout at a time; infeasible plans are walked
-    through with their time inflated by the memory they lack."""
+    """Simulated annealing over one call's layout at a time."""
+    # Infeasible plans are walked through with their time inflated by the memory they lack.
     def score(e: Evaluation) -> float:
         return e.time_s * (1 + 4 * e.shortfall / e.capacity)
 
@@ -348,14 +350,14 @@ OWN_LAYOUT_FLAG = {call: flag_of(key) for call, key in OWN_LAYOUT.items()}
 
 
 def trainer_flags(plan: Plan) -> dict[str, str]:
-    """The trainer's layout settings of a plan in the ``models`` space: ``train_layout``,
-    ``gen_layout`` and, where they differ from their default, ``ref_layout``,
-    ``reward_layout``, ``critic_layout`` (default: the train layout),
-    ``critic_infer_layout`` (default: the critic's training layout) and
-    ``draft_train_layout`` (``train``; default ``gen``). The train layout, and so the
-    layouts that default to it, and the critic's may cover part of the GPUs (``"1x1x2@2"``);
-    the draft distils on the train layout only where that covers all of them. ValueError
-    naming what the trainer cannot run."""
+    """The trainer's layout settings (field -> value) of a plan in the ``models`` space.
+
+    Raises ValueError naming what the trainer cannot run."""
+    # Always train_layout and gen_layout; ref_, reward_, critic_layout (default: the train
+    # layout), critic_infer_layout (default: the critic's training layout) and
+    # draft_train_layout ("train"; default "gen") only where they differ from their default.
+    # The train layout, the layouts that default to it, and the critic's may cover part of
+    # the GPUs ("1x1x2@2"); the draft distils on the train layout only where that covers all.
     own = {c: mem.layout_text(lay) for c, lay in plan.layouts.items() if c in OWN_LAYOUT}
     apart = (*OWN_LAYOUT, "draft_train")
     train, gen = trainer_layouts(Plan({c: lay for c, lay in plan.layouts.items() if c not in apart}))
@@ -382,9 +384,10 @@ def trainer_flags(plan: Plan) -> dict[str, str]:
 
 
 def trainer_layouts(plan: Plan) -> tuple[str, str]:
-    """``(--train-layout, --gen-layout)`` of a plan the trainer executes: generation on its
-    own TPxDP, every other call on one TPxPPxDP (``@R`` where it covers part of the GPUs
-    from rank R on); ValueError naming the call that differs."""
+    """``(--train-layout, --gen-layout)`` of a plan the trainer executes; ValueError naming
+    the call that differs."""
+    # Generation on its own TPxDP, every other call on one TPxPPxDP (``@R`` where it covers
+    # part of the GPUs from rank R on).
     gens = [c for c in plan.layouts if c.endswith("_gen")]
     if len(gens) != 1:
         raise ValueError(f"a plan needs exactly one generation call, this one has {gens or 'none'}")
