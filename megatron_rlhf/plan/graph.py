@@ -1,12 +1,11 @@
-"""The dataflow graph of one RLHF iteration (ReaLHF): model function calls and what flows
-between them.
+"""The dataflow graph of one RLHF iteration (ReaLHF): model calls and what flows between them.
 
-A node (:class:`Call`) is a model's call: a kind (``generate``, ``infer``, ``train``), its
-samples and their lengths. An edge (:class:`Edge`) carries data or weights; a weight edge
-between two calls of one model under different layouts is a parameter reallocation.
-Entry point: :func:`rlhf_graph`. Pure description (no torch): :mod:`.cost` prices it
-and :mod:`.search` assigns the layouts.
+Entry point: :func:`rlhf_graph`. Pure description (no torch): :mod:`.cost` prices it and
+:mod:`.search` assigns the layouts.
 """
+# A node (Call) is a model's call: a kind (generate, infer, train), its samples and their
+# lengths. An edge (Edge) carries data or weights; a weight edge between two calls of one
+# model under different layouts is a parameter reallocation.
 
 from __future__ import annotations
 
@@ -98,8 +97,8 @@ def rlhf_graph(samples: int, prompt_len: int, gen_len: int, critic: bool = True,
                reference: bool = True, reward_model: bool = False, draft: bool = False,
                draft_distill: bool = False, ppo_epochs: int = 1, mini_batches: int = 1,
                group: int = 1) -> Graph:
-    """The graph of one PPO iteration (GRPO: ``critic=False``) of ``samples`` sequences
-    (``group`` responses per prompt)."""
+    """The graph of one PPO iteration (GRPO: ``critic=False``) of ``samples`` sequences."""
+
     def c(name, model, kind, **kw):
         return Call(name, model, kind, samples, prompt_len, gen_len, **kw)
 

@@ -1,9 +1,7 @@
-"""What a machine sustains, for the cost estimator: a roofline :class:`Hardware` (FLOP/s,
-memory and link bandwidths, latencies), the named ones in :data:`HARDWARE`, or a measured
-per-layer :class:`Profile` of one model shape (``tools/profile_costs.py``).
-
-Profiles and hardware round-trip through JSON files (``save``/``load``).
-"""
+"""What a machine sustains, for the cost estimator: a roofline :class:`Hardware` (named ones
+in :data:`HARDWARE`) or a measured per-layer :class:`Profile`; both round-trip through JSON."""
+# Hardware holds FLOP/s, memory and link bandwidths and latencies; a Profile is one model
+# shape's per-layer timings measured by tools/profile_costs.py.
 
 from __future__ import annotations
 
@@ -86,10 +84,9 @@ HARDWARE = {
 
 @dataclass
 class Profile:
-    """Measured per-layer seconds at TP=1 on this machine (``tools/profile_costs.py``), for
-    one model shape: a forward of ``tokens`` tokens (``forward``), forward + backward
-    (``train``), a decode step of ``batch`` samples after ``context`` cached tokens
-    (``decode``), and the LM head's forward per token count (``head``)."""
+    """Measured per-layer seconds at TP=1 for one model shape (``tools/profile_costs.py``)."""
+    # forward: a forward of ``tokens`` tokens; train: forward + backward; decode: a step of
+    # ``batch`` samples after ``context`` cached tokens; head: the LM head per token count.
 
     shape: str
     tokens: list[int]
@@ -114,8 +111,9 @@ class Profile:
 
     @classmethod
     def load(cls, path) -> "Profile":
-        """The Profile at ``path``; what older profiles kept in ``FILE.meta.json`` beside it
-        (the head's backward, the TP tables, the collective fits, the cores) is read from there."""
+        """The Profile at ``path`` (older profiles' ``FILE.meta.json`` beside it included)."""
+        # Older profiles kept the head's backward, the TP tables, the collective fits and
+        # the cores in that meta file.
         data = json.loads(Path(path).read_text())
         meta = Path(path).with_name(Path(path).stem + ".meta.json")
         if meta.is_file() and "head_train" not in data:
@@ -131,9 +129,9 @@ class Profile:
 
 
 def merge_meta(data: dict, meta: dict) -> dict:
-    """A Profile's fields completed from ``tools/profile_costs.py``'s meta file: the head's
-    forward + backward, the TP tables, and into ``hardware`` the per-step all-reduce fit,
-    the reduce-scatter and all-gather fits and the cores the ranks shared."""
+    """``fields`` completed from ``tools/profile_costs.py``'s meta file."""
+    # The head's forward + backward, the TP tables, and into ``hardware`` the per-step
+    # all-reduce fit, the reduce-scatter and all-gather fits and the cores the ranks shared.
     data = dict(data, hardware=dict(data.get("hardware", {})))
     data.setdefault("head_train", meta.get("head_train_s", []))
     data.setdefault("tp_tables", meta.get("tp_tables", {}))

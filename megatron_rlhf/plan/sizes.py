@@ -1,8 +1,5 @@
-"""Bytes per GPU of a model's pieces: parameters per pipeline stage, weights, the
-activations one layer keeps, logits and KV caches. Pure arithmetic, no torch.
-
-The per-stage accounting (:mod:`~megatron_rlhf.plan.memory`) adds these up.
-"""
+"""Bytes per GPU of a model's pieces (parameters per stage, weights, activations, logits,
+KV caches), which :mod:`~megatron_rlhf.plan.memory` adds up. Pure arithmetic, no torch."""
 
 from __future__ import annotations
 
@@ -48,9 +45,10 @@ def layer_params(cfg: ModelConfig) -> StageParams:
 
 
 def stage_params(cfg: ModelConfig, role: str, pp: int = 1, stage: int = 0) -> StageParams:
-    """Parameters on pipeline stage ``stage`` of ``pp``: its layers, the embedding on the
-    first stage, final norm and head on the last. A tied LM head on a last stage that is not
-    also the first holds its own copy of the embedding (as megatron does)."""
+    """Parameters on pipeline stage ``stage`` of ``pp``."""
+    # Its layers, the embedding on the first stage, final norm and head on the last. A tied
+    # LM head on a last stage that is not also the first holds its own copy of the embedding
+    # (as megatron does).
     check_pipeline(cfg, pp, role)
     if not 0 <= stage < pp:
         raise ValueError(f"pipeline stage {stage} outside 0..{pp - 1}")
@@ -89,8 +87,8 @@ def weight_bytes(cfg: ModelConfig, role: str, layout: Layout, stage: int,
 def layer_activation_bytes(cfg: ModelConfig, seq: int, batch: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
                            param_bytes: int = 2) -> int:
-    """Bytes one layer keeps for backward per micro-batch of ``batch`` x ``seq`` tokens
-    (Korthikanti et al. 2022, Sec. 4, adapted to SwiGLU)."""
+    """Bytes one layer keeps for backward per micro-batch of ``batch`` x ``seq`` tokens."""
+    # Korthikanti et al. 2022, Sec. 4, adapted to SwiGLU.
     # The paper (16-bit, GeLU MLP 4h wide): s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP t,
     # s*b*h*(34 + 5*a*s/h)/t with sequence parallelism. Its 24/t is attention's 8 (Q, K, V,
     # the output projection's input) plus the MLP's 16 (4*ffn/h). SwiGLU keeps its fc1 output
@@ -113,9 +111,9 @@ def layer_activation_bytes(cfg: ModelConfig, seq: int, batch: int, tp: int = 1,
 
 
 def logits_bytes(cfg: ModelConfig, tokens: int, tp: int, options: MemoryOptions) -> int:
-    """Whole-sequence logits of ``tokens`` positions on the last stage, at
-    ``LOGIT_BYTES_PER_ENTRY`` (bf16 output, fp32 copy, fp32 log-softmax), vocab split over TP
-    unless ``options.vocab_parallel_logits`` is False."""
+    """Bytes of whole-sequence logits of ``tokens`` positions on the last stage."""
+    # LOGIT_BYTES_PER_ENTRY: bf16 output, fp32 copy, fp32 log-softmax. The vocabulary splits
+    # over TP unless options.vocab_parallel_logits is False.
     vocab = cfg.head_vocab_size or cfg.padded_vocab_size
     if options.vocab_parallel_logits:
         vocab //= tp
@@ -124,8 +122,8 @@ def logits_bytes(cfg: ModelConfig, tokens: int, tp: int, options: MemoryOptions)
 
 def training_activation_bytes(cfg: ModelConfig, role: str, workload: Workload, layout: Layout,
                               stage: int, options: MemoryOptions) -> int:
-    """Activations on pipeline stage ``stage`` under 1F1B: stage ``i`` holds
-    ``min(PP - i, micro-batches)`` micro-batches in flight; the last adds the LM logits."""
+    """Activation bytes on pipeline stage ``stage`` under 1F1B."""
+    # Stage i holds min(PP - i, micro-batches) micro-batches in flight; the last adds the logits.
     s, b = workload.seq_length, workload.micro_batch_size
     n_layers = cfg.num_layers // layout.pp
     in_flight = min(layout.pp - stage, workload.micro_batches(layout.dp))
@@ -141,10 +139,10 @@ def training_activation_bytes(cfg: ModelConfig, role: str, workload: Workload, l
 
 def forward_working_bytes(cfg: ModelConfig, seq: int, batch: int, tp: int,
                           param_bytes: int = 2) -> int:
-    """Peak of one layer's forward with nothing kept for backward (inference, prefill): the
-    residual input and the norm output, the larger of attention's intermediates (q, k, v
-    expanded to all heads, scores and probabilities ``[b, a/t, s, s]``, the context) and
-    the MLP's (fc1 output 2*ffn wide, the product), and the output before the all-reduce."""
+    """Peak bytes of one layer's forward with nothing kept for backward (inference, prefill)."""
+    # The residual input and the norm output, the larger of attention's intermediates (q, k,
+    # v expanded to all heads, scores and probabilities [b, a/t, s, s], the context) and the
+    # MLP's (fc1 output 2*ffn wide, the product), and the output before the all-reduce.
     s, b, h, t = seq, batch, cfg.hidden_size, tp
     attention = 4 * s * b * h / t + 2 * cfg.num_attention_heads * s * s * b / t
     mlp = 3 * s * b * cfg.ffn_hidden_size / t
@@ -152,15 +150,15 @@ def forward_working_bytes(cfg: ModelConfig, seq: int, batch: int, tp: int,
 
 
 def kv_cache_bytes(cfg: ModelConfig, samples: int, length: int, tp: int, param_bytes: int = 2) -> int:
-    """Keys and values of every layer: ``2 * layers * (kv_heads/TP) * head_dim * bytes *
-    samples * length``."""
+    """Bytes of every layer's keys and values."""
+    # 2 * layers * (kv_heads/TP) * head_dim * bytes * samples * length
     return (2 * cfg.num_layers * (cfg.num_query_groups // tp) * cfg.kv_channels * param_bytes
             * samples * length)
 
 
 def check_pipeline(cfg: ModelConfig, pp: int, role: str = "model") -> None:
-    """ValueError naming the sizes that work when ``pp`` does not divide the layers (the
-    model's own check, :meth:`~megatron_rlhf.config.ModelConfig.check_pipeline_parallel`)."""
+    """ValueError naming the sizes that work when ``pp`` does not divide the layers."""
+    # The model's own check, ModelConfig.check_pipeline_parallel.
     try:
         cfg.check_pipeline_parallel(pp)
     except ValueError as e:

@@ -1,9 +1,7 @@
 """What the memory estimator prices: the cluster, one iteration's workload, how the
-trainer stores things, and a layout per stage.
-
-:meth:`Workload.from_configs` builds the workload from a run's configs, so the trainer's
-check and the tools price the same numbers. Memory is in bytes; ``GB`` is 10**9 bytes.
-"""
+trainer stores things, and a layout per stage. Memory is in bytes; ``GB`` is 10**9 bytes."""
+# Workload.from_configs builds the workload from a run's configs, so the trainer's check
+# and the tools price the same numbers.
 
 from __future__ import annotations
 
@@ -67,8 +65,8 @@ class Workload:
     @classmethod
     def from_configs(cls, ppo: PPOConfig, loop: LoopConfig, gen: GenerationConfig, spec: SpecConfig,
                      has_draft: bool) -> "Workload":
-        """The workload of a training run with these settings (``has_draft``: a draft model
-        is loaded, so verification scores ``spec``'s draft tokens)."""
+        """The workload of a training run with these settings."""
+        # has_draft: a draft model is loaded, so verification scores spec's draft tokens.
         return cls(rollout_batch=ppo.samples_per_iteration, max_prompt_length=loop.max_prompt_length,
                    max_new_tokens=gen.max_new_tokens, micro_batch_size=ppo.micro_batch_size,
                    num_mini_batches=ppo.num_mini_batches, num_draft_tokens=spec.base_tokens(has_draft))
