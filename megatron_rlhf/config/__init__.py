@@ -37,10 +37,10 @@ from megatron_rlhf.config.model import (
 from megatron_rlhf.config.parallel import MODEL_LAYOUTS, SUBSET_MODELS, ParallelConfig, PrecisionConfig
 from megatron_rlhf.config.ppo import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, PPOConfig
 
+# Every config dataclass.
 CONFIGS = (ParallelConfig, PrecisionConfig, GenerationConfig, SpecConfig, MigrationConfig, PPOConfig,
            OptimConfig, LoopConfig, RewardConfig, EvalConfig, FinetuneConfig, PreferenceConfig,
            FinetuneOptimConfig, ModelConfig)
-"""Every config dataclass."""
 
 
 def dataclass_from_namespace(cls, namespace, **extra):

@@ -14,14 +14,12 @@ FINETUNE_LOSSES = get_args(FinetuneLoss)
 
 @dataclass
 class FinetuneConfig:
-    """A fine-tuning stage: SFT on responses, a reward model on preference pairs
-    (Bradley-Terry), or DPO on preference pairs."""
+    """A fine-tuning stage: SFT, a reward model (Bradley-Terry) or DPO on preference pairs."""
 
     loss: FinetuneLoss = "sft"
     """sft (next-token loss on response tokens), bradley-terry (reward model) or dpo."""
     data: str = field(default="", metadata={"required": True})
-    """jsonl: SFT ``{"prompt", "response"}`` or chat ``{"messages"}``; pairs ``{"prompt",
-    "chosen", "rejected"}``."""
+    """jsonl: SFT {"prompt", "response"} or {"messages"}; pairs {"prompt", "chosen", "rejected"}."""
     held_out_fraction: float = 0.1
     """Records held out for evaluation (a seeded split)."""
     seq_length: int | None = None
@@ -33,8 +31,7 @@ class FinetuneConfig:
     micro_batch_size: int = 4
     """Examples or pairs per forward on one rank."""
     pack: bool = False
-    """SFT: pack several examples into rows of ``seq_length`` tokens (attention stays
-    inside each example)."""
+    """SFT: pack examples into rows of ``seq_length`` tokens (attention stays inside each)."""
     beta: float = 0.1
     """DPO: the implicit reward's scale."""
     label_smoothing: float = 0.0
@@ -78,8 +75,8 @@ class PreferenceConfig(FinetuneConfig):
     """A fine-tuning stage on preference pairs (``train_rm``): a reward model or DPO."""
 
     loss: Literal["bradley-terry", "dpo"] = "bradley-terry"
-    """bradley-terry: train a reward model (scalar head); dpo: train the policy directly on the
-    pairs against a frozen reference."""
+    """bradley-terry: train a reward model (scalar head); dpo: train the policy on the pairs."""
+    # DPO trains against a frozen reference.
 
 
 @dataclass

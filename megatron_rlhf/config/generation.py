@@ -12,10 +12,10 @@ DraftSource = Literal["model", "history", "both"]
 SPEC_VERIFY = get_args(SpecVerify)
 DRAFT_SOURCES = get_args(DraftSource)
 
+# History drafts of a sample that has run long (long_after tokens, generation.history's
+# HistoryDrafter) may be this many times longer than n: the long tail of a rollout is where
+# drafting pays (DAS).
 HISTORY_LONG_BOOST = 2
-"""History drafts of a sample that has run long (``long_after`` tokens,
-:class:`~megatron_rlhf.generation.history.HistoryDrafter`) may be this many times longer
-than ``n``: the long tail of a rollout is where drafting pays (DAS)."""
 
 
 @dataclass
@@ -33,8 +33,7 @@ class GenerationConfig:
     stop_on_eos: bool = field(default=True, metadata={"off": "--ignore-eos"})
     """Finish a sample at the model's EOS token (off: every response runs to max_new_tokens)."""
     cuda_graphs: bool = True
-    """On a GPU, replay captured CUDA graphs for decode steps, verifications and draft steps
-    (off: launch every step eagerly)."""
+    """On a GPU, replay CUDA graphs for decode, verification and draft steps (off: eager)."""
 
     def __post_init__(self) -> None:
         finite(self)
@@ -62,26 +61,26 @@ class SpecConfig:
     max_draft_tokens: int = 4
     """Largest draft length auto considers."""
     cost_profile: str | None = None
-    """Auto: a JSON file of measured step latencies, loaded if it exists, else profiled at the
-    first call and written there (None: the costs are learned from the rounds as they run)."""
+    """Auto: a JSON file of measured step latencies (None: learned from the rounds as they run)."""
+    # Loaded if it exists, else profiled at the first call and written there.
     acceptance_decay: float = field(default=0.98, metadata={"flag": None})
-    """Auto: weight the acceptance estimate keeps per generation round, so that the estimate
-    follows the actor as it trains."""
+    """Auto: weight the acceptance estimate keeps per generation round."""
+    # Below 1 so that the estimate follows the actor as it trains.
     # exact: a draft token is accepted iff plain sampling draws it there, so the samples are
     # speculation off's, token for token. rejection (model drafts): lossless in distribution
     # only; the samples then depend on the selector's choices and timing.
     verify: SpecVerify = field(default="exact", metadata={"flag": "--spec-verify"})
     """exact (samples equal plain decoding's) or rejection (not reproducible from the seed)."""
     draft_source: DraftSource | None = None
-    """Drafts from the draft model (model), the rollout's own history (history: no draft model
-    needed) or both (None: model with a draft model, else no speculation)."""
+    """Drafts from the draft model, the rollout's history or both (None: model if one is loaded)."""
+    # history needs no draft model; None without a draft model: no speculation.
     history_responses: int = 16
     """History drafts: earlier responses kept per prompt (newest first)."""
     history_prompts: int = 4096
     """History drafts: prompts whose responses are kept (least recently used dropped)."""
     history_global: int = 0
-    """History drafts: newest responses to any prompt kept in a global index, drafted from
-    where they match longer than the prompt's own history (0: off)."""
+    """History drafts: newest responses to any prompt kept in a global index (0: off)."""
+    # Drafted from where they match longer than the prompt's own history.
 
     def __post_init__(self) -> None:
         finite(self)
@@ -124,16 +123,16 @@ class SpecConfig:
         return self.num_draft_tokens == "auto"
 
     def base_tokens(self, has_draft: bool) -> int:
-        """Draft tokens per verification as asked (the fixed ``n``, or ``auto``'s largest;
-        0: plain decoding only); ``has_draft``: a draft model is loaded."""
+        """Draft tokens per verification as asked: ``n``, or auto's largest (0: plain decoding)."""
+        # has_draft: a draft model is loaded.
         if not (has_draft or self.uses_history):
             return 0 if self.auto else self.num_draft_tokens
         return self.max_draft_tokens if self.auto else self.num_draft_tokens
 
     def max_tokens(self, has_draft: bool) -> int:
-        """The most draft tokens one verification can take: :meth:`base_tokens`, times
-        :data:`HISTORY_LONG_BOOST` when only the history drafts (the cache keeps room for
-        :meth:`base_tokens`)."""
+        """The most draft tokens one verification can take."""
+        # base_tokens, times HISTORY_LONG_BOOST when only the history drafts (the cache keeps
+        # room for base_tokens).
         n = self.base_tokens(has_draft)
         return n * HISTORY_LONG_BOOST if self.draft_source == "history" else n
 
@@ -143,8 +142,7 @@ class MigrationConfig:
     """Sample reallocation between data-parallel ranks during generation (RLHFSpec)."""
 
     sample_migration: bool | None = field(default=None, metadata={"form": "on-off"})
-    """Move unfinished samples, KV cache included, from busy to idle data-parallel ranks
-    (None: on when there are 2+ data-parallel ranks)."""
+    """Move unfinished samples with their KV cache to idle DP ranks (None: on with 2+ DP ranks)."""
     migration_interval: int = 4
     """Rounds between exchanges of the ranks' live-sample counts (one small all-gather)."""
     # also at least 2 samples more than the idlest; samples then move until every rank is

@@ -35,16 +35,16 @@ class OptimConfig:
     """Learning rate of the draft under draft_distill (constant)."""
     use_distributed_optimizer: bool = field(default=True, metadata={"off": "--no-distributed-optimizer",
                                                                     "both": True})
-    """Shard the fp32 master weights and Adam states over data-parallel ranks (megatron's
-    distributed optimizer, ZeRO-1); False: every DP rank holds them all."""
+    """Shard fp32 master weights and Adam states over data-parallel ranks (ZeRO-1)."""
+    # megatron's distributed optimizer; False: every DP rank holds them all.
     overlap_grad_reduce: bool | None = None
-    """Reduce gradients bucket by bucket during the last micro-batch's backward (megatron's
-    DDP) instead of after it; None: on GPU only."""
+    """Reduce gradients bucket by bucket during the last backward (None: on GPU only)."""
+    # megatron's DDP: during the last micro-batch's backward instead of after it.
     # megatron's DDP forward pre-hooks; the trainer completes the gather when a training
     # stage ends. Needs the distributed optimizer and overlapped gradient reduction.
     overlap_param_gather: bool | None = None
-    """Gather the updated parameters during the next mini-batch's forward instead of in the
-    optimizer step (None: wherever gradients overlap)."""
+    """Gather updated parameters during the next forward (None: wherever gradients overlap)."""
+    # Instead of in the optimizer step.
 
     def __post_init__(self) -> None:
         finite(self)
@@ -110,8 +110,8 @@ class RewardConfig:
     reward_workers: int | None = None
     """Processes verifying a batch (None: a small default; 0: in this process)."""
     strict_rewards: bool = False
-    """A crash, a non-number or a timeout of the reward stops the run with a RewardError
-    (default: the sample scores 0, counted in ``reward_errors`` / ``reward_timeouts``)."""
+    """Stop with a RewardError on a reward's crash, non-number or timeout (default: score 0)."""
+    # The default counts them in reward_errors / reward_timeouts.
     tolerate_reward_errors: bool = False
     """Train on when every sample of a batch failed its reward function (default: stop with an error)."""
 
@@ -125,12 +125,12 @@ class RewardConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation: the policy generates for every held-out record (on the
-    generation layout, with the engine and its speculation), scored with the run's reward."""
+    """Held-out evaluation: the policy's responses to held-out records, scored with the run's reward."""
+    # Generated on the generation layout, with the engine and its speculation.
 
     eval_interval: int = 0
-    """Evaluate before iteration 1 and every this many iterations (and after the last);
-    0: only before the first and after the last iteration."""
+    """Evaluate before the first, every this many (0: none) and after the last iteration."""
+
     eval_samples: int = 1
     """Responses per held-out prompt (K); pass@K is reported for K > 1."""
     eval_temperature: float = 0.0

@@ -7,16 +7,16 @@ from dataclasses import dataclass
 
 from megatron_rlhf.config.errors import ConfigError, finite, positive
 
+# actor/reference/draft carry the LM head; critic/reward a scalar value head per token.
 ROLES = ("actor", "reference", "draft", "critic", "reward")
-"""actor/reference/draft carry the LM head; critic/reward a scalar value head per token."""
 
+# The embedding is padded to a multiple of this, independent of TP so checkpoints move
+# between TP sizes (Llama-2's 32000 and SmolLM2's 49152 need no padding).
 VOCAB_PAD_MULTIPLE = 128
-"""The embedding is padded to a multiple of this, independent of TP so checkpoints move
-between TP sizes (Llama-2's 32000 and SmolLM2's 49152 need no padding)."""
 
 
+# Hugging Face architectures a ModelConfig maps onto (``model_type``).
 FAMILIES = ("llama", "mistral", "qwen2")
-"""Hugging Face architectures a ModelConfig maps onto (``model_type``)."""
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -51,24 +51,24 @@ class ModelConfig:
     eos_token_id: int | None = None
     """End-of-sequence token: generation stops on it."""
     head_vocab_size: int | None = None
-    """Draft models only: an LM head over this many frequent tokens (a multiple of 128)
-    instead of the whole vocabulary; other tokens get probability 0. None: full head."""
+    """Draft models only: an LM head over this many frequent tokens (None: the whole vocabulary)."""
+    # A multiple of 128; the other tokens get probability 0.
     feature_draft: bool = False
-    """Draft models only: the draft reads the target's last hidden state along with each
-    token (EAGLE, Li et al. 2024). Its input at position ``t`` is
-    ``fc([embed(x_t), h_{t-1}])`` with ``h`` the target's final-norm output, so one or two
-    layers predict the target's next token far better than a standalone small model."""
+    """Draft models only: read the target's last hidden state with each token (EAGLE)."""
+    # EAGLE (Li et al. 2024): the input at position t is fc([embed(x_t), h_{t-1}]) with h the
+    # target's final-norm output, so one or two layers predict the target's next token far
+    # better than a standalone small model.
     family: str = "llama"
-    """The Hugging Face architecture (``model_type``) the weights map onto: llama, mistral
-    (Llama's layers; a sliding window) or qwen2 (biases on q, k and v)."""
+    """The Hugging Face architecture (``model_type``) the weights map onto: llama, mistral or qwen2."""
+    # mistral: Llama's layers and a sliding window; qwen2: biases on q, k and v.
     rope_scaling: dict | None = None
-    """Llama-3.1/3.2 RoPE scaling (``rope_type`` llama3): ``factor``, ``low_freq_factor``,
-    ``high_freq_factor``, ``original_max_position_embeddings``. None: plain RoPE."""
+    """Llama-3.1/3.2 RoPE scaling (``rope_type`` llama3; None: plain RoPE)."""
+    # Keys: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings.
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2)."""
     sliding_window: int | None = None
-    """Each token attends to at most this many tokens (Mistral v0.1). Not implemented:
-    runs whose sequences are longer are refused (:meth:`check_attention_span`)."""
+    """Each token attends to at most this many tokens (Mistral v0.1)."""
+    # Not implemented: runs whose sequences are longer are refused (check_attention_span).
 
     def __post_init__(self) -> None:
         finite(self)

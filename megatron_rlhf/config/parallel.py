@@ -7,63 +7,59 @@ from typing import Literal
 
 from megatron_rlhf.config.errors import ConfigError, finite, positive
 
+# Models whose layout may cover part of the world: the frozen reference and reward model,
+# the critic's training (beside the actor's on other ranks) and its inference copy (its
+# weights reallocated there from the training copy after each update).
 SUBSET_MODELS = ("reference", "reward", "critic", "critic_inf")
-"""Models whose layout may cover part of the world: the frozen reference and reward model,
-the critic's training (beside the actor's on other ranks) and its inference copy (its
-weights reallocated there from the training copy after each update)."""
 
+# The layouts of ParallelConfig.model_layouts (critic: its training, critic_inf: its
+# inference) and the field that sets each.
 MODEL_LAYOUTS = {"reference": "ref_layout", "reward": "reward_layout",
                  "critic": "critic_layout", "critic_inf": "critic_infer_layout"}
-"""The layouts of :meth:`ParallelConfig.model_layouts` (``critic``: its training,
-``critic_inf``: its inference) and the field that sets each."""
 
 
 @dataclass
 class ParallelConfig:
     """How the models are split over ranks: one layout for training and inference, one for
-    generation (the actor and the draft; weights are reallocated between the two)."""
+    generation (the actor and the draft), weights reallocated between the two."""
 
     tensor_model_parallel_size: int = 1
     """TP size of the train layout (without --train-layout); must divide heads, KV heads and the ranks."""
     pipeline_model_parallel_size: int = 1
     """PP size of training and inference (without --train-layout); generation runs unpipelined."""
     train_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[@R]"})
-    """Layout of the actor's training and of the models without a layout of their own (None:
-    TP x PP x the rest of the world). With a gen_layout it may cover ranks R..R+size-1 only
-    (@R): the actor then trains there, beside the critic on other ranks."""
+    """Layout of training and of models without their own (None: TP x PP x the rest of the world)."""
+    # With a gen_layout it may cover ranks R..R+size-1 only (@R): the actor then trains there,
+    # beside the critic on other ranks.
     gen_layout: str | None = field(default=None, metadata={"metavar": "TPxDP"})
-    """Layout of generation; the actor's weights move to it after every update (None: the
-    train layout's TP x the rest of the world, no move)."""
+    """Layout of generation, weights moved to it after every update (None: train TP x the rest)."""
+    # With None the actor generates on its training copy: no move.
     ref_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[@R]"})
-    """Layout of the reference model's inference, over all ranks or over ranks R.. (None: the
-    train layout); the samples move to its data-parallel ranks and the results back."""
+    """Layout of the reference model's inference, over all ranks or ranks R.. (None: train layout)."""
+    # The samples move to its data-parallel ranks and the results back.
     reward_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[@R]"})
     """Layout of the reward model's inference, as ref_layout."""
     critic_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[@R]"})
-    """Layout of the critic's training, and of its inference unless critic_infer_layout says
-    otherwise (None: the train layout)."""
+    """Layout of the critic's training, and of its inference by default (None: the train layout)."""
     critic_infer_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[@R]"})
-    """Layout of the critic's inference apart from its training: a second copy, its weights
-    reallocated after every critic update (None: the training copy)."""
+    """Layout of a second, inference-only critic copy (None: the training copy)."""
+    # Its weights are reallocated there after every critic update.
     draft_train_layout: Literal["gen", "train"] = "gen"
-    """Where draft distillation runs: gen (the teacher is the actor's generation copy) or
-    train (PP=1; the teacher is the actor's training copy, the draft's weights reallocated
-    to generation)."""
+    """Where draft distillation runs: gen (the actor's generation copy teaches) or train (PP=1)."""
+    # train: the actor's training copy teaches, the draft's weights are reallocated to generation.
     recompute_granularity: Literal["full", "selective"] | None = None
-    """Activation recompute while training: full (re-run each layer in backward) or
-    selective (the attention core only); None: keep all activations."""
+    """Activation recompute in training: full (each layer), selective (attention core), None: off."""
     sequence_parallel: bool = False
-    """With TP > 1, split whole sequences over the TP ranks outside attention and MLP in the
-    train layout's models (activations / TP); generation runs whole sequences."""
+    """With TP > 1, split sequences over TP ranks outside attention and MLP in training."""
+    # The train layout's activations divide by TP; generation runs whole sequences.
     release_train_copy: bool | None = None
-    """With a gen_layout of its own, the actor's training copy waits in pinned host memory
-    during generation (None: on GPU)."""
+    """With a gen_layout, keep the actor's training copy in pinned host memory during generation."""
+    # None: on GPU.
     plan: str | None = field(default=None, metadata={"metavar": "FILE.json|auto"})
-    """Layouts from an execution plan (tools/plan.py --out FILE), or auto: searched at
-    start-up (megatron_rlhf.plan.search); replaces the layout settings."""
+    """Layouts from a plan file (tools/plan.py --out FILE) or auto (searched at start-up)."""
+    # It replaces the layout settings; auto runs megatron_rlhf.plan.search.
     plan_hardware: str | None = field(default=None, metadata={"metavar": "NAME|FILE.json"})
-    """Plan auto: a hardware profile (h100, h200, a100, cpu) or a Hardware/Profile JSON
-    (None: h100 on GPU, cpu otherwise)."""
+    """Plan auto: h100, h200, a100, cpu or a Hardware/Profile JSON (None: h100 on GPU, else cpu)."""
 
     def __post_init__(self) -> None:
         finite(self)
@@ -99,9 +95,9 @@ class ParallelConfig:
         return self.layouts(world_size)[0].dp
 
     def model_layouts(self, world_size: int) -> dict:
-        """``{name: Layout}`` of the models given a layout of their own (``reference``,
-        ``reward``, ``critic``: its training) and of the critic's inference when given apart
-        (``critic_inf``); ConfigError naming the field when one does not fit the world."""
+        """``{name: Layout}`` of the models given a layout of their own (:data:`MODEL_LAYOUTS`).
+
+        Raises ConfigError naming the field when one does not fit the world."""
         from megatron_rlhf.parallel.layout import Layout
 
         out = {}
@@ -117,8 +113,7 @@ class ParallelConfig:
         return out
 
     def layouts(self, world_size: int):
-        """``(train, gen)`` :class:`~megatron_rlhf.parallel.layout.Layout` over
-        ``world_size`` ranks; ConfigError naming the fix when one does not cover the world."""
+        """``(train, gen)`` Layouts over ``world_size`` ranks; ConfigError naming the fix."""
         from megatron_rlhf.parallel.layout import Layout
 
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size

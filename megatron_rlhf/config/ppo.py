@@ -10,10 +10,10 @@ from megatron_rlhf.config.errors import ConfigError, finite, positive
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce++"]
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# gae: a critic; grpo: group-normalised scores, KL as a loss term; rloo: leave-one-out
+# baselines within a prompt's group, KL in the reward; reinforce++: discounted returns of
+# the KL-shaped reward whitened over the batch (no baseline model).
 ADVANTAGE_ESTIMATORS = get_args(AdvantageEstimator)
-"""gae: a critic; grpo: group-normalised scores, KL as a loss term; rloo: leave-one-out
-baselines within a prompt's group, KL in the reward; reinforce++: discounted returns of
-the KL-shaped reward whitened over the batch (no baseline model)."""
 KL_ESTIMATORS = get_args(KLEstimator)
 LOSS_AGGREGATIONS = get_args(LossAggregation)
 
@@ -33,8 +33,9 @@ class PPOConfig:
     ppo_epochs: int = 1
     """Passes over the iteration's samples."""
     advantage_estimator: AdvantageEstimator = "gae"
-    """gae (critic), grpo (group-normalised, KL as a loss), rloo (leave-one-out baseline in the
-    group) or reinforce++ (whitened returns); the last three train no critic."""
+    """gae (with a critic), grpo, rloo or reinforce++ (the last three train no critic)."""
+    # grpo: group-normalised, KL as a loss; rloo: leave-one-out baseline in the group;
+    # reinforce++: whitened returns.
     gamma: float = 1.0
     """GAE discount."""
     lam: float = 0.95
@@ -46,11 +47,11 @@ class PPOConfig:
     clip_eps_low: float | None = None
     """Lower ratio clip (None: ``clip_eps``)."""
     clip_eps_high: float | None = None
-    """Upper ratio clip (None: ``clip_eps``); DAPO's clip-higher sets it above the lower
-    one (0.28 against 0.2) so that unlikely tokens can gain probability."""
+    """Upper ratio clip (None: ``clip_eps``); DAPO's clip-higher sets it above the lower one."""
+    # DAPO uses 0.28 against 0.2, so that unlikely tokens can gain probability.
     dual_clip: float | None = None
-    """Dual-clip PPO: for negative advantages the ratio term is capped at ``-A * C`` (C > 1),
-    so one token far off-policy cannot dominate the loss (None: off)."""
+    """Dual-clip PPO: cap the ratio term of negative advantages at ``-A * C``, C > 1 (None: off)."""
+    # So one token far off-policy cannot dominate the loss.
     value_clip_eps: float = 0.2
     """Clip of the critic's new values around the old ones (0: no value clipping)."""
     kl_coef: float = 0.05
@@ -66,14 +67,14 @@ class PPOConfig:
     loss_agg: LossAggregation = "token-mean"
     """How per-token policy losses become one (Dr. GRPO: seq-mean-token-sum-norm)."""
     filter_groups: bool = False
-    """DAPO's dynamic sampling: drop prompt groups whose rewards are all equal (no signal
-    for a group baseline) and generate for more prompts until the batch is full."""
+    """DAPO's dynamic sampling: drop groups of equal rewards, generate more until the batch is full."""
+    # A group whose rewards are all equal gives a group baseline no signal.
     filter_max_tries: int = 4
-    """filter_groups: generation rounds per iteration at most; a batch still short after
-    them is filled with dropped groups (counted in the metrics)."""
+    """filter_groups: most generation rounds per iteration (then dropped groups fill the batch)."""
+    # The dropped groups that fill it are counted in the metrics.
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: responses within this many tokens of the length
-    limit lose up to ``overlong_penalty``, linearly (0: off)."""
+    """DAPO's soft overlong punishment: tokens before the length limit where it starts (0: off)."""
+    # Responses within this many tokens of the limit lose up to overlong_penalty, linearly.
     overlong_penalty: float = 1.0
     """The largest soft overlong penalty, reached at the length limit."""
     # None: on for bf16 models (the cached decode and the full forward round differently)
@@ -141,18 +142,18 @@ class PPOConfig:
 
     @property
     def old_from_update(self) -> bool:
-        """log pi_old is the update forward's own log-probs, detached: with one optimizer step
-        per iteration (one PPO epoch, one mini-batch) the policy being updated *is* the old
-        one, so the ratio is exactly 1 without a forward to recompute it (as TRL and verl
-        do). Only when ``recompute_logprobs`` is left unset, and no KL term shapes the
-        reward (that one is computed from log pi_old before the update)."""
+        """log pi_old is the update forward's own log-probs, detached."""
+        # With one optimizer step per iteration (one PPO epoch, one mini-batch) the policy
+        # being updated *is* the old one, so the ratio is exactly 1 without a forward to
+        # recompute it (as TRL and verl do). Only when recompute_logprobs is left unset, and no
+        # KL term shapes the reward (that one is computed from log pi_old before the update).
         return (self.recompute_logprobs is None and self.ppo_epochs == 1 and self.num_mini_batches == 1
                 and not (self.kl_coef and not self.kl_in_loss))
 
     @property
     def uses_reference(self) -> bool:
-        """A KL term reads the reference's log-probs; without one (``kl_coef`` 0) the reference
-        model is neither loaded nor run."""
+        """Whether the reference model is loaded and run (only a KL term reads it)."""
+
         return self.kl_coef > 0
 
     @property

@@ -129,7 +129,7 @@ class Profile:
 
 
 def merge_meta(data: dict, meta: dict) -> dict:
-    """``fields`` completed from ``tools/profile_costs.py``'s meta file."""
+    """``data`` (a Profile's fields) completed from ``meta``, ``tools/profile_costs.py``'s meta file."""
     # The head's forward + backward, the TP tables, and into ``hardware`` the per-step
     # all-reduce fit, the reduce-scatter and all-gather fits and the cores the ranks shared.
     data = dict(data, hardware=dict(data.get("hardware", {})))
