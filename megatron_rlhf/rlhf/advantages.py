@@ -1,12 +1,12 @@
 """Advantages from an experience's rewards: token-level reward shaping and the estimators.
 
-Entry point: :func:`estimate`, by the name in ``--advantage-estimator`` (:data:`ESTIMATORS`):
-gae (a critic), grpo (group-relative scores), rloo (leave-one-out baselines) and
-reinforce++ (whitened discounted returns). :func:`token_rewards` shapes the reward with
-the KL penalty (gae, rloo, reinforce++). Shapes: ``B`` samples, ``T`` response positions
-(right-padded); ``mask`` is ``[B, T]``, 1 at response tokens. Every ``[B, T]`` output is
-0 at padding. Whitening over a data-parallel group equals whitening the whole batch.
+Entry point: :func:`estimate`, by the name in ``--advantage-estimator`` (:data:`ESTIMATORS`).
+Shapes: ``B`` samples, ``T`` response positions (right-padded); ``mask`` is ``[B, T]``, 1 at
+response tokens. Every ``[B, T]`` output is 0 at padding.
 """
+# gae uses a critic, grpo group-relative scores, rloo leave-one-out baselines, reinforce++
+# whitened discounted returns. token_rewards shapes the reward with the KL penalty (gae,
+# rloo, reinforce++). Whitening over a data-parallel group equals whitening the whole batch.
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""The one batch container of the RLHF loop (:class:`Experience`) and its packing.
+"""The one batch container of the RLHF loop (:class:`Experience`) and its packing."""
+# Sequences are [prompt, left-padded to P | response, right-padded to T]: every response
+# starts at column P, and the logits at column P - 1 + t predict response token t.
 
-Sequences are ``[prompt, left-padded to P | response, right-padded to T]``: every response
-starts at column ``P``, and the logits at column ``P - 1 + t`` predict response token ``t``.
-"""
 
 from __future__ import annotations
 

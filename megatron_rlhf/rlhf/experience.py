@@ -1,12 +1,12 @@
 """Experience making: a rollout -> old and reference log-probs, KL, rewards, values, advantages.
 
-Entry point: :meth:`ExperienceMaker.make`. A batch goes pack (:mod:`.batch`) -> inference
-calls (here, or on their own layouts: :mod:`.placement`) -> KL (:mod:`.kl`) -> rewards
-(:meth:`~ExperienceMaker.score`) -> advantages (:mod:`.advantages`). Every log-prob is under
-the sampling policy (:mod:`.policy`), which the :class:`Experience` records for the update.
-Each data-parallel rank makes its own samples' experience; the only collectives are TP
-all-reduces, the DP-global whitening and the all-reduce that stops all ranks on a reward error.
+Entry point: :meth:`ExperienceMaker.make`. Every log-prob is under the sampling policy
+(:mod:`.policy`), which the :class:`Experience` records for the update.
 """
+# A batch goes pack (.batch) -> inference calls (here, or on their own layouts: .placement)
+# -> KL (.kl) -> rewards (ExperienceMaker.score) -> advantages (.advantages). Each
+# data-parallel rank makes its own samples' experience; the only collectives are TP
+# all-reduces, the DP-global whitening and the all-reduce that stops all ranks on a reward error.
 
 from __future__ import annotations
 
@@ -215,9 +215,9 @@ class ExperienceMaker:
 
     def score(self, prompts, prompt_texts, rollout, first_index: int = 0, metas=None, exp=None,
               penalties: bool = True) -> torch.Tensor:
-        """``[B]`` rewards of a rollout's samples (a reward model's needs the packed ``exp``),
-        with the soft overlong penalty when ``penalties`` and configured; collective over the
-        world (every rank stops together on a reward error)."""
+        """``[B]`` rewards of a rollout's samples; collective over the world."""
+        # A reward model needs the packed ``exp``. The soft overlong penalty is added when
+        # ``penalties`` and configured. Every rank stops together on a reward error.
         responses = rollout.responses()
         if exp is None and self.reward_model is not None:
             exp = self._batch(prompts, responses)
@@ -275,9 +275,10 @@ def overlong_penalty(lengths: torch.Tensor, limit: int, buffer: int, penalty: fl
 
 def _stop_together(error: Exception | None, scored: int = 0, failed: int = 0,
                    fn_name: str | None = None) -> None:
-    """Raise on every rank of the world if any rank failed, so none waits forever in a
-    collective; with ``fn_name``, also if every one of the ``scored`` samples of the world
-    ``failed`` (raised, returned a non-number or timed out)."""
+    """Raise on every rank of the world if any rank failed (or, with ``fn_name``, if every one
+    of the world's ``scored`` samples ``failed``)."""
+    # Every rank raises, so none waits forever in a collective. A sample failed when its
+    # reward raised, returned a non-number or timed out.
     total = runtime.all_reduce(torch.tensor([0 if error is None else 1, scored, failed],
                                             device=runtime.device()), dist.ReduceOp.SUM).tolist()
     if error is not None:

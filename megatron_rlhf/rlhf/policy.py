@@ -1,10 +1,11 @@
 """The trained policy's log-probs and entropy from a model's logits.
 
-The trained policy is the distribution generation samples from (:func:`policy_logits`):
-``logits / temperature`` within the current top-k/top-p set, the sampled token always kept.
-The experience's old and reference log-probs and the update's new log-probs and entropy
-all come from here. Shapes: ``B`` samples, ``T`` response positions, ``V`` vocabulary.
+The trained policy is the distribution generation samples from (:func:`policy_logits`).
+Shapes: ``B`` samples, ``T`` response positions, ``V`` vocabulary.
 """
+# It is logits / temperature within the current top-k/top-p set, the sampled token always
+# kept. The experience's old and reference log-probs and the update's new log-probs and
+# entropy all come from here.
 
 from __future__ import annotations
 
@@ -45,9 +46,9 @@ def truncates(policy: GenerationConfig, vocab: int) -> bool:
 
 
 def policy_logits(logits: Tensor, tokens: Tensor, policy: GenerationConfig | None) -> Tensor:
-    """Logits ``[..., V]`` of the trained policy at the positions that chose ``tokens [...]``:
-    ``logits`` itself for the actor's own distribution, else fp32 ``logits / temperature``
-    with ``-inf`` outside the top-k/top-p set except at ``tokens``."""
+    """Logits ``[..., V]`` of the trained policy at the positions that chose ``tokens [...]``."""
+    # ``logits`` itself for the actor's own distribution, else fp32 logits / temperature with
+    # -inf outside the top-k/top-p set except at ``tokens``.
     if policy is None or policy.greedy or samples_actor(policy, logits.shape[-1]):
         return logits
     # tokens stay in the set: one sampled from an earlier policy keeps a finite log-prob;

@@ -1,12 +1,11 @@
 """PPO updates of the actor and the critic over one iteration's experience.
 
-Entry points: :func:`train_actor`, :func:`train_critic`, :func:`train_draft`. Each PPO epoch
-splits this rank's samples into ``num_mini_batches`` mini-batches (one optimizer step
-each) of accumulated micro-batches. Per-token losses are weighted over the mini-batch's
-tokens on *all* data-parallel ranks, so the update equals one rank holding the whole
-batch. The actor trains as the policy its samples were drawn from (``exp.policy``,
-:mod:`.policy`).
+Entry points: :func:`train_actor`, :func:`train_critic`, :func:`train_draft`.
 """
+# Each PPO epoch splits this rank's samples into num_mini_batches mini-batches (one optimizer
+# step each) of accumulated micro-batches. Per-token losses are weighted over the mini-batch's
+# tokens on *all* data-parallel ranks, so the update equals one rank holding the whole batch.
+# The actor trains as the policy its samples were drawn from (exp.policy, .policy).
 
 from __future__ import annotations
 
@@ -77,10 +76,12 @@ def _mini_batches(exp: Experience, cfg: PPOConfig, epoch: int, seed: int | None)
 
 def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_loss,
                 agg: str = "token-mean", horizon: int | None = None, seed: int | None = None) -> dict:
-    """PPO epochs x mini-batches (one optimizer step each) x micro-batches (accumulated,
-    pipelined where the model is a pipeline stage); returns token-mean metrics over all ranks.
+    """PPO epochs x mini-batches x micro-batches; returns token-mean metrics over all ranks.
+
     ``micro_loss(output, mb, sums)``: a micro-batch's per-token loss ``[b, T]`` (weighted by
     :func:`loss_weights` of ``agg``), adding its metrics to ``sums``."""
+    # One optimizer step per mini-batch; micro-batches accumulate, pipelined where the model
+    # is a pipeline stage.
     t.model.train()
     sums, norms, all_tokens = _Sums(), [], torch.zeros((), dtype=torch.float64, device=exp.response_mask.device)
     for epoch in range(cfg.ppo_epochs):
@@ -161,9 +162,9 @@ def train_critic(t: Trainee, exp: Experience, cfg: PPOConfig, horizon: int | Non
 
 
 def train_draft(t: Trainee, actor, exp: Experience, micro_batch_size: int, topk: int) -> dict:
-    """One distillation step of the draft towards ``actor``'s top-``topk`` distribution at
-    each response position (forward KL, :mod:`megatron_rlhf.generation.draft`); returns
-    ``draft_kl`` (and ``draft_feature_loss``)."""
+    """One distillation step of the draft towards ``actor``'s top-``topk`` distribution;
+    returns ``draft_kl`` (and ``draft_feature_loss``)."""
+    # Forward KL at each response position (megatron_rlhf.generation.draft).
     # a feature draft also regresses its hidden states onto the actor's, from the same forward
     from megatron_rlhf.generation.draft import (
         feature_loss, head_logits, target_logits_and_features, teacher_topk, topk_distill_loss)
