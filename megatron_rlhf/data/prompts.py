@@ -1,10 +1,10 @@
 """Prompt records for generation and RLHF: the shipped sets and users' dataset files.
 
-Entry point: :func:`load_prompts`. A record is the prompt (``--prompt-key``: a string or a
-chat ``messages`` list) plus any other fields, which ride along untouched to the reward as
-``RewardInput.meta``. A bad record raises ``ValueError`` naming the file, the line or row,
-and what is wrong, before anything distributed starts.
+Entry point: :func:`load_prompts`. A bad record raises ``ValueError`` naming the file, the
+line or row, and what is wrong, before anything distributed starts.
 """
+# A record is the prompt (--prompt-key: a string or a chat messages list) plus any other
+# fields, which ride along untouched to the reward as RewardInput.meta.
 
 from __future__ import annotations
 
@@ -129,9 +129,9 @@ def load_prompts(path: str | Path | None = None, split: str | None = None,
                  key: str = "prompt", required: tuple[str, ...] = ()) -> list[Prompt]:
     """Records of a dataset file (None: the shipped instruction prompts), in file order.
 
-    ``split``: ``"train"``, ``"heldout"`` or None (all). ``key``: the prompt's field.
-    ``required``: fields every record must have. Raises ValueError naming the file and the
-    line or row (0-based, as ``datasets`` counts), FileNotFoundError."""
+    ``split``: train, heldout or None (all); ``key``: the prompt's field; ``required``: fields
+    every record must have. Raises ValueError naming the file and line or row, FileNotFoundError."""
+    # Rows count from 0, as ``datasets`` counts.
     _check_split(split)
     path = DEFAULT_PROMPTS if path is None else Path(path)
     if path.suffix not in FORMATS:

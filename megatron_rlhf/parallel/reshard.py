@@ -1,10 +1,9 @@
 """Parameter reallocation: copy one model's weights between two layouts (ReaLHF).
 
-Entry point: :class:`Reallocator`, on megatron-core's ``megatron.core.resharding``.
-Invariant: collective over the world. Every rank calls it, whether it holds either copy or
-not (a rank outside a layout passes an :class:`Absent` copy). Transfers go over gloo on
-CPU, NCCL on GPU.
+Entry point: :class:`Reallocator`, on ``megatron.core.resharding``. Collective over the
+world: every rank calls it (a rank outside a layout passes an :class:`Absent` copy).
 """
+# Transfers go over gloo on CPU, NCCL on GPU.
 
 from __future__ import annotations
 
@@ -40,11 +39,10 @@ def _copy_service():
 
 
 class Absent(torch.nn.Module):
-    """A model's copy on a rank outside its layout (e.g. ``--critic-infer-layout 1x1x2@2``).
-
-    No parameters: only what megatron's planner reads on every rank (``pg_collection.dp``,
-    ``config``), and the role and model config a checkpoint records. With it the rank takes
-    part in collective reallocations and saves, sending and receiving nothing."""
+    """A model's copy on a rank outside its layout (e.g. ``--critic-infer-layout 1x1x2@2``)."""
+    # No parameters: only what megatron's planner reads on every rank (pg_collection.dp,
+    # config), and the role and model config a checkpoint records. With it the rank takes
+    # part in collective reallocations and saves, sending and receiving nothing.
 
     def __init__(self, config, role: str | None = None, model_config=None):
         super().__init__()

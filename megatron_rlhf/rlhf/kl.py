@@ -1,10 +1,7 @@
-"""Per-token KL(pi || pi_ref) estimates from sampled tokens, chosen by name
-(:data:`KL_ESTIMATORS`).
-
-Read twice in an iteration: by the experience (the KL penalty that shapes the reward,
-:func:`~megatron_rlhf.rlhf.advantages.token_rewards`) and by the update (the KL loss
-term of grpo). Shapes: ``[B, T]`` over response positions.
-"""
+"""Per-token KL(pi || pi_ref) estimates from sampled tokens, by name (:data:`KL_ESTIMATORS`).
+Shapes: ``[B, T]`` over response positions."""
+# Read twice in an iteration: by the experience (the KL penalty that shapes the reward,
+# advantages.token_rewards) and by the update (grpo's KL loss term).
 
 from __future__ import annotations
 

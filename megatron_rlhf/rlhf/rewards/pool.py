@@ -1,10 +1,10 @@
 """Worker processes that apply one picklable callable to a list of items, with a timeout.
 
-:class:`WorkerPool` keeps ``size`` fresh interpreters bound to ``fn`` across calls; ``run``
-returns one result per item, or a :class:`Lost` for an item whose call timed out, whose
-worker died, or that did not reach ``fn``. A stuck worker costs its item, not the batch: it
-is killed, a fresh one replaces it, and the rest of its chunk goes to the others.
+Entry point: :class:`WorkerPool`; ``run`` returns one result per item, or a :class:`Lost`
+for an item whose call timed out, whose worker died, or that did not reach ``fn``.
 """
+# A stuck worker costs its item, not the batch: it is killed, a fresh one replaces it, and
+# the rest of its chunk goes to the others.
 
 from __future__ import annotations
 
@@ -97,12 +97,10 @@ class _Worker:
 
 class WorkerPool:
     """``size`` workers calling ``fn(item)`` (``batched``: ``fn(chunk) -> list``, one result
-    per item), after ``warmup()`` once each. ``fn`` and ``warmup`` must pickle by reference.
-
-    ``run`` splits the items into contiguous chunks (two per worker; one when batched). An
-    item's call has ``timeout_s`` from its start, which the worker records in shared memory.
-    A batched call has ``timeout_s`` per item of its chunk; on expiry all of them are lost.
-    """
+    per item), after ``warmup()`` once each. ``fn`` and ``warmup`` must pickle by reference."""
+    # run splits the items into contiguous chunks (two per worker; one when batched). An
+    # item's call has timeout_s from its start, which the worker records in shared memory.
+    # A batched call has timeout_s per item of its chunk; on expiry all of them are lost.
 
     def __init__(self, fn: Callable, size: int, batched: bool = False,
                  warmup: Callable[[], Any] | None = None):

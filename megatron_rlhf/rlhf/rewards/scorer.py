@@ -1,9 +1,11 @@
 """The scorer: ``RewardScorer(fn_name, ...)(samples, first_index) -> (rewards [B], counts)``.
 
-A failed sample (a crash, a non-finite value, a timeout) scores 0.0 and is counted, the first
-of each kind printed; under ``strict`` it raises a RewardError. A configuration error (a
-RewardConfigError, a batch function's wrong count, a worker that cannot start) raises always.
-"""
+A failed sample scores 0.0 and is counted (``strict``: RewardError); a configuration error
+always raises."""
+# A failure is a crash, a non-finite value or a timeout; the first of each kind is printed.
+# A configuration error is a RewardConfigError, a batch function's wrong count or a worker
+# that cannot start.
+
 
 from __future__ import annotations
 
