@@ -1,9 +1,10 @@
 """Whole-sequence core attention through torch SDPA, for megatron-core's local layer spec.
 
 Entry point: :class:`SDPAttention`, a drop-in ``core_attention`` submodule (same constructor,
-parameters and state dict). Unlike megatron's local ``DotProductAttention`` it keeps no
-``s x s`` tensor for the backward (see docs/benchmarks for the memory).
+parameters and state dict).
 """
+# Unlike megatron's local DotProductAttention it keeps no s x s tensor for the backward
+# (docs/benchmarks has the memory).
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Build Llama-family megatron-core ``GPTModel``s for each RLHF role.
 
-Entry point: :func:`build_model`. The layer spec is local on CPU, Transformer-Engine when it
-imports on GPU. actor/reference/draft carry the LM head, critic/reward a scalar value head
-per token (:mod:`megatron_rlhf.models.heads`).
+Entry point: :func:`build_model`.
 """
+# The layer spec is local on CPU, Transformer-Engine when it imports on GPU. actor, reference
+# and draft carry the LM head, critic and reward a scalar value head per token (.heads).
 
 from __future__ import annotations
 

@@ -27,10 +27,9 @@ def masked_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                    output_from: int = 0, **kw):
     """``model``'s raw output ``[B, T, ...]`` for a (left-)padded batch; ``kw`` go to the model.
 
-    ``output_from``: the output layer runs on columns ``output_from:`` only, and the output
-    has those columns, except under sequence parallelism (the whole output). Callers find
-    the columns from the output's width (:func:`~megatron_rlhf.rlhf.batch.response_slice`).
-    Raises ValueError when the model ignores explicit masks."""
+    ``output_from``: the output covers columns ``output_from:`` only (under sequence
+    parallelism: all). Raises ValueError when the model ignores explicit masks."""
+    # Callers find the columns from the output's width (rlhf.batch.response_slice).
     from megatron_rlhf.models import sequence_parallel
     from megatron_rlhf.models.builder import check_mask_honoured
 

@@ -1,9 +1,10 @@
 """Hugging Face Llama (and Mistral, Qwen2) <-> megatron-core tensor and config mapping.
 
 Entry points: :func:`config_from_hf`, :func:`hf_to_mcore`, :func:`mcore_to_hf`. Tensors are
-full (TP=1, one process); dist_checkpointing then makes the result loadable at any TP size.
-megatron's names are the local layer spec's (megatron maps the TE spec's fused-norm names).
+full (TP=1, one process).
 """
+# dist_checkpointing then makes the result loadable at any TP size. megatron's names are the
+# local layer spec's (megatron maps the TE spec's fused-norm names).
 
 from __future__ import annotations
 
@@ -72,9 +73,10 @@ VALUE_ROLES = ("critic", "reward")
 
 
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32, role: str = "actor") -> dict:
-    """A config dict of ``cfg``'s family (Llama, Mistral, Qwen2) that ``transformers`` loads:
-    ``*ForCausalLM``, or ``*ForSequenceClassification`` with one label for a critic or
-    reward model (the convention of OpenRLHF's and TRL's reward models)."""
+    """A config dict of ``cfg``'s family that ``transformers`` loads (``*ForCausalLM``, or
+    ``*ForSequenceClassification`` with one label for a critic or reward model)."""
+    # One label is the convention of OpenRLHF's and TRL's reward models.
+
     rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_scaling is not None:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rotary_base, **cfg.rope_scaling}

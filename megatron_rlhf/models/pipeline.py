@@ -1,10 +1,11 @@
 """Whole-sequence forwards (and backwards) of micro-batches, pipelined or not.
 
-Entry points: :func:`map_micro_batches` (no gradients) and :func:`forward_backward`. At PP > 1
-megatron-core's schedules run (1F1B, or forward only). Invariant: callers see the same
-results at any PP size. ``output`` is the model's raw output on the last stage: ``[b, s, V]``
-LM logits (vocabulary padding included) or ``[b, s, 1]`` values.
+Entry points: :func:`map_micro_batches` (no gradients) and :func:`forward_backward`.
+Invariant: callers see the same results at any PP size.
 """
+# At PP > 1 megatron-core's schedules run (1F1B, or forward only). ``output`` is the model's
+# raw output on the last stage: [b, s, V] LM logits (vocabulary padding included) or
+# [b, s, 1] values.
 
 from __future__ import annotations
 
