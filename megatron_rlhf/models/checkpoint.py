@@ -1,10 +1,10 @@
 """Model checkpoints: megatron-core ``dist_checkpointing``, written atomically.
 
 Entry points: :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`read_checkpoint`.
+Invariants: a crash at any point leaves the previous checkpoint loadable. A missing or
+truncated file is reported before any collective starts. Saved at one TP size, a
+checkpoint loads at another.
 """
-# Invariants: a crash at any point leaves the previous checkpoint loadable. A missing or
-# truncated file is reported before any collective starts. Saved at one TP size, a
-# checkpoint loads at another.
 
 from __future__ import annotations
 
