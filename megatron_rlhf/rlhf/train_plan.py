@@ -34,14 +34,18 @@ from megatron_rlhf.rlhf.planning import execution_plan
 class CheckpointPaths:
     """Where each model comes from."""
 
-    actor: str  # The policy's initial weights (an LM checkpoint).
-    reference: str | None = None  # The KL reference (default: the initial actor).
-    critic: str | None = None  # The critic (default: the actor's trunk with a zero value head).
-    # A reward model (a critic/reward checkpoint); or use a rule reward function.
+    actor: str
+    """The policy's initial weights (an LM checkpoint)."""
+    reference: str | None = None
+    """The KL reference (default: the initial actor)."""
+    critic: str | None = None
+    """The critic (default: the actor's trunk with a zero value head)."""
     reward: str | None = None
-    draft: str | None = None  # A draft model for speculative generation.
-    # A --save directory (or one of its iter_* directories) to resume from.
+    """A reward model (a critic/reward checkpoint); or use a rule reward function."""
+    draft: str | None = None
+    """A draft model for speculative generation."""
     resume: str | None = None
+    """A --save directory (or one of its iter_* directories) to resume from."""
 
 
 @dataclass
@@ -68,8 +72,8 @@ class TrainPlan:
     resume_state: dict = field(default_factory=dict)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    # The held-out records and how they are evaluated (None: no evaluation).
     heldout: HeldOut | None = None
+    """The held-out records and how they are evaluated (None: no evaluation)."""
 
 
 def _infos(paths: CheckpointPaths, ppo: PPOConfig, resume: Path | None) -> dict[str, CheckpointInfo]:
