@@ -1,49 +1,14 @@
 """Decode steps replayed from CUDA graphs: the generator at GPU speed, not launch speed.
 
-Eager decoding of a 1B Llama on an H200 took 56-78 ms a step at every batch size: the
-GPU waits for Python to launch a few hundred small kernels, while the weights take ~0.5 ms
-to read. A CUDA graph records those launches once and replays them with one call.
-
-:class:`StepGraphs` owns, for one model, what a graph must find at the same addresses on
-every replay: a KV cache store (:class:`~megatron_rlhf.generation.kv_cache.KVCache`, whose
-rows stay put while samples finish or migrate), a RoPE table, and input buffers for the
-fed tokens (and a feature draft's features). A graph is captured per batch bucket (powers
-of two; live rows are padded to their bucket, the padding rows compute garbage at
-position 0) and per number of tokens fed: 1 for a plain step or a draft step, ``n + 1``
-for a verification. The captured code is :func:`~megatron_rlhf.generation.incremental.
-forward_cached` with ``static=True``: no host reads, the attention over the whole cache
-with each sample's positions masked. On the CPU (and in tests) the same object runs that
-code eagerly (``capture=False``): this is how the CPU checks that the graphed step equals
-the dynamic one.
-
-A plain decode step is one graph from the fed token to the finished flags
-(:meth:`StepGraphs.sample_step`): the forward, the keyed uniforms, the draw, the log-probs,
-EOS and length checks, and the advance of each row's state (``pending``, ``emitted``,
-``alive``, held in static buffers that the engine's rows are views of). Outside it the
-engine does one device-to-host copy of a small packed result per step (pinned memory,
-non-blocking, then one stream sync) and its per-sample bookkeeping in Python.
-
-A round that verifies history drafts (no draft model; exact or greedy verification) is
-one graph too (:meth:`StepGraphs.verify_step`): the forward of ``[pending, d1..dn]``, the
-tokens plain sampling draws at those positions, the accepted prefix, the log-probs, the
-finished flags, the cache rolled back to what was accepted and the rows' state advanced,
-read by the host as one packed result. Its width is bucketed (:func:`width_bucket`:
-verifications of 2, 4 or 8 tokens), the positions past the round's own ``n`` computed and
-never accepted, so a few graphs serve every draft length. A round of a draft model's
-drafts is one graph as well (:meth:`StepGraphs.draft_step`): the draft's catch-up with the
-tokens it lacks (fed at a power-of-two width, each row's own count of them real), its
-proposals (the history's tokens in their place where it found some, ``--draft-source
-both``), its cache rolled back, the same verification. Under rejection sampling a round
-runs the graphed forwards with the rest eager.
-
-If a capture fails, the reason is logged and that store's steps run the same code eagerly
-(:attr:`StepGraphs.failed`); ``--no-cuda-graphs`` turns capture off.
-
-Graphs are bound to the model's weights where they lie: :meth:`StepGraphs.fits` refuses
-a model whose parameters moved (offloaded and restored), and the generator then builds a
-new one. A store that had to grow past its capacity (migration) is served eagerly.
+Entry point: :class:`StepGraphs`, one per model, owning what a graph must find at the same
+addresses on every replay (a KV cache store whose rows stay put, a RoPE table, input and
+row-state buffers). A graph is captured per batch bucket (powers of two; padding rows
+compute garbage at position 0) and per tokens fed. Its code is ``forward_cached(static=True)``
+plus sampling, verification and the rows' advance: no host read inside, one packed
+device-to-host copy per round outside. ``capture=False`` runs the same code eagerly (how
+the CPU checks it); a failed capture is logged and falls back to it. A store refuses a
+model whose weights moved (:meth:`StepGraphs.fits`).
 """
-
 from __future__ import annotations
 
 import logging
@@ -52,6 +17,7 @@ import time
 import torch
 
 from megatron_rlhf.generation import rng
+from megatron_rlhf.generation.attention import default_backend
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, plain_layers
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.sampling import STEP_COLUMNS, logprob_pair, sample, step_outputs
@@ -139,8 +105,9 @@ class StepGraphs:
     """Cached forwards of ``model`` for the rows of one KV cache store; see the module
     docstring. ``capture``: CUDA graphs (on a GPU), else the same static code run eagerly."""
 
-    def __init__(self, model, capacity: int, max_len: int, capture: bool):
+    def __init__(self, model, capacity: int, max_len: int, capture: bool, backend: str | None = None):
         self.model, self.capture = model, capture
+        self.backend = backend or default_backend(model.embedding.word_embeddings.weight.device)
         self.cache = KVCache.for_model(model, 0, max_len, capacity=bucket(capacity))
         self.rope = RopeTable(model, max_len)
         dev, cap = self.cache.store_lengths.device, self.cache.capacity
@@ -256,7 +223,7 @@ class StepGraphs:
             lengths.mul_(alive)  # finished and padding rows compute garbage at position 0
             feed = torch.where(alive, self.pending[:b], pad_id)[:, None]
             logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True,
-                                    return_features=return_features)
+                                    return_features=return_features, backend=self.backend)
             if return_features:
                 logits, hidden = logits
                 self.hidden[:b].copy_(hidden[:, 0])
@@ -313,7 +280,7 @@ class StepGraphs:
         base = lengths.clone()
         feed = torch.cat([torch.where(alive, self.pending[:b], pad_id)[:, None], drafted], 1)
         logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True,
-                                return_features=return_features)
+                                return_features=return_features, backend=self.backend)
         if return_features:
             logits, hidden = logits
             self.verified_hidden[:b, :width + 1].copy_(hidden)
@@ -381,7 +348,7 @@ class StepGraphs:
             caught = d_len + count  # what the draft holds once caught up
             feats = draft.catch_features[:b, :cw] if feature else None
             res = forward_cached(draft.model, draft._rows(b), draft.catch_tokens[:b, :cw], draft.rope,
-                                 static=True, last_index=count - 1, features=feats,
+                                 static=True, backend=draft.backend, last_index=count - 1, features=feats,
                                  return_features=feature)
             if feature:
                 logits, hidden = res
@@ -398,7 +365,7 @@ class StepGraphs:
                 proposed.append(tok)
                 if i + 1 < n:
                     res = forward_cached(draft.model, draft._rows(b), tok[:, None], draft.rope, static=True,
-                                         features=hidden, return_features=feature)
+                                         features=hidden, return_features=feature, backend=draft.backend)
                     logits, hidden = res if feature else (res, None)
             d_len.copy_(caught)
             return self._verify(b, torch.stack(proposed, 1), params, max_new, eos, pad_id,
@@ -422,8 +389,8 @@ class StepGraphs:
         feats = None if self.features is None else self.features[:b, :n]
 
         def step():
-            return forward_cached(self.model, self._rows(b), self.tokens[:b, :n], self.rope,
-                                  features=feats, return_features=return_features, static=True)
+            return forward_cached(self.model, self._rows(b), self.tokens[:b, :n], self.rope, features=feats,
+                                  return_features=return_features, static=True, backend=self.backend)
 
         return step
 

@@ -93,6 +93,14 @@ def logprob_pair(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch
     return token_logprobs(logits, tokens), sampling_logprobs(probs, tokens)
 
 
+def logprob_lists(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor,
+                  params: GenerationConfig) -> tuple[list, list]:
+    """:func:`logprob_pair` as nested lists, the same list twice when both are one tensor."""
+    lp, slp = logprob_pair(logits, probs, tokens, params)
+    lps = lp.tolist()
+    return lps, (lps if slp is lp else slp.tolist())
+
+
 def sampling_logprobs(probs: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
     """Log-prob of ``tokens`` under the sampling distribution (0 for greedy: ``probs`` None)."""
     if probs is None:

@@ -489,12 +489,12 @@ def describe(actor, draft, graphs: bool = False) -> str:
         return (f"{c.num_layers}x{c.hidden_size}/{c.ffn_hidden_size} h{c.num_attention_heads}"
                 f"/{c.num_query_groups} v{c.head_vocab_size or c.vocab_size}"
                 f"{' feature' if c.feature_draft else ''} {w.dtype} {w.device.type}")
-    from megatron_rlhf.generation.incremental import attention_backend
+    from megatron_rlhf.generation.attention import default_backend
 
     tp = actor.pg_collection.tp.size()
     dev = actor.embedding.word_embeddings.weight.device
     return (f"actor {one(actor)}; draft {one(draft) if draft is not None else None}; tp {tp}"
-            f"; {attention_backend(dev)} attention" + ("; cuda graphs" if graphs else ""))
+            f"; {default_backend(dev)} attention" + ("; cuda graphs" if graphs else ""))
 
 
 @torch.inference_mode()
