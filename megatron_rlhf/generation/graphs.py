@@ -25,21 +25,15 @@ from megatron_rlhf.generation.speculative import verdict_from_matches
 
 log = logging.getLogger(__name__)
 
-ROW_STATE = ("sid", "pending", "emitted", "alive")
-"""Per-row fields of the engine's rows that a sampled step reads and advances in place."""
-
-MAX_TOKENS = 8
-"""Most tokens per sample one graph feeds (a verification of up to 7 draft tokens)."""
-
+ROW_STATE = ("sid", "pending", "emitted", "alive")  # row fields a graphed step advances in place
+MAX_TOKENS = 8  # most tokens per sample one graph feeds (a verification of up to 7 drafts)
+# Most tokens a draft's catch-up buffer holds (at this width the engine feeds the draft all
+# but each row's last); also the widest catch-up a draft round's graph feeds, and the
+# positions a draft's cache holds beyond the request's.
 CATCH_UP_MAX = 32
-"""Most tokens a draft's catch-up buffer holds: a run of plain steps lets it grow, and at
-this width the engine feeds the draft all but each row's last buffered token (keeps the
-buffer's memory bounded). Also the widest catch-up a draft round's graph feeds, and the
-positions a draft's cache holds beyond the request's."""
-
+# Eager runs before a capture, on a side stream: lazy initialisation (cuBLAS workspaces)
+# must not happen during capture.
 WARMUP = 1
-"""Eager runs before a capture (on a side stream, as torch requires: lazy initialisation
-of cuBLAS workspaces and the like must not happen during capture)."""
 
 
 def bucket(rows: int) -> int:
@@ -55,9 +49,8 @@ def width_bucket(n: int, room: int) -> int:
 
 
 def graphable(model) -> bool:
-    """Whether ``model``'s decode step can be captured: the plain-layer path
-    (:func:`~megatron_rlhf.generation.incremental.plain_layers`) calls no module that
-    reseeds megatron's RNG tracker during the forward (which capture forbids)."""
+    """Whether ``model``'s decode step can be captured (the plain-layer path: no module that
+    reseeds megatron's RNG tracker, which capture forbids)."""
     return plain_layers(model)
 
 
@@ -77,8 +70,7 @@ class _Eager:
 
 class _Captured:
     def __init__(self, fn, pool, state: tuple[torch.Tensor, ...]):
-        """``state``: tensors the step advances in place, restored after the warm-up runs
-        (and after a failed capture, whose step then runs eagerly from where it was)."""
+        """``state``: tensors the step advances in place, restored after warm-up and capture."""
         saved = [t.clone() for t in state]
         try:
             side = torch.cuda.Stream()
@@ -102,8 +94,8 @@ class _Captured:
 
 
 class StepGraphs:
-    """Cached forwards of ``model`` for the rows of one KV cache store; see the module
-    docstring. ``capture``: CUDA graphs (on a GPU), else the same static code run eagerly."""
+    """Graphed forwards of ``model`` over the rows of one KV cache store. ``capture``: CUDA
+    graphs (on a GPU), else the same static code run eagerly; ``backend``: the attention's."""
 
     def __init__(self, model, capacity: int, max_len: int, capture: bool, backend: str | None = None):
         self.model, self.capture = model, capture
@@ -207,12 +199,9 @@ class StepGraphs:
 
     def sample_step(self, rows, params, max_new: int, eos: int | None, pad_id: int,
                     return_features: bool = False) -> list[list[float]]:
-        """One plain decode step of ``rows`` (bound: :meth:`bind`) from one graph: feed each
-        live row's pending token, draw the next with its keyed uniform, advance the rows'
-        state on the device. Returns per row the :data:`~megatron_rlhf.generation.sampling.
-        STEP_COLUMNS` (the step's one device-to-host copy). ``return_features``: the final
-        hidden state of each fed token is left in :attr:`hidden` ``[R, h]`` (what a feature
-        draft reads beside the sampled token)."""
+        """One plain decode step of bound ``rows`` from one graph; returns per row the
+        :data:`~megatron_rlhf.generation.sampling.STEP_COLUMNS`. ``return_features``: each
+        fed token's final hidden state is left in :attr:`hidden` ``[R, h]``."""
         r = len(rows)
         b = bucket(r)
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
@@ -240,15 +229,9 @@ class StepGraphs:
 
     def verify_step(self, rows, drafts: torch.Tensor, n: int, width: int, params, max_new: int,
                     eos: int | None, pad_id: int) -> list[list[float]]:
-        """One verification of ``drafts [R, >= n]`` (single tokens, e.g. the history's) for
-        ``rows`` (bound: :meth:`bind`) from one graph of ``width >= n`` drafts
-        (:func:`width_bucket`; the cache has room for ``width``): accept each row's drafts
-        while each is the token plain sampling draws at its position (the argmax when
-        greedy), never past the ``n``-th; emit the drawn token after them; advance the rows'
-        state and roll the cache back to ``pending`` and the accepted drafts. Returns per
-        row ``[sid, alive, done, k, token_0..token_width, lp_0.., slp_0..]``: the drawn
-        tokens and their log-probs at every position, of which the first ``k + 1`` are
-        emitted (the round's one device-to-host copy)."""
+        """One exact verification of ``drafts [R, >= n]`` for bound ``rows`` from one graph of
+        ``width >= n`` drafts (:func:`width_bucket`). Returns per row ``[sid, alive, done, k,
+        token_0..token_width, lp_0.., slp_0..]``, of which the first ``k + 1`` are emitted."""
         r = len(rows)
         b = bucket(r)
         self.tokens[:r, 1:n + 1].copy_(drafts[:, :n])
@@ -266,13 +249,10 @@ class StepGraphs:
 
     def _verify(self, b: int, drafted: torch.Tensor, params, max_new: int, eos: int | None,
                 pad_id: int, return_features: bool = False) -> torch.Tensor:
-        """The verification a graph captures (no host read): feed ``[pending, drafted]``
-        (``drafted [b, w]``), accept while each draft is the token plain sampling draws at
-        its position, never past :attr:`limit`; advance the rows and roll the cache back.
-        Returns the packed result (:meth:`verify_step`); leaves the drawn tokens in
-        :attr:`drawn`, the accepted counts in :attr:`accepted` and, with
-        ``return_features``, the actor's hidden states at the fed positions in
-        :attr:`verified_hidden`."""
+        """The verification a graph captures: feed ``[pending, drafted [b, w]]``, accept while
+        each draft is plain sampling's token, never past :attr:`limit`; advance the rows and
+        roll the cache back. Returns :meth:`verify_step`'s packed result; leaves :attr:`drawn`,
+        :attr:`accepted` and (``return_features``) :attr:`verified_hidden`."""
         alive, emitted, lengths = self.alive[:b], self.emitted[:b], self.cache.store_lengths[:b]
         width = drafted.shape[1]
         was_alive = alive.clone()
@@ -305,17 +285,13 @@ class StepGraphs:
 
     def draft_step(self, draft: "StepGraphs", rows, n: int, params, max_new: int,
                    eos: int | None, pad_id: int, history=None) -> list[list[float]]:
-        """A round of ``n`` drafts from a draft model (``draft``: its store, whose rows are
-        ``rows``' draft cache) as one graph: the draft catches up with each row's buffered
-        tokens (``rows["catch_tokens"]``, ``catch_count`` of them; a feature draft with
-        ``catch_features``), fed at a power-of-two width; proposes ``n`` tokens, each drawn
-        with the uniform plain sampling uses at that position (so a draft near the actor
-        proposes the actor's very token); its cache goes back to the caught-up tokens; the
-        actor verifies them exactly (:meth:`_verify`). Returns what :meth:`verify_step`
-        does; the next catch-up is the first ``accepted + 1`` of :attr:`drawn` (and of
-        :attr:`verified_hidden` for a feature draft). ``history``: ``(tokens [R, n],
-        found [R])``, ``--draft-source both``: a row's first ``found`` proposals are the
-        history's tokens (and what the draft reads next), the rest the draft's."""
+        """A round of ``n`` drafts from a draft model (``draft``: its store, holding ``rows``'
+        draft cache) as one graph: catch-up, proposals, exact verification. Returns what
+        :meth:`verify_step` does; the next catch-up is the first ``accepted + 1`` of
+        :attr:`drawn`. ``history``: ``(tokens [R, n], found [R])`` replacing a row's first
+        ``found`` proposals."""
+        # the catch-up is fed at a power-of-two width; each proposal is drawn with the
+        # uniform plain sampling uses there, so a draft near the actor proposes its token
         r = len(rows)
         b = bucket(r)
         if history is not None:  # the history's tokens wait in the forward's token buffer
@@ -376,8 +352,7 @@ class StepGraphs:
         return self._read(graph.run(), r)
 
     def _read(self, packed: torch.Tensor, r: int) -> list[list[float]]:
-        """The first ``r`` rows of a step's packed result on the host: one non-blocking copy
-        into pinned memory, one stream sync."""
+        """The first ``r`` rows of a step's packed result on the host (one pinned copy, one sync)."""
         host = self.host.view(-1)[:r * packed.shape[1]].view(r, packed.shape[1])
         host.copy_(packed[:r], non_blocking=True)
         if packed.is_cuda:
@@ -395,8 +370,7 @@ class StepGraphs:
         return step
 
     def _cached(self, table: dict, key: tuple, step, state: tuple[torch.Tensor, ...] = ()):
-        """The graph of ``key`` in ``table``; at the first use made from ``step``
-        (:meth:`_graph`, ``state`` as there), its seconds added to :attr:`capture_s`."""
+        """The graph of ``key`` in ``table``, made from ``step`` at its first use (timed)."""
         graph = table.get(key)
         if graph is None:
             start = time.perf_counter()
@@ -405,8 +379,7 @@ class StepGraphs:
         return graph
 
     def _graph(self, step, state: tuple[torch.Tensor, ...] = ()):
-        """``step`` captured (its own state and the cache lengths restored after warm-up),
-        or run eagerly without capture, or after a failed capture (logged once per store)."""
+        """``step`` captured, or run eagerly (no capture, or a failed one: logged once per store)."""
         if not self.capture:
             return _Eager(step)
         try:
@@ -431,9 +404,8 @@ class StepGraphs:
 @torch.inference_mode()
 def time_step(model, batch: int, n: int, context: int, repeats: int = 20,
               graphs: bool = True) -> float:
-    """Milliseconds of one forward of ``n`` tokens per sample after ``context`` cached
-    tokens, at ``batch`` samples, through the path the generator takes: a replayed CUDA
-    graph on a GPU (``graphs``), the dynamic step otherwise. Median of ``repeats``."""
+    """Median milliseconds of one forward of ``n`` tokens per sample after ``context`` cached
+    tokens at ``batch`` samples, as the generator runs it (a CUDA graph on a GPU with ``graphs``)."""
     weight = model.embedding.word_embeddings.weight
     cuda, max_len = weight.is_cuda, context + n + 1
     tokens = torch.randint(0, model.mrlhf_config.vocab_size, (batch, n), device=weight.device)

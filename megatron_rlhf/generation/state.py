@@ -1,19 +1,11 @@
 """What the generator holds per sample: outputs so far, and the live batch's rows.
 
-:class:`Outputs` keeps each sample's emitted tokens and log-probs, keyed by its global
-index (the key of its random numbers, :mod:`~megatron_rlhf.generation.rng`).
-:class:`Rows` is the live batch: one row per unfinished sample in every per-row tensor
-and in the KV caches of the actor and the draft. Rows can be dropped (finished samples),
-packed and appended (samples migrating between data-parallel ranks).
-
-Per-row tensors:
-
-- ``sid [R]`` global sample index; ``emitted [R]`` tokens emitted so far (the position of
-  the next draw); ``pending [R]`` the newest token (emitted, not yet in the actor cache);
-  ``alive [R]`` False once the sample finished (the row is dropped later);
-- with a draft: ``catch_tokens [R, c]`` the tokens the draft cache lacks (``pending``
-  last), ``catch_count [R]`` how many of the ``c`` columns are real, and for a feature
-  draft ``catch_features [R, c, h]`` the actor's hidden state paired with each of them.
+:class:`Outputs`: each sample's emitted tokens and log-probs, keyed by its global index.
+:class:`Rows`: one row per unfinished sample in every per-row tensor and in the KV caches;
+rows can be dropped, packed and appended (migration). Per-row tensors: ``sid`` (global
+index), ``emitted`` (tokens emitted: the next draw's position), ``pending`` (the newest
+token, not yet in the actor cache), ``alive``; with a draft model ``catch_tokens [R, c]``,
+``catch_count`` and for a feature draft ``catch_features [R, c, h]`` (what its cache lacks).
 """
 
 from __future__ import annotations
@@ -22,8 +14,7 @@ import torch
 
 from megatron_rlhf.generation.kv_cache import KVCache
 
-WIDE = ("catch_tokens", "catch_features")
-"""Per-row tensors whose second dimension differs between batches (padded when joined)."""
+WIDE = ("catch_tokens", "catch_features")  # per-row tensors whose width differs between batches
 
 
 class Outputs:
