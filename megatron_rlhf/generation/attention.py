@@ -15,13 +15,11 @@ import torch.nn.functional as F
 
 from megatron_rlhf.generation import cpu_numerics
 
+# matmul: two batched matmuls and an fp32 softmax (the CPU's); sdpa: torch's fused attention
+# (the GPU's without flash-attn); flash: flash_attn_with_kvcache on the cache in place (the
+# GPU's with flash-attn; a half-precision cache only, an fp32 one takes sdpa)
 BACKENDS = ("matmul", "sdpa", "flash")
-"""``matmul``: two batched matmuls and an fp32 softmax (the CPU's); ``sdpa``: torch's fused
-attention (the GPU's without flash-attn); ``flash``: ``flash_attn_with_kvcache`` on the
-cache in place (the GPU's with flash-attn; a half-precision cache only, fp32 takes sdpa)."""
-
-ENV_OVERRIDE = "MRLHF_DECODE_ATTENTION"
-"""Environment variable that forces a backend (one of :data:`BACKENDS`) for every device."""
+ENV_OVERRIDE = "MRLHF_DECODE_ATTENTION"  # forces a backend on every device (read in default_backend only)
 
 _flash_kvcache = None  # flash_attn_with_kvcache once imported (False: it does not import)
 
@@ -61,16 +59,14 @@ def default_backend(device) -> str:
 
 
 def attention_mask(lengths: torch.Tensor, n: int, k_len: int) -> torch.Tensor:
-    """``[B, 1, n, k_len]`` bool: query ``j`` of row ``b`` (at ``lengths[b] + j``) sees keys
-    ``t <= lengths[b] + j``."""
+    """``[B, 1, n, k_len]`` bool: query ``j`` of row ``b`` sees keys ``t <= lengths[b] + j``."""
     q_pos = lengths[:, None] + torch.arange(n, device=lengths.device)  # [B, n]
     keys = torch.arange(k_len, device=lengths.device)
     return (keys[None, None, :] <= q_pos[:, :, None])[:, None]
 
 
 def flash_seqlens(lengths: torch.Tensor, n: int) -> torch.Tensor:
-    """``cache_seqlens`` for :func:`flash_attention` once ``n`` tokens per row were written
-    after ``lengths`` (int32, as the kernel takes them)."""
+    """:func:`flash_attention`'s int32 ``seqlens`` once ``n`` tokens were written after ``lengths``."""
     return (lengths + n).to(torch.int32)
 
 
@@ -85,8 +81,8 @@ def flash_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
 
 
 def fold(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [B, H, n, d]`` with each KV group's ``g`` query heads stacked as rows,
-    ``[B, KV, g*n, d]``, and ``mask [B, 1, n, L]`` repeated for them, ``[B, 1, g*n, L]``."""
+    """``q [B, H, n, d]`` as ``[B, KV, g*n, d]`` (a KV group's query heads stacked as rows) and
+    ``mask [B, 1, n, L]`` repeated for them."""
     b, h, n, d = q.shape
     g = h // k.shape[1]
     return q.reshape(b, k.shape[1], g * n, d), mask.repeat(1, 1, g, 1)

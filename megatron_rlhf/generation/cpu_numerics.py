@@ -14,12 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ATTEND_ALIGN = 16
-"""The attention reads a multiple of this many cache positions; generation sizes its caches to one."""
-
+ATTEND_ALIGN = 16  # the attention reads a multiple of this many cache positions; caches are sized to one
+# widest forward (tokens per row) whose half-precision attention runs one query at a time:
+# verifications and short catch-ups, never a prefill chunk
 WIDTH_INVARIANT_MAX_TOKENS = 17
-"""Widest forward (tokens per row) whose half-precision attention runs one query at a time:
-verifications and short catch-ups, never a prefill chunk."""
 
 # Rows up to which an fp32 CPU linear runs as (w @ x^T)^T (see linear)
 SWAPPED_GEMM_MAX_ROWS = 4
@@ -32,11 +30,9 @@ def aligned_length(length: int) -> int:
 
 
 def attended_length(cache, needed: int) -> int:
-    """Cache positions the attention reads when ``needed`` hold tokens: ``needed`` rounded up
-    to :data:`ATTEND_ALIGN` (at most the cache), or the whole cache once ``needed`` reaches
-    half of a CPU half-precision cache."""
-    # Rounded, a row's attention does not depend on the batch's longest row nor on the
-    # width of the forward: a CPU sums L keys in an order that changes with L's last bits.
+    """Cache positions the attention reads when ``needed`` hold tokens (at most the cache)."""
+    # Rounded up to ATTEND_ALIGN, a row's attention does not depend on the batch's longest
+    # row nor on the forward's width: a CPU sums L keys in an order that changes with L.
     half = cache.keys[0].dtype != torch.float32 and not cache.keys[0].is_cuda
     # CPU bf16 matmuls copy a slice of the cache but read the whole contiguous cache in
     # place: past half of it the whole cache costs no more than the slice
@@ -55,16 +51,15 @@ def width_invariant(dtype: torch.dtype, n: int) -> bool:
 
 
 def group_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, 1, groups*n, L]`` additive mask (0 or -inf) for the matmul attention's stacked rows."""
+    """``[B, 1, groups*n, L]`` additive mask (0 or -inf) for the stacked query rows."""
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return bias.repeat(1, 1, groups, 1)
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``matmul`` backend: ``q [B, H, n, d]``, ``k, v [B, KV, L, d]`` -> ``[B, H, n, d]``,
-    a KV group's query heads stacked as rows, fp32 softmax. ``bias``: :func:`group_bias` of
-    ``mask`` (built here when None)."""
+    """The ``matmul`` backend: ``q [B, H, n, d]``, ``k, v [B, KV, L, d]`` -> ``[B, H, n, d]``
+    (fp32 softmax); ``bias``: :func:`group_bias` of ``mask``, built here when None."""
     b, h, n, d = q.shape
     kv = k.shape[1]
     g = h // kv
@@ -79,16 +74,15 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 class Spans:
-    """The matmul attention in spans of query positions ``[lo, hi)``, one call per span over
-    the whole cache in place, each with its part of the mask's bias."""
+    """The matmul attention in spans of query positions ``[lo, hi)``, one call per span."""
 
     def __init__(self, mask: torch.Tensor, groups: int, spans: list[tuple[int, int]]):
         self.spans = [(lo, hi, group_bias(mask[:, :, lo:hi], groups, torch.float32)) for lo, hi in spans]
 
     @classmethod
     def of(cls, mask: torch.Tensor, groups: int, invariant: bool, ragged: bool) -> Spans | None:
-        """The spans of a forward with ``mask [B, 1, n, L]``: one position at a time when
-        ``invariant``; for a ``ragged`` feed every row's first query, then the rest; else None."""
+        """Spans for ``mask [B, 1, n, L]``: each position when ``invariant``; for a ``ragged``
+        feed the first query, then the rest; else None (one call)."""
         n = mask.shape[2]
         if invariant:
             return cls(mask, groups, [(j, j + 1) for j in range(n)])
@@ -126,9 +120,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class CpuForward:
-    """What a forward's layers share under the CPU's numerics: the matmul attention's bias
-    (or spans) and the linear. Built by the forward when ``backend`` is ``matmul`` or the
-    tensors are not on CUDA."""
+    """What a forward's layers share under the CPU's numerics: the linear, and the matmul
+    backend's bias or spans for ``mask [B, 1, n, L]``."""
 
     def __init__(self, mask: torch.Tensor, groups: int, dtype: torch.dtype, backend: str, ragged: bool):
         self.bias = self.spans = None

@@ -258,9 +258,9 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     return (logits, hidden) if return_features else logits
 
 
+# real tokens per run of rows in prefill, by device: a CPU's matmuls are compute-bound from a
+# few hundred tokens on; a GPU needs thousands per forward to fill its SMs
 PREFILL_CHUNK_TOKENS = {"cpu": 2048, "cuda": 8192}
-"""Real tokens per run of rows in :func:`prefill`, by device: a CPU's matmuls are compute-bound
-from a few hundred tokens on; a GPU needs thousands per forward to fill its SMs."""
 
 
 def prefill_chunk_tokens(device) -> int:

@@ -18,7 +18,7 @@ def pad_right(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
 
 def packed_positions(valid: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [T], columns [T])`` of the real tokens of a ``[B, n]`` feed with ``valid [B]``
-    real tokens per row, position-major (every row's first token, then every second, ...)."""
+    per row, position-major."""
     real = torch.arange(n, device=valid.device)[:, None] < valid[None, :]  # [n, B]
     cols, rows = real.nonzero(as_tuple=True)
     return rows, cols
@@ -38,7 +38,7 @@ class Packing:
         return t.reshape(self.n * self.b, *t.shape[2:]).index_select(0, self.keep)[:, None]
 
     def unpack(self, t: torch.Tensor) -> torch.Tensor:
-        """``[T, 1, ...]`` -> ``[n, B, ...]`` (zeros at padding)."""
+        """``[T, 1, ...]`` -> ``[n, B, ...]``, zeros at padding."""
         t = t[:, 0]
         out = t.new_zeros((self.n * self.b, *t.shape[1:]))
         return out.index_copy_(0, self.keep, t).view(self.n, self.b, *t.shape[1:])
