@@ -292,7 +292,8 @@ class Generator:
         fields = {"sid": sid, "emitted": torch.zeros(b, dtype=torch.long, device=dev),
                   "alive": torch.ones(b, dtype=torch.bool, device=dev)}
         if self.history is not None:  # a migrated sample's drafting state is rebuilt from these
-            fields["prompt"] = pad_right(ordered, self.pad_id, dev) if b else torch.zeros(0, 1, dtype=torch.long, device=dev)
+            fields["prompt"] = (pad_right(ordered, self.pad_id, dev) if b
+                                else torch.zeros(0, 1, dtype=torch.long, device=dev))
             fields["prompt_len"] = torch.tensor([len(p) for p in ordered], dtype=torch.long, device=dev)
             for s, p in zip(sid.tolist(), ordered):
                 self.history.begin(s, p)
