@@ -1,9 +1,8 @@
 """Decode attention over the KV cache: the backends and the masks they read.
 
 Entry points: :func:`default_backend` (the one choice, made once by the caller and passed
-down), :func:`attention` and :func:`flash_attention`. Every backend takes grouped-query
-attention: head ``h`` reads KV group ``h // (H / KV)``, as megatron lays them out.
-The matmul backend's arithmetic lives in :mod:`~megatron_rlhf.generation.cpu_numerics`.
+down), :func:`attention`, :func:`flash_attention`. Grouped-query heads as megatron lays them
+out; the matmul backend's arithmetic lives in :mod:`~megatron_rlhf.generation.cpu_numerics`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """One call of :meth:`~megatron_rlhf.generation.engine.Generator.generate`: its request and state.
 
-:class:`Call` is built by ``generate()`` and passed whole to every round
-(:mod:`~megatron_rlhf.generation.rounds`, :mod:`~megatron_rlhf.generation.drafting`,
-:mod:`~megatron_rlhf.generation.lookup`); the generator keeps only what outlives a call.
+:class:`Call` is built by ``generate()`` and passed whole to every round; the generator
+keeps only what outlives a call.
 """
 
 from __future__ import annotations

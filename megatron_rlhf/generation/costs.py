@@ -1,9 +1,7 @@
 """What a round costs: the latency models the drafting selector prices rounds with.
 
-:class:`OnlineCosts` (the default) learns round latencies from the rounds as they run;
-:class:`CostTable` is a profile of one forward of the actor and the draft by live batch
-and tokens per sample (``--cost-profile``: :func:`load_or_profile`). Both answer
-``round_s(batch, n)``: the predicted seconds of a round of ``n`` drafts (0: a plain step).
+:class:`OnlineCosts` (default) learns from the rounds as they run; :class:`CostTable` is a
+profile (``--cost-profile``: :func:`load_or_profile`). Both answer ``round_s(batch, n)``.
 """
 
 from __future__ import annotations
@@ -137,12 +135,10 @@ class _Fit:
 
 
 class OnlineCosts:
-    """Round latencies learned from the rounds as they run (no profile at the first call).
-
-    Each measured round updates a decayed line per draft length ``n`` (seconds against the
-    live batch) and a prior over all rounds (seconds against the actor's tokens,
-    ``batch * (n + 1)``) for a length not yet measured. The first round is a plain step.
-    """
+    """Round latencies learned from the rounds as they run (no profile at the first call)."""
+    # Each round updates a decayed line per draft length n (seconds against the live batch)
+    # and a prior over all rounds (seconds against the actor's tokens, batch * (n + 1)) for a
+    # length not yet measured.
 
     models = "online"
 
@@ -231,9 +227,8 @@ def describe(actor, draft, graphs: bool = False) -> str:
 @torch.inference_mode()
 def profile(actor, draft, max_n: int, max_batch: int, context: int = 64, repeats: int = 3,
             graphs: bool = False) -> CostTable:
-    """Time one forward of the actor (``1..max_n+1`` tokens per sample) and of the draft (1
-    and 2) after ``context`` cached tokens at :func:`profile_batches`, as the generator runs
-    them. Every rank of a TP group calls this together (the forwards all-reduce)."""
+    """Time one forward of the actor (``1..max_n+1`` tokens per sample) and of the draft (1, 2)
+    at :func:`profile_batches`; every rank of a TP group calls this together."""
     from megatron_rlhf.generation.graphs import time_step
 
     batches = profile_batches(max_batch)

@@ -1,12 +1,9 @@
 """Every CPU-only numerics choice of the cached forward, so the GPU path never meets them.
 
-A CPU's batched matmuls sum in an order that depends on the shape, and 30 layers amplify a
-last-bit difference into a flipped near-tie draw. The choices here make a sample's tokens
-independent of its batch, its cache length and the verification width (exact speculation
-then changes no token): key lengths in multiples of :data:`ATTEND_ALIGN`, width-invariant
-attention in half precision, and the swapped fp32 GEMM for a few rows.
-Entry point: :class:`CpuForward`, built once per forward by
-:func:`~megatron_rlhf.generation.incremental.forward_cached` (its one switch).
+A CPU's matmuls sum in an order that depends on the shape, and many layers amplify a last
+bit into a flipped near-tie draw. These choices keep a sample's tokens independent of its
+batch, cache length and verification width. Entry point: :class:`CpuForward`, built by
+:func:`~megatron_rlhf.generation.incremental.forward_cached` at its one switch.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Draft models for speculative decoding: shape, initialisation from the target, distillation.
 
-A draft reads far fewer bytes per token than its target: a subset LM head over the target's
-most frequent response tokens (other tokens get probability 0: still lossless, the actor's
-``p`` decides) and either a few of the target's layers (standalone) or one layer that also
-reads the target's final hidden state ``h_{t-1}`` (a feature draft, EAGLE: Li et al. 2024).
-Entry points: :func:`draft_config`, :func:`init_from_target`, and the distillation losses
-on the target's top-k (:func:`teacher_topk`).
+A draft has a subset LM head over the target's frequent tokens (others get probability 0:
+still lossless) and a few of the target's layers, or one layer that also reads the target's
+``h_{t-1}`` (a feature draft, EAGLE). Entry points: :func:`draft_config`,
+:func:`init_from_target`, the losses on the target's top-k (:func:`teacher_topk`).
 """
 
 from __future__ import annotations

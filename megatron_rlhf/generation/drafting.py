@@ -1,10 +1,8 @@
 """The draft model's side of a round: its catch-up buffer and its proposals.
 
-The draft cache lags the actor's: the tokens it lacks wait per row in ``catch_tokens``
-(``pending`` last; a feature draft's actor hidden states in ``catch_features``) and are fed
-at the start of the next drafting round (:func:`catch_up`). Entry points: :func:`propose`
-and :func:`buffer`. Invariant: after :func:`propose` the draft cache holds exactly the
-caught-up tokens.
+The draft cache lags the actor's; the tokens it lacks wait per row in ``catch_tokens``
+(``pending`` last) and are fed at the next drafting round. Entry points: :func:`propose`,
+:func:`buffer`. Invariant: after :func:`propose` the draft cache holds the caught-up tokens.
 """
 
 from __future__ import annotations

@@ -2,11 +2,8 @@
 selector and sample migration between data-parallel ranks.
 
 Entry point: :meth:`Generator.generate`, which builds one :class:`~megatron_rlhf.generation.call.Call`
-and runs rounds (:mod:`~megatron_rlhf.generation.rounds`) until every sample finished.
-Invariants: a sample's tokens depend only on its key (:mod:`~megatron_rlhf.generation.rng`),
-not on its batch, rank, the drafts or migration (under ``rejection``, only with a fixed
-``n``); under TP every rank runs the same loop and the selector's choice is the first rank's.
-Finished rows stay (fed a pad token) until a quarter of the batch is dead, then compact.
+and runs rounds (:mod:`~megatron_rlhf.generation.rounds`). Invariant: a sample's tokens depend
+only on its key (:mod:`~megatron_rlhf.generation.rng`), not on its batch, rank, drafts or migration.
 """
 
 from __future__ import annotations
@@ -46,15 +43,10 @@ def history_drafter(spec: SpecConfig) -> HistoryDrafter | None:
 
 
 class Generator:
-    """Generates with ``actor`` (and ``draft``) over their shared TP group.
-
-    Keeps what outlives a call: the models, the history drafter (an RLHF run's rollouts feed
-    it), the graph stores and the ``auto`` selector (it keeps following the actor).
-    ``ragged``: history rounds without a draft model verify each row's own width (False: the
-    round's width, padded). ``graphs``: ``auto`` (CUDA graphs on a GPU when the request asks),
-    ``eager`` (the graphed code without capture) or ``off``. ``attention``: the decode
-    attention backend (None: :func:`~megatron_rlhf.generation.attention.default_backend`).
-    """
+    """Generates with ``actor`` (and ``draft``) over their shared TP group; keeps what outlives
+    a call (models, history drafter, graph stores, the ``auto`` selector). ``ragged``: history
+    rounds verify each row's own width; ``graphs``: ``auto``, ``eager`` or ``off``;
+    ``attention``: the decode backend (None: the device's default)."""
 
     def __init__(self, actor, draft=None, pad_id: int = 0, selector=None, graphs: str = "auto",
                  history: HistoryDrafter | None = None, ragged: bool = True, attention: str | None = None):
@@ -202,9 +194,8 @@ class Generator:
             live = after
 
     def _choose(self, selector, live: int, base_n: int, looked_up: Lookup | None = None) -> int:
-        """This round's draft length, the same on every TP rank: fixed, or the selector's.
-        Without a draft model a history round is no wider than the longest live proposal
-        (none: a plain step); the selector weighs each proposal by the history's acceptance."""
+        """This round's draft length, the same on every TP rank: fixed, or the selector's;
+        without a draft model no wider than the longest live proposal."""
         found = looked_up.found_live if looked_up is not None else None
         history_only = found is not None and self.draft is None
         widest = max(found, default=0) if history_only else None
@@ -219,9 +210,8 @@ class Generator:
         return n
 
     def _widths(self, selector, looked_up: Lookup) -> torch.Tensor:
-        """Per row, the drafts of its proposal a ragged round verifies ``[R]``, the same on
-        every TP rank: its whole proposal under a fixed ``n``, the selector's choice under
-        ``auto``; 0 for a finished row. All 0: a plain step."""
+        """Per row, the drafts a ragged round verifies ``[R]`` (0: a plain step for that row),
+        the same on every TP rank: the whole proposal, or the selector's choice under ``auto``."""
         widths = looked_up.found
         if selector is not None:
             chosen = iter(selector.choose_widths(looked_up.found_live, looked_up.remaining_live))
@@ -264,9 +254,7 @@ class Generator:
             torch.cuda.empty_cache()  # graph pools hand their memory back
 
     def _new_cache(self, call: Call, name: str, model, batch: int, max_len: int) -> KVCache:
-        """A cache for ``batch`` rows: the rows of the model's graph store when the call uses
-        graphs (a new store when the request does not fit the kept one or the weights
-        moved), else a cache of its own."""
+        """A cache for ``batch`` rows: the model's graph store's when the call uses graphs."""
         if call.mode is None or not graphs.graphable(model):
             return KVCache.for_model(model, batch, max_len)
         runner = self._steps.get(name)

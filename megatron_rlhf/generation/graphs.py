@@ -1,14 +1,11 @@
 """Decode steps replayed from CUDA graphs: the generator at GPU speed, not launch speed.
 
-Entry point: :class:`StepGraphs`, one per model, owning what a graph must find at the same
-addresses on every replay (a KV cache store whose rows stay put, a RoPE table, input and
-row-state buffers). A graph is captured per batch bucket (powers of two; padding rows
-compute garbage at position 0) and per tokens fed. Its code is ``forward_cached(static=True)``
-plus sampling, verification and the rows' advance: no host read inside, one packed
-device-to-host copy per round outside. ``capture=False`` runs the same code eagerly (how
-the CPU checks it); a failed capture is logged and falls back to it. A store refuses a
-model whose weights moved (:meth:`StepGraphs.fits`).
+Entry point: :class:`StepGraphs`, one per model: a KV cache store, RoPE table and buffers at
+fixed addresses; a graph per batch bucket and tokens fed, with no host read inside and one
+packed copy to the host outside. ``capture=False`` runs the same code eagerly (the CPU's
+check), as does a failed capture. A store refuses a model whose weights moved.
 """
+
 from __future__ import annotations
 
 import logging
@@ -161,9 +158,8 @@ class StepGraphs:
 
     def __call__(self, tokens: torch.Tensor, features: torch.Tensor | None = None,
                  return_features: bool = False):
-        """:func:`forward_cached` of ``tokens [R, n]`` (``features [R, n, h]`` for a feature
-        draft) after the cache's rows, as logits ``[R, n, V]`` (and hidden states
-        ``[R, n, h]`` with ``return_features``), from the graph of ``R``'s bucket."""
+        """:func:`forward_cached` of ``tokens [R, n]`` from the graph of ``R``'s bucket: logits
+        ``[R, n, V]`` (and hidden states ``[R, n, h]`` with ``return_features``)."""
         r, n = tokens.shape
         b = bucket(r)
         self.tokens[:r, :n].copy_(tokens)
@@ -182,9 +178,8 @@ class StepGraphs:
                    for f in ROW_STATE)
 
     def bind(self, rows, key: int) -> None:
-        """Copy ``rows``' state into the static buffers (rows past them: not alive) and make
-        the fields views of them, so sampled steps advance the rows in place. ``key``: the
-        seed's key (:func:`~megatron_rlhf.generation.rng.seed_key`)."""
+        """Copy ``rows``' state into the static buffers and make the fields views of them (the
+        steps advance the rows in place); ``key``: the seed's key."""
         if key != self._key_value:
             self.key.fill_(key)
             self._key_value = key

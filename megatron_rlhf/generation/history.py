@@ -1,11 +1,8 @@
 """Model-free drafts from the rollout's own history (SuffixDecoding, DAS, SPEC-RL).
 
-Entry point: :class:`HistoryDrafter`. A sample's draft continues its latest tokens as they
-occurred before in its prompt and response, its group's siblings, and earlier responses to
-its prompt (optionally to any prompt: ``global_responses``), by the longest matching n-gram
-of an :class:`NgramIndex`, while the chain's confidence stays above ``min_confidence``.
-Invariant: under exact verification the drafter changes no token, it only decides how many
-positions a verification covers; its contents may differ between runs, ranks and resumptions.
+Entry point: :class:`HistoryDrafter`: a draft continues a sample's latest tokens as they
+occurred in its prompt, its siblings and earlier answers (by the longest n-gram match of an
+:class:`NgramIndex`). Invariant: under exact verification it changes no token.
 """
 
 from __future__ import annotations

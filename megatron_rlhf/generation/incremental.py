@@ -1,12 +1,9 @@
 """The cached forward: a megatron-core GPTModel's own weights fed a few tokens per row after
 each row's KV cache (prefill, a decode step, a verification).
 
-Entry points: :func:`forward_cached` and :func:`prefill`. No copy of the weights: each
-layer's modules are called directly, or, for plain Llama layers (:func:`plain_layers`),
-the same weights through the same ops without the modules' wrappers (bit-identical).
-Ours: RoPE at each row's own positions, the cache, the masks and the attention
-(:mod:`~megatron_rlhf.generation.attention`, backend chosen by the caller). The CPU's
-numerics choices are made behind one switch (:mod:`~megatron_rlhf.generation.cpu_numerics`).
+Entry points: :func:`forward_cached`, :func:`prefill`. Plain Llama layers (:func:`plain_layers`)
+run the same weights and ops without the modules' wrappers, bit-identical. The CPU's
+numerics choices sit behind one switch (:mod:`~megatron_rlhf.generation.cpu_numerics`).
 """
 
 from __future__ import annotations
@@ -186,18 +183,13 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
                     last_index: torch.Tensor | None = None, features: torch.Tensor | None = None,
                     return_features: bool = False, valid: torch.Tensor | None = None,
                     static: bool = False, packed_logits: bool = False, backend: str | None = None):
-    """Feed ``tokens [B, n]`` after each row's cached prefix; the cache advances by ``n``.
-
-    Returns logits ``[B, n, V]`` (vocabulary padding removed, gathered over TP), or
-    ``[B, 1, V]`` at ``last_index [B]``; with ``return_features`` also the final-norm
-    hidden states ``[B, n, h]``. ``features [B, n, h]``: a feature draft's target features.
-    ``valid [B]``: real tokens per row (right padding after them; the layers compute the
-    real ones only); with ``packed_logits``, logits ``[T, V]`` in :func:`packed_positions`
-    order. ``static``: the step a CUDA graph captures (no host read, no ``valid``; the
-    attention reads the whole cache). ``backend``: :data:`~megatron_rlhf.generation.
-    attention.BACKENDS` (None: :func:`~megatron_rlhf.generation.attention.default_backend`).
-    Raises ValueError on an inconsistent combination.
-    """
+    """Feed ``tokens [B, n]`` after each row's cached prefix (the cache advances by ``n``);
+    returns logits ``[B, n, V]``, or ``[B, 1, V]`` at ``last_index [B]``, and with
+    ``return_features`` the final-norm hidden states ``[B, n, h]``. ``features [B, n, h]``: a
+    feature draft's. ``valid [B]``: real tokens per row (the layers compute only those; with
+    ``packed_logits`` logits ``[T, V]`` in :func:`packed_positions` order). ``static``: the step
+    a CUDA graph captures (no host read). ``backend``: None for the device's default.
+    Raises ValueError on an inconsistent combination."""
     b, n = tokens.shape
     if packed_logits and (valid is None or last_index is not None or return_features):
         raise ValueError("packed_logits needs valid, and neither last_index nor return_features")

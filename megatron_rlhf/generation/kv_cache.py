@@ -1,11 +1,8 @@
 """The generator's KV cache: preallocated per layer, one length per sample.
 
-Entry point: :class:`KVCache` (:meth:`KVCache.for_model`). Keys and values per layer are
-``[batch, kv_heads/TP, max_len, head_dim]`` (head-major: the attention reads them without
-a copy); positions past a row's length are garbage and masked. Invariant: the tensors are
-views of a store of ``capacity`` rows that never moves while the batch shrinks (rows
-compacted to the front) or grows within it (migrated rows appended), so CUDA graphs
-(:mod:`~megatron_rlhf.generation.graphs`) find it at fixed addresses.
+Entry point: :class:`KVCache`. Keys and values are ``[batch, kv_heads/TP, max_len, head_dim]``
+per layer; past a row's length they are garbage and masked. Invariant: they are views of a
+store that never moves while rows are compacted or appended (CUDA graphs read it in place).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """History drafts of a round, looked up before its width is chosen.
 
-Entry point: :func:`look_up` (one device-to-host copy of the rows' state), giving a
-:class:`Lookup` that the width choice and the round read. The drafter is the generator's
-:class:`~megatron_rlhf.generation.history.HistoryDrafter`; drafts never change a token.
+Entry point: :func:`look_up` (one device-to-host copy of the rows' state) -> :class:`Lookup`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The round kinds of the decode loop: plain, speculative, ragged and graphed.
 
-Each takes the call (:class:`~megatron_rlhf.generation.call.Call`) and the live rows and
-advances them by one round. Invariant: afterwards the actor cache holds every emitted token
-but ``pending``; the emitted tokens are what plain sampling draws (exact or greedy
-verification), whatever was drafted. Dynamic rounds share :func:`accept_and_emit`; the
-graphed ones (:mod:`~megatron_rlhf.generation.graphs`) share :func:`take_verified`.
-Speculative and ragged rounds return ``(accepted drafts per live row, rows alive after it
-or None when the host does not know)``; plain steps return the rows alive after them.
+Each takes the call and the live rows and advances them one round; dynamic rounds share
+:func:`accept_and_emit`, graphed ones :func:`take_verified`. Invariant: the emitted tokens
+are plain sampling's (exact or greedy verification), whatever was drafted. Speculative
+rounds return ``(accepted per live row, rows alive after or None)``.
 """
 
 from __future__ import annotations

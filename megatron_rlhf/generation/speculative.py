@@ -1,11 +1,7 @@
-"""Lossless speculative verification as small pure functions over a batch.
-
-The actor scores ``n + 1`` positions after ``n`` drafts; each sample keeps its accepted
-prefix plus one corrected or bonus token. :func:`accept_sampling`: rejection sampling
-(Leviathan et al. 2023), emitted tokens distributed as plain sampling from ``p``.
-:func:`accept_exact`: a draft is accepted iff it is the token plain sampling draws there
-with that position's keyed uniform, so the tokens are speculation off's, token for token.
-:func:`accept_greedy`: accept while the draft is the argmax.
+"""Lossless speculative verification as pure functions: each sample keeps its accepted
+prefix of ``n`` drafts plus one corrected or bonus token. :func:`accept_sampling`: rejection
+sampling (Leviathan et al. 2023); :func:`accept_exact`: a draft is accepted iff it is the
+token plain sampling draws there, so the tokens are speculation off's; :func:`accept_greedy`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""What the generator holds per sample: outputs so far, and the live batch's rows.
-
-:class:`Outputs`: each sample's emitted tokens and log-probs, keyed by its global index.
-:class:`Rows`: one row per unfinished sample in every per-row tensor and in the KV caches;
-rows can be dropped, packed and appended (migration). Per-row tensors: ``sid`` (global
-index), ``emitted`` (tokens emitted: the next draw's position), ``pending`` (the newest
-token, not yet in the actor cache), ``alive``; with a draft model ``catch_tokens [R, c]``,
-``catch_count`` and for a feature draft ``catch_features [R, c, h]`` (what its cache lacks).
+"""What the generator holds per sample: :class:`Outputs` (tokens and log-probs by global
+index) and :class:`Rows`, the live batch: ``sid``, ``emitted``, ``pending`` (newest token,
+not yet in the actor cache), ``alive``, and with a draft model its catch-up buffer
+(``catch_tokens``, ``catch_count``, ``catch_features``), row-aligned with the KV caches.
 """
 
 from __future__ import annotations

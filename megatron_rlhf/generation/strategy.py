@@ -1,12 +1,7 @@
 """The workload-aware drafting selector (RLHFSpec): before every round, plain decoding or
-``n`` draft tokens, whichever promises the most emitted tokens per second for the live batch::
-
-    E[tokens | n] = 1 + sum_{j<n} prod_{i<=j} alpha_i      (alpha_i: acceptance at position i)
-
-Entry point: :class:`Selector` (``choose``, ``choose_widths`` for ragged rounds, ``observe``),
-priced by :mod:`~megatron_rlhf.generation.costs` and :class:`Acceptance` per draft source.
-Invariant: whatever it picks, a round is lossless; the choice only sets how many tokens are
-proposed before the actor decides.
+``n`` drafts, whichever promises the most emitted tokens per second for the live batch,
+``E[tokens | n] = 1 + sum_{j<n} prod_{i<=j} alpha_i``. Entry point: :class:`Selector`.
+Invariant: whatever it picks a round is lossless; it only sets how many tokens are proposed.
 """
 
 from __future__ import annotations
