@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from megatron_rlhf.generation import cpu_numerics
 from megatron_rlhf.generation.attention import (attention, attention_mask, default_backend, flash_attention,
                                                 flash_seqlens, sdpa_kernel_name)
-from megatron_rlhf.generation.cpu_numerics import ATTEND_ALIGN, attended_length
+from megatron_rlhf.generation.cpu_numerics import attended_length
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.packing import Packing, packed_positions, pad_right
 from megatron_rlhf.generation.rope import RopeTable, rotate
@@ -26,9 +26,9 @@ from megatron_rlhf.models import sequence_parallel
 
 attention_backend = default_backend  # the name tools/ imports from here
 
-# the last four are imported from here by tools/ (kept valid while tools/ moves)
+# the last three are imported from here by tools/ (kept valid while tools/ moves)
 __all__ = ["RopeTable", "forward_cached", "packed_positions", "pad_right", "plain_layers", "prefill",
-           "attention_mask", "attention_backend", "sdpa_kernel_name", "ATTEND_ALIGN"]
+           "attention_mask", "attention_backend", "sdpa_kernel_name"]
 
 
 @dataclass
