@@ -81,13 +81,13 @@ def main(argv=None) -> int:
                      temperature=args.temperature, seeds=args.seeds, draft_tokens=args.draft_tokens)
     print(json.dumps(header), flush=True)
     rows = []
-    from megatron_rlhf.generation import incremental, kv_cache
+    from megatron_rlhf.generation import cpu_numerics, kv_cache
 
-    current = incremental.ATTEND_ALIGN, kv_cache.CPU_HALF_CACHE_MIN_BATCH
+    current = cpu_numerics.ATTEND_ALIGN, kv_cache.CPU_HALF_CACHE_MIN_BATCH
     for dtype_name in args.dtypes.split(","):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name.removesuffix("-before")]
         before = dtype_name.endswith("-before")
-        incremental.ATTEND_ALIGN, kv_cache.CPU_HALF_CACHE_MIN_BATCH = (1, 32) if before else current
+        cpu_numerics.ATTEND_ALIGN, kv_cache.CPU_HALF_CACHE_MIN_BATCH = (1, 32) if before else current
         actor = build_model(info.config, "actor", pg, dtype=dtype)
         load_checkpoint(actor, pg, info.path)
         totals = {"verify": [0, 0, 0], "batch": [0, 0, 0]}  # flips, tokens, accepted drafts

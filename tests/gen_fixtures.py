@@ -51,12 +51,12 @@ def feature_draft_for(actor, pg, noise: float = 0.01, seed: int = 3):
     return draft
 
 
-def decode_attention_error(model, static: bool = False, drop_mask: bool = False) -> float:
+def decode_attention_error(model, backend: str | None = None, static: bool = False, drop_mask: bool = False) -> float:
     """Largest error, relative to the largest reference logit, of cached decoding against
     the whole-sequence forward of each prompt: :data:`PROMPTS` (lengths 1-9, so the rows
     of the batch are padded against each other) prefilled, then decode steps and
-    verifications of several widths, with the decode attention backend in force (the
-    caller sets it). ``static``: the step a CUDA graph captures (the attention over the
+    verifications of several widths, through the decode attention ``backend`` (None: the
+    device's default). ``static``: the step a CUDA graph captures (the attention over the
     whole cache, positions past each row's length masked). ``drop_mask``: a control with
     every key visible (padding and the future included), which must fail."""
     from unittest import mock
@@ -76,10 +76,10 @@ def decode_attention_error(model, static: bool = False, drop_mask: bool = False)
     ends = (lambda lengths, n: torch.full_like(lengths, max_len, dtype=torch.int32)) if drop_mask else inc.flash_seqlens
     with torch.no_grad(), mock.patch.object(inc, "attention_mask", visible), \
             mock.patch.object(inc, "flash_seqlens", ends):
-        inc.prefill(model, cache, PROMPTS, rope)
+        inc.prefill(model, cache, PROMPTS, rope, backend=backend)
         for n in (1, 3, 1, 2):
             toks = torch.randint(2, 200, (len(PROMPTS), n), generator=g)
-            out = inc.forward_cached(model, cache, toks, rope, static=static)
+            out = inc.forward_cached(model, cache, toks, rope, static=static, backend=backend)
             for b, s in enumerate(seqs):
                 s += toks[b].tolist()
                 ref = lm_logits(model, torch.tensor([s]))[0, -n:].float()
@@ -102,7 +102,7 @@ def reference_flash_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=Fals
     """flash-attn's ``flash_attn_with_kvcache`` as its documentation states it (the part the
     engine uses: no new k/v, no rotary, no paging, the default scale), with the input
     checks its kernel makes, for running
-    :func:`~megatron_rlhf.generation.incremental.flash_attention` on the CPU. ``q [B, n, H,
+    :func:`~megatron_rlhf.generation.attention.flash_attention` on the CPU. ``q [B, n, H,
     d]``, caches ``[B, L, KV, d]`` (head ``h`` reads KV head ``h // (H / KV)``), each row's
     keys ``[0, cache_seqlens[b])``; causal aligns the query rows to the end of the keys
     (query ``j`` sees keys up to ``cache_seqlens[b] - n + j``)."""

@@ -1,3 +1,9 @@
-"""Generation: KV cache and incremental forward, sampling with keyed uniforms, lossless
-speculative decoding with a draft model, the workload-aware drafting selector, sample
-migration between data-parallel ranks, and CUDA-graphed steps on GPU (:mod:`.engine`)."""
+"""Generation: the batched, tensor-parallel generator with lossless speculative decoding.
+
+Entry point: :class:`~megatron_rlhf.generation.engine.Generator`. By concern: the call and
+its rounds (``call``, ``rounds``, ``lookup``, ``drafting``), the cached forward
+(``incremental``, ``attention``, ``cpu_numerics``, ``rope``, ``packing``, ``kv_cache``),
+sampling and verification (``sampling``, ``rng``, ``speculative``), drafting sources
+(``history``, ``draft``), the selector (``strategy``, ``costs``), CUDA graphs (``graphs``)
+and migration between data-parallel ranks (``migration``).
+"""

@@ -1,22 +1,9 @@
 """Draft models for speculative decoding: shape, initialisation from the target, distillation.
 
-A fast draft for a small target must read far fewer bytes per token than the target. For
-SmolLM2-135M the 49152 x 576 LM head is a fifth of the weights, so a draft here has:
-
-- an LM head over the ``head_vocab_size`` most frequent tokens of the target's responses
-  (:class:`~megatron_rlhf.models.heads`'s subset head), initialised from the target's
-  output rows; other tokens get probability 0 from the draft, which keeps speculation
-  lossless (the actor's ``p`` still decides) at the price of rejecting rare tokens;
-- either a few of the target's own layers (a *standalone* draft: evenly spaced, first and
-  last included, with its input embedding and final norm), or
-- one layer that also reads the target's final hidden state ``h_{t-1}`` with each token
-  ``x_t`` (a *feature* draft, EAGLE: Li et al. 2024): the target has already computed what
-  it knows about the context, so one layer need only advance it by a token. It costs about
-  a thirtieth of the target per token and learns far more from the same data;
-- distillation on the target's own responses: forward KL from the target's distribution,
-  restricted to the head's tokens, to the draft's (plus, for a feature draft, a smooth-L1
-  pull of its hidden states towards the target's, which later draft steps read). The
-  target's distribution is computed once and kept as its top-k (:func:`teacher_topk`).
+A draft has a subset LM head over the target's frequent tokens (others get probability 0:
+still lossless) and a few of the target's layers, or one layer that also reads the target's
+``h_{t-1}`` (a feature draft, EAGLE). Entry points: :func:`draft_config`,
+:func:`init_from_target`, the losses on the target's top-k (:func:`teacher_topk`).
 """
 
 from __future__ import annotations
@@ -39,8 +26,7 @@ def spread_layers(total: int, keep: int) -> list[int]:
 
 
 def end_layers(total: int, keep: int) -> list[int]:
-    """The first ``ceil(keep/2)`` and the last ``floor(keep/2)`` of ``total`` layers: a
-    layer-skipping draft that keeps the model's input and output ends."""
+    """The first ``ceil(keep/2)`` and the last ``floor(keep/2)`` of ``total`` layers."""
     if not 1 <= keep <= total:
         raise ValueError(f"a draft keeps between 1 and {total} layers, got {keep}")
     head = (keep + 1) // 2
@@ -49,8 +35,7 @@ def end_layers(total: int, keep: int) -> list[int]:
 
 def draft_config(target: ModelConfig, num_layers: int, head_vocab_size: int | None,
                  feature_draft: bool = False) -> ModelConfig:
-    """The draft's architecture: the target's width and tokenizer, fewer layers, small head;
-    a feature draft also reads the target's hidden states."""
+    """The draft's architecture: the target's width and tokenizer, fewer layers, small head."""
     return target.replace(num_layers=num_layers, head_vocab_size=head_vocab_size,
                           tie_embeddings=False if head_vocab_size else target.tie_embeddings,
                           feature_draft=feature_draft)
@@ -69,10 +54,8 @@ def frequent_tokens(sequences: list[list[int]], k: int, always: list[int]) -> to
 
 @torch.no_grad()
 def init_from_target(draft, target, layers: list[int], token_ids: torch.Tensor | None) -> None:
-    """Copy the target's embedding, chosen layers, final norm and head rows into ``draft``.
-
-    Both models must share a TP layout (each rank copies its own shards).
-    """
+    """Copy the target's embedding, ``layers``, final norm and head rows (``token_ids``) into
+    ``draft``; both share a TP layout (each rank copies its own shards)."""
     draft.embedding.load_state_dict(target.embedding.state_dict())
     for dst, src in zip(draft.decoder.layers, layers):
         dst.load_state_dict(target.decoder.layers[src].state_dict())
@@ -96,11 +79,8 @@ def init_from_target(draft, target, layers: list[int], token_ids: torch.Tensor |
 
 def distill_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,
                  token_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Forward KL(p_target || q_draft) per token, averaged over ``mask``.
-
-    ``*_logits [B, T, V]``; ``mask [B, T]``. With a subset head, both distributions are
-    restricted (and renormalised) to ``token_ids``: the draft cannot put mass elsewhere.
-    """
+    """Forward KL(p_target || q_draft) per token of ``*_logits [B, T, V]``, averaged over
+    ``mask [B, T]``; both restricted and renormalised to ``token_ids`` when given."""
     if token_ids is not None:
         draft_logits = draft_logits[..., token_ids]
         target_logits = target_logits[..., token_ids]
@@ -113,19 +93,16 @@ def distill_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: 
 def _masked_head_rows(logits: torch.Tensor, mask: torch.Tensor,
                       token_ids: torch.Tensor | None) -> torch.Tensor:
     """``[N, head]`` fp32 rows of ``logits [B, T, V]`` at the ``mask``-ed positions (row-major),
-    restricted to ``token_ids`` (a subset head) when given: the target's and the draft's
-    rows line up in both order and index space."""
+    restricted to ``token_ids`` when given."""
     rows = logits[mask.bool()].float()
     return rows if token_ids is None else rows[:, token_ids]
 
 
 def teacher_topk(target_logits: torch.Tensor, mask: torch.Tensor, token_ids: torch.Tensor | None,
                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's top-``k`` tokens and renormalised log-probs at ``mask``-ed positions.
-
-    ``target_logits [B, T, V]``, ``mask [B, T]``; returns ``(index [N, k], logp [N, k])`` in
-    row-major order of the mask, indices into ``token_ids`` (the head) when given.
-    """
+    """The target's top-``k`` tokens and renormalised log-probs at the ``mask [B, T]``-ed
+    positions of ``target_logits [B, T, V]``: ``(index [N, k], logp [N, k])``, indices into
+    ``token_ids`` when given."""
     logits = _masked_head_rows(target_logits, mask, token_ids)  # [N, head]
     top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
     return top.indices, torch.log_softmax(top.values, -1)
@@ -133,31 +110,23 @@ def teacher_topk(target_logits: torch.Tensor, mask: torch.Tensor, token_ids: tor
 
 def topk_distill_loss(draft_logits: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
                       logp: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """KL from the target's top-k distribution (``teacher_topk``) to the draft, per token.
-
-    Up to the target's (constant) entropy this is the cross-entropy
-    ``-sum_k p_k log q(x_k)``, with ``q`` the draft's distribution over its head.
-    """
+    """KL from the target's top-k distribution (:func:`teacher_topk`) to the draft's, per token."""
     logq = torch.log_softmax(_masked_head_rows(draft_logits, mask, token_ids), -1).gather(-1, index)
     return (logp.exp() * (logp - logq)).sum(-1).mean()
 
 
 def topk_tv_loss(draft_logits: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
                  logp: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Total variation between the target's top-k distribution and the draft's, per token.
-
-    ``1 - sum_k min(p_k, q(x_k))``: the probability that speculative sampling rejects the
-    draft's token when the target's distribution is its top-k (DistillSpec, Zhou et al.
-    2023, finds this objective raises acceptance at temperature 1 more than KL does).
-    """
+    """Total variation between the target's top-k distribution and the draft's, per token."""
+    # 1 - sum_k min(p_k, q(x_k)): the rejection probability of speculative sampling
+    # (DistillSpec, Zhou et al. 2023: raises acceptance at temperature 1 more than KL)
     q = torch.softmax(_masked_head_rows(draft_logits, mask, token_ids), -1).gather(-1, index)
     return (1 - torch.minimum(logp.exp(), q).sum(-1)).mean()
 
 
 @contextlib.contextmanager
 def final_hidden_states(model, enabled: bool = True):
-    """Within the block, ``seen["h"]`` (the yielded dict) becomes the batch-first output
-    ``[B, T, h]`` of ``model``'s final norm in its latest forward."""
+    """Yields a dict whose ``"h"`` becomes the final norm's output ``[B, T, h]`` of the latest forward."""
     seen = {}
     if not enabled:
         yield seen
@@ -173,8 +142,7 @@ def final_hidden_states(model, enabled: bool = True):
 
 
 def target_logits_and_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """The target's logits ``[B, T, V]`` and final-norm hidden states ``[B, T, h]`` (what a
-    feature draft reads), from one forward."""
+    """The target's logits ``[B, T, V]`` and final-norm hidden states ``[B, T, h]``, one forward."""
     from megatron_rlhf.models.forward import lm_logits
 
     with final_hidden_states(target) as seen:
@@ -183,8 +151,7 @@ def target_logits_and_features(target, input_ids: torch.Tensor, attention_mask: 
 
 
 def shifted_features(features: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """What a feature draft reads at each position: the target's ``h_{t-1}``, zero at a
-    sequence's first token (as in generation), for left- or right-padded batches."""
+    """The target's ``h_{t-1}`` at each position (zero at a sequence's first token), any padding."""
     prev = torch.cat([torch.zeros_like(attention_mask[:, :1]), attention_mask[:, :-1]], 1)
     shifted = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)
     return shifted * prev[..., None].to(shifted.dtype)
@@ -192,14 +159,10 @@ def shifted_features(features: torch.Tensor, attention_mask: torch.Tensor) -> to
 
 def head_logits(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 features: torch.Tensor | None = None, return_features: bool = False):
-    """The logits a draft trains on: ``[B, T, head_vocab_size]`` over its head tokens (in
-    ``token_ids`` order; no full-vocabulary scatter) with a subset head, else ``[B, T, V]`` —
-    the index space of :func:`teacher_topk` given the same head.
-
-    A feature draft also reads the target's final-norm hidden states ``features [B, T, h]``
-    (from :func:`target_logits_and_features`; shifted here). ``return_features`` adds the
-    draft's own final-norm hidden states ``[B, T, h]`` (trained towards the target's).
-    """
+    """The logits a draft trains on: ``[B, T, head_vocab_size]`` in ``token_ids`` order with a
+    subset head, else ``[B, T, V]`` (:func:`teacher_topk`'s index space). ``features [B, T, h]``:
+    the target's (a feature draft; raises ValueError without). ``return_features`` adds the
+    draft's own ``[B, T, h]``."""
     from megatron_rlhf.models.forward import lm_logits, masked_forward, position_ids
     from megatron_rlhf.models.heads import head_logits_only
 
@@ -223,7 +186,6 @@ def head_logits(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 def feature_loss(draft_features: torch.Tensor, target_features: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
-    """Smooth-L1 distance of the draft's hidden states to the target's at ``mask``-ed
-    positions (EAGLE's regression term: later draft steps read the draft's own)."""
+    """Smooth-L1 distance of the draft's hidden states to the target's at ``mask``-ed positions."""
     m = mask.bool()
     return torch.nn.functional.smooth_l1_loss(draft_features[m].float(), target_features[m].float())

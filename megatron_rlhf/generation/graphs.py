@@ -1,47 +1,9 @@
 """Decode steps replayed from CUDA graphs: the generator at GPU speed, not launch speed.
 
-Eager decoding of a 1B Llama on an H200 took 56-78 ms a step at every batch size: the
-GPU waits for Python to launch a few hundred small kernels, while the weights take ~0.5 ms
-to read. A CUDA graph records those launches once and replays them with one call.
-
-:class:`StepGraphs` owns, for one model, what a graph must find at the same addresses on
-every replay: a KV cache store (:class:`~megatron_rlhf.generation.kv_cache.KVCache`, whose
-rows stay put while samples finish or migrate), a RoPE table, and input buffers for the
-fed tokens (and a feature draft's features). A graph is captured per batch bucket (powers
-of two; live rows are padded to their bucket, the padding rows compute garbage at
-position 0) and per number of tokens fed: 1 for a plain step or a draft step, ``n + 1``
-for a verification. The captured code is :func:`~megatron_rlhf.generation.incremental.
-forward_cached` with ``static=True``: no host reads, the attention over the whole cache
-with each sample's positions masked. On the CPU (and in tests) the same object runs that
-code eagerly (``capture=False``): this is how the CPU checks that the graphed step equals
-the dynamic one.
-
-A plain decode step is one graph from the fed token to the finished flags
-(:meth:`StepGraphs.sample_step`): the forward, the keyed uniforms, the draw, the log-probs,
-EOS and length checks, and the advance of each row's state (``pending``, ``emitted``,
-``alive``, held in static buffers that the engine's rows are views of). Outside it the
-engine does one device-to-host copy of a small packed result per step (pinned memory,
-non-blocking, then one stream sync) and its per-sample bookkeeping in Python.
-
-A round that verifies history drafts (no draft model; exact or greedy verification) is
-one graph too (:meth:`StepGraphs.verify_step`): the forward of ``[pending, d1..dn]``, the
-tokens plain sampling draws at those positions, the accepted prefix, the log-probs, the
-finished flags, the cache rolled back to what was accepted and the rows' state advanced,
-read by the host as one packed result. Its width is bucketed (:func:`width_bucket`:
-verifications of 2, 4 or 8 tokens), the positions past the round's own ``n`` computed and
-never accepted, so a few graphs serve every draft length. A round of a draft model's
-drafts is one graph as well (:meth:`StepGraphs.draft_step`): the draft's catch-up with the
-tokens it lacks (fed at a power-of-two width, each row's own count of them real), its
-proposals (the history's tokens in their place where it found some, ``--draft-source
-both``), its cache rolled back, the same verification. Under rejection sampling a round
-runs the graphed forwards with the rest eager.
-
-If a capture fails, the reason is logged and that store's steps run the same code eagerly
-(:attr:`StepGraphs.failed`); ``--no-cuda-graphs`` turns capture off.
-
-Graphs are bound to the model's weights where they lie: :meth:`StepGraphs.fits` refuses
-a model whose parameters moved (offloaded and restored), and the generator then builds a
-new one. A store that had to grow past its capacity (migration) is served eagerly.
+Entry point: :class:`StepGraphs`, one per model: a KV cache store, RoPE table and buffers at
+fixed addresses; a graph per batch bucket and tokens fed, with no host read inside and one
+packed copy to the host outside. ``capture=False`` runs the same code eagerly (the CPU's
+check), as does a failed capture. A store refuses a model whose weights moved.
 """
 
 from __future__ import annotations
@@ -52,6 +14,7 @@ import time
 import torch
 
 from megatron_rlhf.generation import rng
+from megatron_rlhf.generation.attention import default_backend
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, plain_layers
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.sampling import STEP_COLUMNS, logprob_pair, sample, step_outputs
@@ -59,21 +22,15 @@ from megatron_rlhf.generation.speculative import verdict_from_matches
 
 log = logging.getLogger(__name__)
 
-ROW_STATE = ("sid", "pending", "emitted", "alive")
-"""Per-row fields of the engine's rows that a sampled step reads and advances in place."""
-
-MAX_TOKENS = 8
-"""Most tokens per sample one graph feeds (a verification of up to 7 draft tokens)."""
-
+ROW_STATE = ("sid", "pending", "emitted", "alive")  # row fields a graphed step advances in place
+MAX_TOKENS = 8  # most tokens per sample one graph feeds (a verification of up to 7 drafts)
+# Most tokens a draft's catch-up buffer holds (at this width the engine feeds the draft all
+# but each row's last); also the widest catch-up a draft round's graph feeds, and the
+# positions a draft's cache holds beyond the request's.
 CATCH_UP_MAX = 32
-"""Most tokens a draft's catch-up buffer holds: a run of plain steps lets it grow, and at
-this width the engine feeds the draft all but each row's last buffered token (keeps the
-buffer's memory bounded). Also the widest catch-up a draft round's graph feeds, and the
-positions a draft's cache holds beyond the request's."""
-
+# Eager runs before a capture, on a side stream: lazy initialisation (cuBLAS workspaces)
+# must not happen during capture.
 WARMUP = 1
-"""Eager runs before a capture (on a side stream, as torch requires: lazy initialisation
-of cuBLAS workspaces and the like must not happen during capture)."""
 
 
 def bucket(rows: int) -> int:
@@ -89,9 +46,8 @@ def width_bucket(n: int, room: int) -> int:
 
 
 def graphable(model) -> bool:
-    """Whether ``model``'s decode step can be captured: the plain-layer path
-    (:func:`~megatron_rlhf.generation.incremental.plain_layers`) calls no module that
-    reseeds megatron's RNG tracker during the forward (which capture forbids)."""
+    """Whether ``model``'s decode step can be captured (the plain-layer path: no module that
+    reseeds megatron's RNG tracker, which capture forbids)."""
     return plain_layers(model)
 
 
@@ -111,8 +67,7 @@ class _Eager:
 
 class _Captured:
     def __init__(self, fn, pool, state: tuple[torch.Tensor, ...]):
-        """``state``: tensors the step advances in place, restored after the warm-up runs
-        (and after a failed capture, whose step then runs eagerly from where it was)."""
+        """``state``: tensors the step advances in place, restored after warm-up and capture."""
         saved = [t.clone() for t in state]
         try:
             side = torch.cuda.Stream()
@@ -136,11 +91,12 @@ class _Captured:
 
 
 class StepGraphs:
-    """Cached forwards of ``model`` for the rows of one KV cache store; see the module
-    docstring. ``capture``: CUDA graphs (on a GPU), else the same static code run eagerly."""
+    """Graphed forwards of ``model`` over the rows of one KV cache store. ``capture``: CUDA
+    graphs (on a GPU), else the same static code run eagerly; ``backend``: the attention's."""
 
-    def __init__(self, model, capacity: int, max_len: int, capture: bool):
+    def __init__(self, model, capacity: int, max_len: int, capture: bool, backend: str | None = None):
         self.model, self.capture = model, capture
+        self.backend = backend or default_backend(model.embedding.word_embeddings.weight.device)
         self.cache = KVCache.for_model(model, 0, max_len, capacity=bucket(capacity))
         self.rope = RopeTable(model, max_len)
         dev, cap = self.cache.store_lengths.device, self.cache.capacity
@@ -202,9 +158,8 @@ class StepGraphs:
 
     def __call__(self, tokens: torch.Tensor, features: torch.Tensor | None = None,
                  return_features: bool = False):
-        """:func:`forward_cached` of ``tokens [R, n]`` (``features [R, n, h]`` for a feature
-        draft) after the cache's rows, as logits ``[R, n, V]`` (and hidden states
-        ``[R, n, h]`` with ``return_features``), from the graph of ``R``'s bucket."""
+        """:func:`forward_cached` of ``tokens [R, n]`` from the graph of ``R``'s bucket: logits
+        ``[R, n, V]`` (and hidden states ``[R, n, h]`` with ``return_features``)."""
         r, n = tokens.shape
         b = bucket(r)
         self.tokens[:r, :n].copy_(tokens)
@@ -223,9 +178,8 @@ class StepGraphs:
                    for f in ROW_STATE)
 
     def bind(self, rows, key: int) -> None:
-        """Copy ``rows``' state into the static buffers (rows past them: not alive) and make
-        the fields views of them, so sampled steps advance the rows in place. ``key``: the
-        seed's key (:func:`~megatron_rlhf.generation.rng.seed_key`)."""
+        """Copy ``rows``' state into the static buffers and make the fields views of them (the
+        steps advance the rows in place); ``key``: the seed's key."""
         if key != self._key_value:
             self.key.fill_(key)
             self._key_value = key
@@ -240,12 +194,9 @@ class StepGraphs:
 
     def sample_step(self, rows, params, max_new: int, eos: int | None, pad_id: int,
                     return_features: bool = False) -> list[list[float]]:
-        """One plain decode step of ``rows`` (bound: :meth:`bind`) from one graph: feed each
-        live row's pending token, draw the next with its keyed uniform, advance the rows'
-        state on the device. Returns per row the :data:`~megatron_rlhf.generation.sampling.
-        STEP_COLUMNS` (the step's one device-to-host copy). ``return_features``: the final
-        hidden state of each fed token is left in :attr:`hidden` ``[R, h]`` (what a feature
-        draft reads beside the sampled token)."""
+        """One plain decode step of bound ``rows`` from one graph; returns per row the
+        :data:`~megatron_rlhf.generation.sampling.STEP_COLUMNS`. ``return_features``: each
+        fed token's final hidden state is left in :attr:`hidden` ``[R, h]``."""
         r = len(rows)
         b = bucket(r)
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
@@ -256,7 +207,7 @@ class StepGraphs:
             lengths.mul_(alive)  # finished and padding rows compute garbage at position 0
             feed = torch.where(alive, self.pending[:b], pad_id)[:, None]
             logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True,
-                                    return_features=return_features)
+                                    return_features=return_features, backend=self.backend)
             if return_features:
                 logits, hidden = logits
                 self.hidden[:b].copy_(hidden[:, 0])
@@ -273,15 +224,9 @@ class StepGraphs:
 
     def verify_step(self, rows, drafts: torch.Tensor, n: int, width: int, params, max_new: int,
                     eos: int | None, pad_id: int) -> list[list[float]]:
-        """One verification of ``drafts [R, >= n]`` (single tokens, e.g. the history's) for
-        ``rows`` (bound: :meth:`bind`) from one graph of ``width >= n`` drafts
-        (:func:`width_bucket`; the cache has room for ``width``): accept each row's drafts
-        while each is the token plain sampling draws at its position (the argmax when
-        greedy), never past the ``n``-th; emit the drawn token after them; advance the rows'
-        state and roll the cache back to ``pending`` and the accepted drafts. Returns per
-        row ``[sid, alive, done, k, token_0..token_width, lp_0.., slp_0..]``: the drawn
-        tokens and their log-probs at every position, of which the first ``k + 1`` are
-        emitted (the round's one device-to-host copy)."""
+        """One exact verification of ``drafts [R, >= n]`` for bound ``rows`` from one graph of
+        ``width >= n`` drafts (:func:`width_bucket`). Returns per row ``[sid, alive, done, k,
+        token_0..token_width, lp_0.., slp_0..]``, of which the first ``k + 1`` are emitted."""
         r = len(rows)
         b = bucket(r)
         self.tokens[:r, 1:n + 1].copy_(drafts[:, :n])
@@ -299,13 +244,10 @@ class StepGraphs:
 
     def _verify(self, b: int, drafted: torch.Tensor, params, max_new: int, eos: int | None,
                 pad_id: int, return_features: bool = False) -> torch.Tensor:
-        """The verification a graph captures (no host read): feed ``[pending, drafted]``
-        (``drafted [b, w]``), accept while each draft is the token plain sampling draws at
-        its position, never past :attr:`limit`; advance the rows and roll the cache back.
-        Returns the packed result (:meth:`verify_step`); leaves the drawn tokens in
-        :attr:`drawn`, the accepted counts in :attr:`accepted` and, with
-        ``return_features``, the actor's hidden states at the fed positions in
-        :attr:`verified_hidden`."""
+        """The verification a graph captures: feed ``[pending, drafted [b, w]]``, accept while
+        each draft is plain sampling's token, never past :attr:`limit`; advance the rows and
+        roll the cache back. Returns :meth:`verify_step`'s packed result; leaves :attr:`drawn`,
+        :attr:`accepted` and (``return_features``) :attr:`verified_hidden`."""
         alive, emitted, lengths = self.alive[:b], self.emitted[:b], self.cache.store_lengths[:b]
         width = drafted.shape[1]
         was_alive = alive.clone()
@@ -313,7 +255,7 @@ class StepGraphs:
         base = lengths.clone()
         feed = torch.cat([torch.where(alive, self.pending[:b], pad_id)[:, None], drafted], 1)
         logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True,
-                                return_features=return_features)
+                                return_features=return_features, backend=self.backend)
         if return_features:
             logits, hidden = logits
             self.verified_hidden[:b, :width + 1].copy_(hidden)
@@ -338,17 +280,13 @@ class StepGraphs:
 
     def draft_step(self, draft: "StepGraphs", rows, n: int, params, max_new: int,
                    eos: int | None, pad_id: int, history=None) -> list[list[float]]:
-        """A round of ``n`` drafts from a draft model (``draft``: its store, whose rows are
-        ``rows``' draft cache) as one graph: the draft catches up with each row's buffered
-        tokens (``rows["catch_tokens"]``, ``catch_count`` of them; a feature draft with
-        ``catch_features``), fed at a power-of-two width; proposes ``n`` tokens, each drawn
-        with the uniform plain sampling uses at that position (so a draft near the actor
-        proposes the actor's very token); its cache goes back to the caught-up tokens; the
-        actor verifies them exactly (:meth:`_verify`). Returns what :meth:`verify_step`
-        does; the next catch-up is the first ``accepted + 1`` of :attr:`drawn` (and of
-        :attr:`verified_hidden` for a feature draft). ``history``: ``(tokens [R, n],
-        found [R])``, ``--draft-source both``: a row's first ``found`` proposals are the
-        history's tokens (and what the draft reads next), the rest the draft's."""
+        """A round of ``n`` drafts from a draft model (``draft``: its store, holding ``rows``'
+        draft cache) as one graph: catch-up, proposals, exact verification. Returns what
+        :meth:`verify_step` does; the next catch-up is the first ``accepted + 1`` of
+        :attr:`drawn`. ``history``: ``(tokens [R, n], found [R])`` replacing a row's first
+        ``found`` proposals."""
+        # the catch-up is fed at a power-of-two width; each proposal is drawn with the
+        # uniform plain sampling uses there, so a draft near the actor proposes its token
         r = len(rows)
         b = bucket(r)
         if history is not None:  # the history's tokens wait in the forward's token buffer
@@ -381,7 +319,7 @@ class StepGraphs:
             caught = d_len + count  # what the draft holds once caught up
             feats = draft.catch_features[:b, :cw] if feature else None
             res = forward_cached(draft.model, draft._rows(b), draft.catch_tokens[:b, :cw], draft.rope,
-                                 static=True, last_index=count - 1, features=feats,
+                                 static=True, backend=draft.backend, last_index=count - 1, features=feats,
                                  return_features=feature)
             if feature:
                 logits, hidden = res
@@ -398,7 +336,7 @@ class StepGraphs:
                 proposed.append(tok)
                 if i + 1 < n:
                     res = forward_cached(draft.model, draft._rows(b), tok[:, None], draft.rope, static=True,
-                                         features=hidden, return_features=feature)
+                                         features=hidden, return_features=feature, backend=draft.backend)
                     logits, hidden = res if feature else (res, None)
             d_len.copy_(caught)
             return self._verify(b, torch.stack(proposed, 1), params, max_new, eos, pad_id,
@@ -409,8 +347,7 @@ class StepGraphs:
         return self._read(graph.run(), r)
 
     def _read(self, packed: torch.Tensor, r: int) -> list[list[float]]:
-        """The first ``r`` rows of a step's packed result on the host: one non-blocking copy
-        into pinned memory, one stream sync."""
+        """The first ``r`` rows of a step's packed result on the host (one pinned copy, one sync)."""
         host = self.host.view(-1)[:r * packed.shape[1]].view(r, packed.shape[1])
         host.copy_(packed[:r], non_blocking=True)
         if packed.is_cuda:
@@ -422,14 +359,13 @@ class StepGraphs:
         feats = None if self.features is None else self.features[:b, :n]
 
         def step():
-            return forward_cached(self.model, self._rows(b), self.tokens[:b, :n], self.rope,
-                                  features=feats, return_features=return_features, static=True)
+            return forward_cached(self.model, self._rows(b), self.tokens[:b, :n], self.rope, features=feats,
+                                  return_features=return_features, static=True, backend=self.backend)
 
         return step
 
     def _cached(self, table: dict, key: tuple, step, state: tuple[torch.Tensor, ...] = ()):
-        """The graph of ``key`` in ``table``; at the first use made from ``step``
-        (:meth:`_graph`, ``state`` as there), its seconds added to :attr:`capture_s`."""
+        """The graph of ``key`` in ``table``, made from ``step`` at its first use (timed)."""
         graph = table.get(key)
         if graph is None:
             start = time.perf_counter()
@@ -438,8 +374,7 @@ class StepGraphs:
         return graph
 
     def _graph(self, step, state: tuple[torch.Tensor, ...] = ()):
-        """``step`` captured (its own state and the cache lengths restored after warm-up),
-        or run eagerly without capture, or after a failed capture (logged once per store)."""
+        """``step`` captured, or run eagerly (no capture, or a failed one: logged once per store)."""
         if not self.capture:
             return _Eager(step)
         try:
@@ -464,9 +399,8 @@ class StepGraphs:
 @torch.inference_mode()
 def time_step(model, batch: int, n: int, context: int, repeats: int = 20,
               graphs: bool = True) -> float:
-    """Milliseconds of one forward of ``n`` tokens per sample after ``context`` cached
-    tokens, at ``batch`` samples, through the path the generator takes: a replayed CUDA
-    graph on a GPU (``graphs``), the dynamic step otherwise. Median of ``repeats``."""
+    """Median milliseconds of one forward of ``n`` tokens per sample after ``context`` cached
+    tokens at ``batch`` samples, as the generator runs it (a CUDA graph on a GPU with ``graphs``)."""
     weight = model.embedding.word_embeddings.weight
     cuda, max_len = weight.is_cuda, context + n + 1
     tokens = torch.randint(0, model.mrlhf_config.vocab_size, (batch, n), device=weight.device)

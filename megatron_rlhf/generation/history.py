@@ -1,42 +1,8 @@
 """Model-free drafts from the rollout's own history (SuffixDecoding, DAS, SPEC-RL).
 
-RL rollouts repeat themselves: the ``--rollout-n`` samples of a group answer one prompt,
-the same prompts come back every epoch, and answers restate the question, follow one
-format and close with one phrase. A :class:`HistoryDrafter` proposes the continuation of
-a sample's latest tokens as it occurred before, in
-
-- the sample's own prompt and response so far (prompt lookup);
-- its group's siblings in this rollout, finished or not;
-- earlier responses to the same prompt (previous iterations and epochs: the newest
-  ``max_responses`` per prompt, at most ``max_prompts`` prompts, least recently used
-  evicted), in host memory beside the generator.
-
-Optionally (``global_responses`` > 0) a global index holds the newest responses to any
-prompt: formats, phrases and closing lines that answers to different prompts share. A
-sample's draft takes, token by token, the longer of its prompt's match and the global
-one; a global match must span ``global_min_match`` tokens (single tokens of other
-prompts' answers are noise).
-
-All of a prompt's documents share one :class:`NgramIndex`: for every n-gram of 1 to
-``max_match`` tokens, how often each token followed it. A proposal follows the longest
-n-gram ending the sample's context that the index holds, takes its most frequent
-continuation, appends it and repeats (a chain). Its confidence is the product of the
-continuations' frequencies; drafting stops below ``min_confidence``, so a long, certain
-match drafts far and an uncertain one drafts little (SuffixDecoding's adaptive length).
-Samples that run long draft up to ``long_boost`` times more (DAS: the long tail of a
-rollout is where drafting pays).
-
-The drafter also predicts how many tokens a live sample has left (:meth:`remaining`), from
-the lengths of the responses its prompt had before (earlier epochs, finished siblings) and
-of recent responses to any prompt: the mean excess of those longer than what the sample has
-emitted. The selector spends drafts first on the samples predicted to finish last (DAS's
-length-aware budget: the rollout ends with its longest sample, so a draft accepted there
-shortens the rollout, one accepted in a sample about to finish does not).
-
-The drafter changes no sample under exact verification
-(:func:`~megatron_rlhf.generation.speculative.accept_exact`): it only decides how many
-positions a verification covers. So its contents may differ between runs, ranks and
-resumptions without changing a token.
+Entry point: :class:`HistoryDrafter`: a draft continues a sample's latest tokens as they
+occurred in its prompt, its siblings and earlier answers (by the longest n-gram match of an
+:class:`NgramIndex`). Invariant: under exact verification it changes no token.
 """
 
 from __future__ import annotations
@@ -46,15 +12,12 @@ from dataclasses import dataclass
 
 from megatron_rlhf.config import HISTORY_LONG_BOOST
 
-LENGTHS_KEPT = 1024
-"""Response lengths (any prompt) kept for :meth:`HistoryDrafter.remaining`."""
+LENGTHS_KEPT = 1024  # response lengths (any prompt) kept for HistoryDrafter.remaining
 
 
 class NgramIndex:
-    """Continuation counts of the n-grams (1..``max_match`` tokens) of a set of documents.
-
-    ``table[ngram] = [total, {token: count}]``: the tokens that followed ``ngram``.
-    """
+    """Continuation counts of the n-grams (1..``max_match`` tokens) of a set of documents:
+    ``table[ngram] = [total, {token: count}]``. Raises ValueError when ``max_match < 1``."""
 
     def __init__(self, max_match: int):
         if max_match < 1:
@@ -85,9 +48,8 @@ class NgramIndex:
                     del table[key]
 
     def next_token(self, context: list[int]) -> tuple[int, float, int] | None:
-        """``(token, frequency, match length)`` of the most frequent continuation of the
-        longest n-gram ending ``context`` that the index holds (ties: the smaller token),
-        or None."""
+        """``(token, frequency, match length)`` continuing the longest held n-gram ending
+        ``context`` (ties: the smaller token), or None."""
         table = self.table
         for k in range(min(self.max_match, len(context)), 0, -1):
             entry = table.get(tuple(context[-k:]))
@@ -103,8 +65,7 @@ class NgramIndex:
 
 @dataclass
 class _Live:
-    """A sample being generated: its prompt's history and its document (prompt, then the
-    response so far), indexed up to ``indexed`` tokens."""
+    """A sample being generated: its document (prompt, then response), indexed up to ``indexed``."""
 
     history: "_PromptHistory"
     doc: list[int]
@@ -118,22 +79,16 @@ class _PromptHistory:
         self.prompt = prompt
         self.index = NgramIndex(max_match)
         self.index.add(list(prompt))
-        self.responses: deque[list[int]] = deque()
-        """Finished responses kept (prompt + response documents), oldest first."""
+        self.responses: deque[list[int]] = deque()  # finished prompt + response documents, oldest first
 
-    def lengths(self) -> list[int]:
-        """The kept responses' lengths (tokens after the prompt)."""
+    def lengths(self) -> list[int]:  # the kept responses' lengths after the prompt
         return [len(doc) - len(self.prompt) for doc in self.responses]
 
 
 class HistoryDrafter:
-    """Drafts for the live samples of a generator from the history of their prompts.
-
-    Protocol (what :class:`~megatron_rlhf.generation.engine.Generator` calls):
-    :meth:`begin` a sample with its prompt, :meth:`propose` drafts for a list of samples
-    given their responses so far, :meth:`finish` a sample when it is done (its response
-    joins its prompt's history).
-    """
+    """Drafts for a generator's live samples from the history of their prompts: the
+    generator calls :meth:`begin`, :meth:`extend`, :meth:`propose` and :meth:`finish`.
+    Raises ValueError on an out-of-range setting."""
 
     def __init__(self, max_match: int = 8, max_responses: int = 16, max_prompts: int = 4096,
                  min_confidence: float = 0.3, long_boost: int = HISTORY_LONG_BOOST, long_after: int = 256,
@@ -145,8 +100,8 @@ class HistoryDrafter:
         if global_responses < 0:
             raise ValueError(f"global_responses must be >= 0, got {global_responses}")
         self.global_responses, self.global_min_match = global_responses, global_min_match
+        # continuations in the newest global_responses responses to any prompt (None: off)
         self.global_index = NgramIndex(max_match) if global_responses else None
-        """Continuations in the newest ``global_responses`` responses to any prompt (None: off)."""
         self.global_docs: deque[list[int]] = deque()
         if not 0 <= min_confidence <= 1:
             raise ValueError(f"min_confidence must lie in [0, 1], got {min_confidence}")
@@ -154,14 +109,12 @@ class HistoryDrafter:
         self.min_confidence, self.long_boost, self.long_after = min_confidence, long_boost, long_after
         self.prompts: OrderedDict[tuple, _PromptHistory] = OrderedDict()
         self.live: dict[int, _Live] = {}
-        self.lengths: deque[int] = deque(maxlen=LENGTHS_KEPT)
-        """The newest responses' lengths, any prompt (:meth:`remaining`)."""
+        self.lengths: deque[int] = deque(maxlen=LENGTHS_KEPT)  # newest responses' lengths, any prompt
 
     # ------------------------------------------------------------------ samples
     def begin(self, sample: int, prompt: list[int], response: list[int] = ()) -> None:
-        """Start drafting for ``sample`` (a global sample index) answering ``prompt``; a
-        migrated sample arrives with its ``response`` so far (what this drafter held of it
-        from an earlier stay is forgotten)."""
+        """Start drafting for global sample ``sample`` answering ``prompt``; a migrated sample
+        arrives with its ``response`` so far (what was held of it before is forgotten)."""
         self.drop(sample)
         key = tuple(prompt)
         history = self.prompts.get(key)
@@ -180,8 +133,7 @@ class HistoryDrafter:
         return None if live is None else len(live.doc) - len(live.history.prompt)
 
     def drop(self, sample: int) -> None:
-        """Forget a live ``sample`` without keeping its response (one that migrated away
-        and finished elsewhere, or left for good)."""
+        """Forget a live ``sample`` without keeping its response (it finished elsewhere)."""
         live = self.live.pop(sample, None)
         if live is not None:
             live.history.index.add(live.doc[:live.indexed], start=len(live.history.prompt), sign=-1)
@@ -204,9 +156,8 @@ class HistoryDrafter:
             self._index(live)
 
     def finish(self, sample: int, response: list[int] | None = None) -> None:
-        """``sample`` is done: its response stays in its prompt's history (the oldest
-        response beyond ``max_responses`` is forgotten). ``response``: the whole response,
-        where this drafter saw only its beginning (a sample that migrated away and back)."""
+        """``sample`` is done: its response joins its prompt's history (beyond ``max_responses``
+        the oldest is forgotten). ``response``: the whole of it, when only its start was seen here."""
         if response is not None and sample in self.live:
             live = self.live[sample]
             start = len(live.history.prompt)
@@ -231,7 +182,7 @@ class HistoryDrafter:
         self._trim_prompts()
 
     def _trim_prompts(self) -> None:
-        """Forget the least recently used prompts beyond ``max_prompts`` (not one in use)."""
+        # forget the least recently used prompts beyond max_prompts (not one in use)
         in_use = {id(live.history) for live in self.live.values()}
         for key in list(self.prompts):
             if len(self.prompts) <= self.max_prompts:
@@ -241,14 +192,13 @@ class HistoryDrafter:
 
     # ------------------------------------------------------------------ drafting
     def max_tokens(self, sample: int, n: int) -> int:
-        """The most tokens ``sample`` may draft in a round of width ``n``: more for a long-running sample."""
+        """The most tokens ``sample`` may draft in a round of width ``n`` (DAS: more when it runs long)."""
         return n * self.long_boost if self.emitted(sample) >= self.long_after else n
 
     def remaining(self, sample: int, limit: int) -> float:
-        """The tokens ``sample`` is expected to emit still (at most ``limit``, the budget it
-        has left): the mean excess over what it has emitted of the earlier responses to its
-        prompt that ran longer, else of the newest responses to any prompt that did; a
-        sample longer than all of them is expected to run as long again."""
+        """The tokens ``sample`` is expected to emit still, at most ``limit``."""
+        # the mean excess of its prompt's earlier responses that ran longer, else of any
+        # prompt's newest; a sample longer than all of them is expected to run as long again
         emitted = self.emitted(sample)
         for pool in (self.live[sample].history.lengths(), self.lengths):
             longer = [n - emitted for n in pool if n > emitted]
@@ -257,8 +207,7 @@ class HistoryDrafter:
         return float(min(max(emitted, 1), limit))
 
     def propose(self, sample: int, n: int) -> list[int]:
-        """Up to ``n`` draft tokens continuing ``sample``'s document (fewer, or none, where
-        the history is not confident)."""
+        """Up to ``n`` draft tokens continuing ``sample``'s document (fewer where not confident)."""
         live = self.live[sample]
         self._index(live)
         index = live.history.index
@@ -282,7 +231,7 @@ class HistoryDrafter:
         return out
 
     def stats(self) -> dict:
-        """Prompts held, responses kept and n-grams indexed (the history's size)."""
+        """The history's size: prompts, responses and n-grams held."""
         return {"prompts": len(self.prompts),
                 "responses": sum(len(h.responses) for h in self.prompts.values()),
                 "ngrams": sum(len(h.index) for h in self.prompts.values()),

@@ -1,291 +1,34 @@
-"""Incremental forward over a megatron-core GPTModel's own modules, with our KV cache.
+"""The cached forward: a megatron-core GPTModel's own weights fed a few tokens per row after
+each row's KV cache (prefill, a decode step, a verification).
 
-No copy of the weights: each layer's ``input_layernorm``, ``self_attention``
-(``get_query_key_value_tensors`` gives this rank's q, k, v shards; ``linear_proj`` is the
-row-parallel output with its TP all-reduce), ``pre_mlp_layernorm`` and ``mlp`` are called
-directly. For the plain Llama layers of the local spec (:func:`plain_layers`) the same
-weights go through the same ops without the modules' wrappers (:func:`_plain_layer_step`:
-bit-identical, a quarter faster at batch 1 on CPU). What is ours: RoPE at each sample's
-own positions, the cache, the masks and the attention (:func:`attention`: torch SDPA on
-GPU, batched matmuls on CPU, grouped query heads folded into rows for both; or
-flash-attn's kernel on the cache in place, :func:`flash_attention`, when it imports).
-
-Every sample feeds the same number of tokens ``n`` per call, each at its own offset
-(``cache.lengths``): prefill of right-padded prompts, a 1-token decode step, or an
-``n``-token verification. When rows carry padding (prefill), the layers run on the real
-tokens only, packed (:class:`_Packing`); only the attention sees the padded shape.
+Entry points: :func:`forward_cached`, :func:`prefill`. Plain Llama layers (:func:`plain_layers`)
+run the same weights and ops without the modules' wrappers, bit-identical. The CPU's
+numerics choices sit behind one switch (:mod:`~megatron_rlhf.generation.cpu_numerics`).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from megatron_rlhf.data.padding import padded
+from megatron_rlhf.generation import cpu_numerics
+from megatron_rlhf.generation.attention import (attention, attention_mask, default_backend, flash_attention,
+                                                flash_seqlens, sdpa_kernel_name)
+from megatron_rlhf.generation.cpu_numerics import attended_length
 from megatron_rlhf.generation.kv_cache import KVCache
+from megatron_rlhf.generation.packing import Packing, packed_positions, pad_right
+from megatron_rlhf.generation.rope import RopeTable, rotate
 from megatron_rlhf.models import sequence_parallel
 
+attention_backend = default_backend  # the name tools/ imports from here
 
-class RopeTable:
-    """RoPE angles for positions ``0..max_len-1`` from the model's own rotary module."""
-
-    def __init__(self, model, max_len: int):
-        freqs = model.rotary_pos_emb(max_len)  # [max_len, 1, 1, rot_dim]
-        self.freqs = freqs[:, 0, 0]  # [max_len, rot_dim]
-        self.cos = torch.cos(self.freqs)
-        self.sin = torch.sin(self.freqs)
-
-    def angles(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` at positions ``pos [B, n]``, each ``[n, B, 1, dim]`` in ``dtype``."""
-        return (self.cos[pos].transpose(0, 1)[:, :, None].to(dtype),
-                self.sin[pos].transpose(0, 1)[:, :, None].to(dtype))
-
-    def apply(self, t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """RoPE on ``t [n, B, heads, dim]`` at positions ``pos [B, n]`` (rotate-half form)."""
-        return rotate(t, *self.angles(pos, t.dtype))
-
-
-def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of ``t [n, B, heads, dim]`` with angles ``[n, B, 1, dim]``."""
-    half = t.shape[-1] // 2
-    rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
-    return t * cos + rotated * sin
-
-
-def attention_mask(lengths: torch.Tensor, n: int, k_len: int) -> torch.Tensor:
-    """``[B, 1, n, k_len]`` bool, True where query j of sample b may attend key t.
-
-    Query j sits at position ``lengths[b] + j`` and sees keys ``t <= lengths[b] + j``.
-    """
-    q_pos = lengths[:, None] + torch.arange(n, device=lengths.device)  # [B, n]
-    keys = torch.arange(k_len, device=lengths.device)
-    return (keys[None, None, :] <= q_pos[:, :, None])[:, None]
-
-
-BACKENDS = ("matmul", "sdpa", "flash")
-"""Decode attention implementations (:func:`attention`): ``matmul``, two batched matmuls
-and an fp32 softmax (the CPU default); ``sdpa``, torch's fused attention; ``flash``,
-flash-attn's ``flash_attn_with_kvcache`` reading the cache in place (:func:`flash_attention`;
-the GPU default when flash-attn imports, else ``sdpa``). ``matmul`` and ``sdpa`` take
-grouped-query attention with a KV group's query heads folded into rows; ``flash`` takes it
-as it is. ``flash`` needs a half-precision cache: an fp32 one goes through ``sdpa``."""
-
-_backend_override: str | None = None
-_flash_kvcache = None  # flash-attn's flash_attn_with_kvcache once imported (False: it does not import)
-
-
-def flash_kvcache():
-    """flash-attn's ``flash_attn_with_kvcache`` (None when flash-attn does not import)."""
-    global _flash_kvcache
-    if _flash_kvcache is None:
-        try:
-            from flash_attn import flash_attn_with_kvcache
-        except Exception:  # noqa: BLE001 - not installed, or built for another torch/CUDA
-            flash_attn_with_kvcache = False
-        _flash_kvcache = flash_attn_with_kvcache
-    return _flash_kvcache or None
-
-
-def _check_backend(name: str, where: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"{where}{name!r}: use one of {', '.join(BACKENDS)}")
-    if name == "flash" and flash_kvcache() is None:
-        raise ValueError(f"{where}{name!r}: flash-attn does not import here (pip install flash-attn); "
-                         "use sdpa or matmul")
-    return name
-
-
-def set_attention_backend(name: str | None) -> None:
-    """Force the decode attention backend (one of :data:`BACKENDS`; None: per device).
-    Also ``MRLHF_DECODE_ATTENTION`` in the environment."""
-    global _backend_override
-    _backend_override = None if name is None else _check_backend(name, "decode attention backend ")
-
-
-def attention_backend(device) -> str:
-    """The decode attention backend for tensors on ``device``: the forced one
-    (:func:`set_attention_backend`, ``MRLHF_DECODE_ATTENTION``), else on CUDA ``flash``
-    when flash-attn imports and ``sdpa`` when not, and ``matmul`` elsewhere."""
-    name = _backend_override or os.environ.get("MRLHF_DECODE_ATTENTION") or None
-    if name is not None:
-        return _check_backend(name, "MRLHF_DECODE_ATTENTION=")
-    if torch.device(device).type != "cuda":
-        return "matmul"
-    return "flash" if flash_kvcache() is not None else "sdpa"
-
-
-def flash_seqlens(lengths: torch.Tensor, n: int) -> torch.Tensor:
-    """``cache_seqlens`` for :func:`flash_attention` when ``n`` tokens per row were just
-    written after ``lengths``: each row's keys end there (int32, as the kernel takes them)."""
-    return (lengths + n).to(torch.int32)
-
-
-def flash_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
-    """Attention of ``q [n, B, H, d]`` (query j of row b at position ``seqlens[b] - n + j``)
-    over the cache as it lies, ``keys, values [B, KV, L, d]`` with each row's keys ending
-    at ``seqlens [B]`` (int32): ``flash_attn_with_kvcache`` on the ``[B, L, KV, d]`` views
-    (strided: only the last dimension must be contiguous), causal, which aligns the query
-    rows to the end of each row's keys. Grouped query heads as they come (head ``h`` reads
-    KV group ``h // (H / KV)``, as megatron lays them out). Reads no host value and only
-    each row's own keys, so the whole cache can be passed in a static step. Returns
-    ``[n, B, H, d]``."""
-    out = flash_kvcache()(q.transpose(0, 1), keys.transpose(1, 2), values.transpose(1, 2),
-                          cache_seqlens=seqlens, causal=True)
-    return out.transpose(0, 1)
-
-
-def sdpa_kernel_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> str:
-    """Which fused kernel torch's SDPA takes for :func:`attention`'s folded call on these
-    inputs (``flash``, ``efficient``, ``cudnn`` or ``math``): each is tried alone, in
-    torch's own order of preference. For the GPU check's table and the generator's log."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    qg, mask_rows = _fold(q, k, mask)
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                          ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):
-        try:
-            with sdpa_kernel([backend]):
-                F.scaled_dot_product_attention(qg, k, v, attn_mask=mask_rows)
-            return name
-        except RuntimeError:
-            continue
-    return "none"
-
-
-def _fold(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [B, H, n, d]`` with each KV group's ``g`` query heads stacked as rows:
-    ``[B, KV, g*n, d]`` (plain multi-head attention against ``k [B, KV, L, d]``), and
-    ``mask [B, 1, n, L]`` repeated for those rows: ``[B, 1, g*n, L]``."""
-    b, h, n, d = q.shape
-    g = h // k.shape[1]
-    return q.reshape(b, k.shape[1], g * n, d), mask.repeat(1, 1, g, 1)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped-query attention: ``q [B, H, n, d]``, ``k, v [B, KV, L, d]``, ``mask [B, 1, n, L]``.
-
-    A KV group's query heads are adjacent: they are stacked as rows (:func:`_fold`), so k
-    and v are used as they lie in the cache, with no copy per query head, and the call is
-    plain multi-head attention. Backend (:func:`attention_backend`):
-
-    * ``flash`` (the GPU's when flash-attn imports) does not come here: the cached forward
-      calls :func:`flash_attention` on the cache itself; an fp32 cache takes ``sdpa``.
-    * ``sdpa`` (GPU): torch SDPA on the folded rows with the repeated boolean mask. Given
-      grouped heads (``enable_gqa``) and a mask, torch 2.11 has only its math kernel (fp32
-      upcast, K/V repeated per head); folded, the memory-efficient kernel takes it.
-    * ``matmul`` (CPU): two batched matmuls, at decode and verification shapes ~5x faster
-      than the CPU SDPA kernel (measured at batch 64, fp32). With a bf16 cache (large
-      batches, see :func:`~megatron_rlhf.generation.kv_cache.cache_dtype`) the scores come
-      from ``k @ q^T`` (the shape bf16 kernels handle best) and the softmax runs in fp32.
-      ``bias`` is :func:`group_bias` of ``mask`` in fp32 (made once per forward and shared
-      by the layers; built here when not given).
-    """
-    b, h, n, d = q.shape
-    if attention_backend(q.device) != "matmul":  # sdpa; flash with an fp32 cache
-        qg, mask_rows = _fold(q, k, mask)
-        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask_rows).reshape(b, h, n, d)
-    kv = k.shape[1]
-    g = h // kv
-    qg = (q * d ** -0.5).reshape(b, kv, g * n, d)
-    bias = group_bias(mask, g, torch.float32) if bias is None else bias
-    if k.dtype == torch.float32 or k.is_contiguous():
-        scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, KV, g*n, L]
-    else:  # bf16 keys sliced from the cache: this product copies them less
-        scores = torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2)
-    scores = scores.float().add_(bias)
-    return torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(b, h, n, d)
-
-
-WIDTH_INVARIANT_MAX_TOKENS = 17
-"""Widest forward (tokens per row) whose attention runs one query position at a time in
-half precision on the CPU (:func:`width_invariant`): verifications (``n + 1`` tokens,
-``n`` up to 8 drafts doubled for long samples) and short catch-ups, never a prefill chunk."""
-
-
-def width_invariant(dtype: torch.dtype, device, n: int) -> bool:
-    """Whether a cached forward of ``n`` tokens per row computes its attention one query
-    position at a time, each exactly as a one-token step computes it.
-
-    In bf16 on the CPU a verification over ``n + 1`` positions and ``n + 1`` one-token
-    steps gave logits up to 0.75 apart (SmolLM2, 12 rows): the attention's fp32 matmuls
-    sum in another order for ``n`` query rows than for one, and rounding the context to
-    bf16 turns those last-bit differences into bf16 ulps that 30 layers amplify. Computed
-    per position, the verification's logits equal the steps' bit for bit (measured: max
-    difference 0; the bf16 linears there are row-invariant), so exact verification keeps
-    the tokens of plain decoding in bf16 too. It costs ``n`` attention calls per layer
-    instead of one: a 5-token verification of SmolLM2 took 10-15% longer (batch 8: 121 ->
-    133 ms; batch 32: 327 -> 376 ms, one EPYC core), the price of speculation that changes
-    no token. fp32 is left as is (its differences, ~3e-5 in the logits, come from the fp32
-    GEMMs); so is the GPU (SDPA)."""
-    return (1 < n <= WIDTH_INVARIANT_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
-            and attention_backend(device) == "matmul")
-
-
-ATTEND_ALIGN = 16
-"""The attention reads a multiple of this many cache positions (:func:`attended_length`),
-and generation sizes its caches to one (:func:`aligned_length`)."""
-
-
-def aligned_length(length: int) -> int:
-    """``length`` rounded up to a multiple of :data:`ATTEND_ALIGN`."""
-    return -(-length // ATTEND_ALIGN) * ATTEND_ALIGN
-
-
-def attended_length(cache, needed: int) -> int:
-    """How many cache positions the attention reads when ``needed`` hold tokens: ``needed``
-    rounded up to a multiple of :data:`ATTEND_ALIGN` (at most the cache), or on CPU with a
-    half-precision cache the whole cache once ``needed`` reaches half of it.
-
-    Rounded, a sample's attention does not depend on how long the batch's longest sample
-    is, nor on how many tokens a forward feeds: a CPU's batched matmuls and softmax sum a
-    row of ``L`` keys in an order that changes with ``L`` in its last few (measured on the
-    2-core EPYC: fp32 results over 61-63 keys differ in the last bit from those over 64; over
-    64, 72, 80, ..., 256 keys, positions past the row's length masked, they are equal), and
-    such a bit, amplified by 30 layers, flips a near-tie draw. With the linears row-invariant
-    (bf16 on the CPUs measured) a decode step then computes each sample as it would in any
-    batch and any verification: DP=1 and DP=2, speculation on and off, agree token for token.
-
-    CPU bf16 batched matmuls copy a slice of the cache (its samples lie ``max_len`` apart)
-    but read the whole contiguous cache in place: at batch 64 on SmolLM2's shapes, the
-    attention over all 146 positions (positions past a sample's length are masked) takes
-    what it takes over a slice of 50-70 of them (measured on the 2-core EPYC)."""
-    half = cache.keys[0].dtype != torch.float32 and not cache.keys[0].is_cuda
-    if half and 2 * needed >= cache.max_len:
-        return cache.max_len
-    return min(aligned_length(needed), cache.max_len)
-
-
-def group_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, 1, groups*n, L]`` additive mask (0 or -inf) for :func:`attention`'s stacked rows."""
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return bias.repeat(1, 1, groups, 1)
-
-
-class _Packing:
-    """Real tokens of a right-padded ``[n, B]`` feed, packed: the residual stream and every
-    linear layer run on ``[T, 1, h]`` (T real tokens, position-major) instead of ``[n, B, h]``;
-    the attention unpacks q, k, v to ``[n, B, ...]`` and packs its output back. Prefill of
-    prompts of different lengths thus spends no matmul work on padding (a third of the
-    tokens of SmolLM2's held-out prompts in one run of rows)."""
-
-    def __init__(self, valid: torch.Tensor, n: int, b: int):
-        real = torch.arange(n, device=valid.device)[:, None] < valid[None, :]  # [n, B]
-        self.keep = real.reshape(-1).nonzero()[:, 0]  # flat [n, B] index of each real token
-        self.n, self.b = n, b
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """``[n, B, ...]`` -> ``[T, 1, ...]``."""
-        return t.reshape(self.n * self.b, *t.shape[2:]).index_select(0, self.keep)[:, None]
-
-    def unpack(self, t: torch.Tensor) -> torch.Tensor:
-        """``[T, 1, ...]`` -> ``[n, B, ...]`` (zeros at padding)."""
-        t = t[:, 0]
-        out = t.new_zeros((self.n * self.b, *t.shape[1:]))
-        return out.index_copy_(0, self.keep, t).view(self.n, self.b, *t.shape[1:])
+# the last three are imported from here by tools/ (kept valid while tools/ moves)
+__all__ = ["RopeTable", "forward_cached", "packed_positions", "pad_right", "plain_layers", "prefill",
+           "attention_mask", "attention_backend", "sdpa_kernel_name"]
 
 
 @dataclass
@@ -295,47 +38,20 @@ class _Step:
     cos: torch.Tensor  # [n, B, 1, d] RoPE angles at each fed position
     sin: torch.Tensor
     mask: torch.Tensor  # [B, 1, n, k_len] bool
-    bias: torch.Tensor | None  # group_bias(mask) in fp32 on CPU
     slots: torch.Tensor  # cache rows of the fed positions (KVCache.slots)
     k_len: int
+    backend: str
+    linear: Callable  # the plain layer path's and the head's bias-free linear
     tp: object = None  # the TP group when its size > 1 (for the plain layer path's all-reduce)
-    packing: _Packing | None = None  # the layers' activations hold real tokens only
+    packing: Packing | None = None  # the layers' activations hold real tokens only
     seqlens: torch.Tensor | None = None  # flash_seqlens: the attention is flash_attention
-    spans: "_Spans | None" = None  # the attention in spans of query positions (CPU: _Spans.of)
-
-
-class _Spans:
-    """The matmul attention in spans of query positions ``[lo, hi)``, one call per span,
-    each over the whole batch's cache in place, with its own part of the mask's bias."""
-
-    def __init__(self, mask: torch.Tensor, groups: int, spans: list[tuple[int, int]]):
-        self.spans = [(lo, hi, group_bias(mask[:, :, lo:hi], groups, torch.float32)) for lo, hi in spans]
-
-    @classmethod
-    def of(cls, mask: torch.Tensor, groups: int, invariant: bool, ragged: bool) -> "_Spans | None":
-        """The spans of a forward of ``n`` query positions (``mask [B, 1, n, L]``), or None
-        (one call): one position at a time when the attention is :func:`width_invariant`
-        (each then as a one-token step of the batch computes it); for a ``ragged`` feed (rows
-        of ``valid`` real tokens, right-padded) otherwise, every row's first query (what a
-        plain step computes), then the later positions. The padding queries of rows that
-        verify fewer drafts are computed too (over their own keys; the packing drops their
-        outputs): less than copying the drafting rows' keys and values out of the cache for
-        every position of every layer, as ragged rounds did before (bf16 SmolLM2 on one EPYC
-        core, 16 rows of which 8 verify 4 drafts: 205 ms a round against 217)."""
-        n = mask.shape[2]
-        if invariant:
-            return cls(mask, groups, [(j, j + 1) for j in range(n)])
-        return cls(mask, groups, [(0, 1), (1, n)]) if ragged else None
-
-    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """``q [B, H, n, d]``, ``keys, values [B, KV, L, d]`` -> ``[B, H, n, d]``."""
-        return torch.cat([attention(q[:, :, lo:hi], keys, values, None, bias) for lo, hi, bias in self.spans], 2)
+    bias: torch.Tensor | None = None  # the matmul attention's additive mask (cpu_numerics)
+    spans: cpu_numerics.Spans | None = None  # the matmul attention in spans of query positions
 
 
 def _layer_step(layer, idx: int, x, cache, s: _Step):
-    """One transformer layer for ``x [n, B, h]`` through its own modules; writes this
-    layer's k, v into the cache. Any layer spec megatron builds (e.g. Transformer Engine's
-    fused norm + linear on GPU) runs here."""
+    """One layer for ``x [n, B, h]`` through its own modules (any layer spec megatron builds);
+    writes the layer's k, v into the cache."""
     attn = layer.self_attention
     residual = x
     h = layer.input_layernorm(x)
@@ -366,18 +82,17 @@ def _cached_attention(idx: int, q, k, v, cache, s: _Step):
     if s.spans is not None:
         ctx = s.spans.attention(q, keys, values)
     else:
-        ctx = attention(q, keys, values, s.mask, s.bias)  # [B, heads, n, d]
+        ctx = attention(q, keys, values, s.mask, s.backend, s.bias)  # [B, heads, n, d]
     b, n = q.shape[0], q.shape[2]
     ctx = ctx.permute(2, 0, 1, 3).reshape(n, b, -1).to(dtype)
     return ctx if s.packing is None else s.packing.pack(ctx)
 
 
 def _plain_layer_step(layer, idx: int, x, cache, s: _Step):
-    """:func:`_layer_step` for a plain Llama layer (:func:`plain_layers`), on the same
-    weights with the same ops (bit-identical output) but without the modules' wrappers:
-    megatron's linear layers go through autograd functions and TP region mappings even
-    under ``inference_mode``, ~0.3 ms per layer on CPU (a quarter of a batch-1 decode
-    step of SmolLM2). Row-parallel outputs are all-reduced over the TP group here."""
+    """:func:`_layer_step` for a plain Llama layer (:func:`plain_layers`): the same weights
+    and ops, bit-identical output, without the modules' wrappers."""
+    # megatron's linears go through autograd functions and TP region mappings even under
+    # inference_mode; the row-parallel outputs are all-reduced over the TP group here
     attn, mlp = layer.self_attention, layer.mlp
     n, b = x.shape[0], x.shape[1]
     groups = attn.num_query_groups_per_partition
@@ -386,46 +101,14 @@ def _plain_layer_step(layer, idx: int, x, cache, s: _Step):
     ln = layer.input_layernorm
     h = F.rms_norm(x, ln.normalized_shape, ln.weight, ln.eps)
     # megatron's fused QKV layout per query group: its query heads, then k, then v
-    mixed = _linear(h, attn.linear_qkv.weight).view(n, b, groups, per_group + 2, d)
+    mixed = s.linear(h, attn.linear_qkv.weight).view(n, b, groups, per_group + 2, d)
     q = mixed[:, :, :, :per_group].reshape(n, b, groups * per_group, d)
     ctx = _cached_attention(idx, q, mixed[:, :, :, per_group], mixed[:, :, :, per_group + 1], cache, s)
-    x = x + _row_parallel(_linear(ctx, attn.linear_proj.weight), s.tp)
+    x = x + _row_parallel(s.linear(ctx, attn.linear_proj.weight), s.tp)
     ln = layer.pre_mlp_layernorm
-    gate, up = _linear(F.rms_norm(x, ln.normalized_shape, ln.weight, ln.eps),
-                       mlp.linear_fc1.weight).chunk(2, -1)
-    return x + _row_parallel(_linear(F.silu(gate) * up, mlp.linear_fc2.weight), s.tp)
-
-
-# fp32 GEMMs with a few rows on CPU: ``x @ w^T`` (``F.linear``, MKL's transposed-weight path)
-# streams the weight at ~11 GB/s for one row and takes twice that for two, while ``(w @ x^T)^T``
-# (same weight, read in place) streams it at ~30 GB/s from two rows on. Measured on the 2-core
-# EPYC on SmolLM2's four layer shapes and its head: 2.3-2.7x faster at one row (padded to
-# two), 4-6x at two, ~2x at four, with one thread or two; at 5-8 rows faster with two threads
-# (a batch-4 verification of 2 tokens: 97 -> 82 ms) but slower with one (a batch-8 step:
-# 97 -> 106 ms); from ~16 rows on about even. bf16 is unaffected (F.linear is the faster
-# form there at every row count).
-SWAPPED_GEMM_MAX_ROWS = 4
-SWAPPED_GEMM_MAX_ROWS_THREADED = 8  # with two or more intra-op threads
-
-
-def swapped_gemm_max_rows() -> int:
-    """Rows up to which an fp32 CPU linear runs as ``(w @ x^T)^T`` (see the comment above)."""
-    return SWAPPED_GEMM_MAX_ROWS_THREADED if torch.get_num_threads() >= 2 else SWAPPED_GEMM_MAX_ROWS
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` without bias, as ``(weight @ x^T)^T`` for fp32 on CPU with at
-    most :func:`swapped_gemm_max_rows` rows; the same product up to float rounding (a
-    different summation order)."""
-    rows = x.numel() // x.shape[-1]
-    if weight.dtype != torch.float32 or weight.is_cuda or rows > swapped_gemm_max_rows():
-        return F.linear(x, weight)
-    flat = x.reshape(rows, x.shape[-1])
-    if rows == 1:  # a matrix-vector product takes the slow path; two rows do not
-        flat = flat.expand(2, -1).contiguous()
-    # contiguous: a row-parallel output is all-reduced in place next
-    out = (weight @ flat.t()).t()[:rows].contiguous()
-    return out.view(*x.shape[:-1], weight.shape[0])
+    gate, up = s.linear(F.rms_norm(x, ln.normalized_shape, ln.weight, ln.eps),
+                        mlp.linear_fc1.weight).chunk(2, -1)
+    return x + _row_parallel(s.linear(F.silu(gate) * up, mlp.linear_fc2.weight), s.tp)
 
 
 def _row_parallel(partial: torch.Tensor, group) -> torch.Tensor:
@@ -436,11 +119,9 @@ def _row_parallel(partial: torch.Tensor, group) -> torch.Tensor:
 
 
 def plain_layers(model) -> bool:
-    """True when every layer of ``model`` is what :func:`_plain_layer_step` reproduces: the
-    local (non-TE) spec's RMSNorms and megatron column/row-parallel linears without biases,
-    plain GQA self-attention (no q/k norms, no output gate, at least one KV group per TP
-    rank), a SwiGLU MLP, no fp8 (sequence parallelism is irrelevant: decoding runs whole
-    sequences, see :func:`forward_cached`). Checked once per model."""
+    """True when every layer of ``model`` is what :func:`_plain_layer_step` reproduces (checked
+    once per model): the local spec's RMSNorms, bias-free column/row-parallel linears, plain
+    GQA with at least one KV group per TP rank, a SwiGLU MLP, no fp8."""
     known = getattr(model, "_mrlhf_plain_layers", None)
     if known is not None:
         return known
@@ -471,11 +152,9 @@ def plain_layers(model) -> bool:
 
 
 def _plain_head(model) -> str | None:
-    """``"full"`` when the LM head is a plain megatron column-parallel linear without bias,
-    ``"subset"`` for a draft's subset head (:class:`~megatron_rlhf.models.heads` ``SubsetLMHead``
-    returning the full vocabulary), both at TP 1 and only when the layers take the plain
-    path (:func:`plain_layers`): then the engine applies the head's weight itself
-    (:func:`_linear`). Value heads and TP-sharded heads (gathered) go through the module."""
+    """How the forward applies the LM head's weight itself: ``"full"`` (a bias-free
+    column-parallel linear), ``"subset"`` (a draft's ``SubsetLMHead``), both at TP 1 with
+    :func:`plain_layers`; None: through the module (value heads, TP-sharded heads)."""
     if not plain_layers(model):
         return None
     head = model.output_layer
@@ -494,8 +173,8 @@ def _plain_head(model) -> str | None:
 
 
 def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable, *args, **kw):
-    """:func:`_forward_cached` (documented there), with a sequence-parallel model's modules
-    running whole sequences (:func:`~megatron_rlhf.models.sequence_parallel.disabled`)."""
+    """:func:`_forward_cached`, with a sequence-parallel model's modules running whole
+    sequences (:func:`~megatron_rlhf.models.sequence_parallel.disabled`)."""
     with sequence_parallel.disabled(model):
         return _forward_cached(model, cache, tokens, rope, *args, **kw)
 
@@ -503,28 +182,14 @@ def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable, *args, *
 def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
                     last_index: torch.Tensor | None = None, features: torch.Tensor | None = None,
                     return_features: bool = False, valid: torch.Tensor | None = None,
-                    static: bool = False, packed_logits: bool = False):
-    """Feed ``tokens [B, n]`` after each sample's cached prefix; returns logits.
-
-    Logits are ``[B, n, V]`` (vocabulary padding removed, gathered over TP), or ``[B, 1, V]``
-    at ``last_index [B]`` (a position in ``0..n-1`` per sample) when given. The cache
-    advances by ``n`` for every sample. A feature draft also reads the target's features
-    ``[B, n, h]`` (see :class:`~megatron_rlhf.models.heads.FeatureFusion`). With
-    ``return_features`` the result is ``(logits, final-norm hidden states [B, n, h])`` at
-    every fed position (what a feature draft reads next). ``valid [B]``: real tokens per
-    row (the rest is right padding, whose outputs are garbage): the layers then compute the
-    real tokens only (:class:`_Packing`); the cache still advances by ``n``.
-
-    ``static``: the step a CUDA graph captures (:mod:`megatron_rlhf.generation.graphs`):
-    no host value is read (no room check: the caller guarantees it; the attention reads
-    the whole cache, positions past each sample's length masked), so every shape and
-    address is fixed by the batch and ``n`` (``last_index`` is allowed: a gather; ``valid``
-    is not: packing reads the host). Same result as the dynamic step.
-
-    ``packed_logits`` (with ``valid``): logits ``[T, V]`` of the real tokens only, in
-    :func:`packed_positions` order (a ragged verification: no LM head, softmax or draw is
-    spent on padding).
-    """
+                    static: bool = False, packed_logits: bool = False, backend: str | None = None):
+    """Feed ``tokens [B, n]`` after each row's cached prefix (the cache advances by ``n``);
+    returns logits ``[B, n, V]``, or ``[B, 1, V]`` at ``last_index [B]``, and with
+    ``return_features`` the final-norm hidden states ``[B, n, h]``. ``features [B, n, h]``: a
+    feature draft's. ``valid [B]``: real tokens per row (the layers compute only those; with
+    ``packed_logits`` logits ``[T, V]`` in :func:`packed_positions` order). ``static``: the step
+    a CUDA graph captures (no host read). ``backend``: None for the device's default.
+    Raises ValueError on an inconsistent combination."""
     b, n = tokens.shape
     if packed_logits and (valid is None or last_index is not None or return_features):
         raise ValueError("packed_logits needs valid, and neither last_index nor return_features")
@@ -537,20 +202,18 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     mask = attention_mask(cache.lengths, n, k_len)
     x = model.embedding(input_ids=tokens, position_ids=pos)  # [n, B, h]
     cfg = model.mrlhf_config
-    groups = cfg.num_attention_heads // cfg.num_query_groups
-    backend = attention_backend(x.device)
+    backend = backend or default_backend(x.device)
     # flash needs a half-precision cache (an fp32 one goes through SDPA)
     flash = backend == "flash" and cache.keys[0].dtype in (torch.float16, torch.bfloat16)
-    seqlens = flash_seqlens(cache.lengths, n) if flash else None
     tp = model.pg_collection.tp
-    packing = spans = bias = None
-    if valid is not None and int(valid.min()) < n:
-        packing = _Packing(valid, n, b)
-    if backend == "matmul":
-        spans = _Spans.of(mask, groups, width_invariant(x.dtype, x.device, n), packing is not None)
-        bias = group_bias(mask, groups, torch.float32) if spans is None else None
-    step = _Step(*rope.angles(pos, x.dtype), mask, bias, cache.slots(n), k_len,
-                 tp if tp.size() > 1 else None, packing, seqlens, spans)
+    packing = Packing(valid, n, b) if valid is not None and int(valid.min()) < n else None
+    step = _Step(*rope.angles(pos, x.dtype), mask, cache.slots(n), k_len, backend, F.linear,
+                 tp=tp if tp.size() > 1 else None, packing=packing,
+                 seqlens=flash_seqlens(cache.lengths, n) if flash else None)
+    if backend == "matmul" or not x.is_cuda:  # the one switch into the CPU's numerics
+        cpu = cpu_numerics.CpuForward(mask, cfg.num_attention_heads // cfg.num_query_groups, x.dtype,
+                                      backend, ragged=packing is not None)
+        step.linear, step.bias, step.spans = cpu.linear, cpu.bias, cpu.spans
     layer_step = _plain_layer_step if plain_layers(model) else _layer_step
     if getattr(model, "feature_fusion", None) is not None:
         if features is None:
@@ -576,9 +239,9 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     head = _plain_head(model)
     if head == "full":
-        logits = _linear(x, model.output_layer.weight if weight is None else weight)
+        logits = step.linear(x, model.output_layer.weight if weight is None else weight)
     elif head == "subset":
-        logits = model.output_layer.to_vocab(_linear(x, model.output_layer.weight))
+        logits = model.output_layer.to_vocab(step.linear(x, model.output_layer.weight))
     else:
         logits, _ = model.output_layer(x, weight=weight)
     if packed_logits:
@@ -587,20 +250,9 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     return (logits, hidden) if return_features else logits
 
 
-def packed_positions(valid: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows [T], columns [T])`` of the real tokens of a right-padded ``[B, n]`` feed with
-    ``valid [B]`` real tokens per row, in the order :class:`_Packing` (and
-    ``packed_logits``) holds them: position-major (every row's first token, then every
-    second, ...)."""
-    real = torch.arange(n, device=valid.device)[:, None] < valid[None, :]  # [n, B]
-    cols, rows = real.nonzero(as_tuple=True)
-    return rows, cols
-
-
+# real tokens per run of rows in prefill, by device: a CPU's matmuls are compute-bound from a
+# few hundred tokens on; a GPU needs thousands per forward to fill its SMs
 PREFILL_CHUNK_TOKENS = {"cpu": 2048, "cuda": 8192}
-"""Real tokens per run of rows in :func:`prefill`, by device: on a CPU a run's matmuls are
-compute-bound from a few hundred tokens on and larger runs only hold more memory; a GPU
-needs thousands of tokens per forward to amortise its launches and fill its SMs."""
 
 
 def prefill_chunk_tokens(device) -> int:
@@ -608,26 +260,20 @@ def prefill_chunk_tokens(device) -> int:
     return PREFILL_CHUNK_TOKENS["cuda" if torch.device(device).type == "cuda" else "cpu"]
 
 
-# A prefix shared by all distinct prompts of a batch (a chat template's system turn: 24
-# tokens of SmolLM2's) is computed once when it is at least this long.
+# a prefix shared by all distinct prompts (a chat template's system turn) is computed once
+# when it is at least this long
 MIN_SHARED_PREFIX = 8
 
 
 def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int = 0,
-            return_features: bool = False, chunk_tokens: int | None = None, share_prefix: bool = True):
-    """Fill an empty cache with the prompts; returns next-token logits ``[B, V]`` (and, with
-    ``return_features``, the final-norm hidden states ``[B, longest, h]``; positions past a
-    prompt's end hold padding).
-
-    With ``share_prefix``, work common to several prompts is done once: identical prompts
-    (a GRPO group, ``--rollout-n`` samples) are prefilled once and their cache rows copied,
-    and the longest prefix all distinct prompts share (at least :data:`MIN_SHARED_PREFIX`
-    tokens, each prompt keeping one token of its own) is computed once and copied into
-    every row before the rest is prefilled. Runs of consecutive rows are prefilled
-    together, each run holding about ``chunk_tokens`` real tokens (default: the device's
-    :func:`prefill_chunk_tokens`) and at most twice that padded: the attention works on each
-    run right-padded to its longest, the rest of the layers on real tokens only.
-    """
+            return_features: bool = False, chunk_tokens: int | None = None, share_prefix: bool = True,
+            backend: str | None = None):
+    """Fill an empty cache with ``prompts``; returns next-token logits ``[B, V]`` (and with
+    ``return_features`` the final-norm hidden states ``[B, longest, h]``, padding past each
+    prompt). Runs of rows hold about ``chunk_tokens`` real tokens (default:
+    :func:`prefill_chunk_tokens`). ``share_prefix``: identical prompts are prefilled once,
+    and a prefix all distinct prompts share (>= :data:`MIN_SHARED_PREFIX`) is computed once.
+    ``backend`` as in :func:`forward_cached`. Raises ValueError on a non-empty cache."""
     dev = cache.lengths.device
     chunk_tokens = chunk_tokens or prefill_chunk_tokens(dev)
     if bool(cache.lengths.any()):
@@ -638,13 +284,13 @@ def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int
     longest = max(len(p) for p in prompts)
     target = cache if len(distinct) == len(prompts) else KVCache.like(cache, len(distinct), longest)
     shared = len(os.path.commonprefix(distinct)) if share_prefix and len(distinct) > 1 else 0
-    shared = min(shared, min(len(p) for p in distinct) - 1)
+    shared = min(shared, min(len(p) for p in distinct) - 1)  # each prompt keeps a token of its own
     prefix_hidden = None
     if shared >= MIN_SHARED_PREFIX:
         one = KVCache.like(cache, 1, shared)
         out = forward_cached(model, one, torch.tensor([distinct[0][:shared]], device=dev), rope,
                              last_index=torch.tensor([shared - 1], device=dev),
-                             return_features=return_features)
+                             return_features=return_features, backend=backend)
         prefix_hidden = out[1] if return_features else None  # [1, shared, h]
         for dst, src in zip(target.keys + target.values, one.keys + one.values):
             dst[:, :, :shared] = src[:, :, :shared]
@@ -652,7 +298,7 @@ def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int
     else:
         shared = 0
     logits, hidden = _prefill_rows(model, target, [p[shared:] for p in distinct], rope, pad_id,
-                                   return_features, chunk_tokens)
+                                   return_features, chunk_tokens, backend)
     target.lengths.copy_(torch.tensor([len(p) for p in distinct], device=dev, dtype=cache.lengths.dtype))
     if return_features and prefix_hidden is not None:
         hidden = torch.cat([prefix_hidden.expand(len(distinct), -1, -1), hidden], 1)
@@ -667,31 +313,28 @@ def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int
 
 
 def _prefill_rows(model, cache, suffixes: list[list[int]], rope: RopeTable, pad_id: int,
-                  return_features: bool, chunk_tokens: int):
-    """Feed ``suffixes`` (one per row, after each row's cached tokens) in runs of rows;
-    returns last-token logits ``[B, V]`` and hidden states ``[B, longest suffix, h]`` (or
-    None). The cache's lengths are left for the caller to set."""
+                  return_features: bool, chunk_tokens: int, backend: str | None):
+    """Feed ``suffixes`` (one per row, after its cached tokens) in runs of rows; returns
+    last-token logits ``[B, V]`` and hidden states ``[B, longest suffix, h]`` (or None).
+    The cache's lengths are left for the caller to set."""
     dev = cache.lengths.device
     lens = [len(p) for p in suffixes]
     logits, hidden = [], []
     start = 0
     while start < len(suffixes):
         end = start + 1
+        # a run holds about chunk_tokens real tokens and at most twice that padded
         while end < len(suffixes) and sum(lens[start:end + 1]) <= chunk_tokens \
                 and (end + 1 - start) * max(lens[start:end + 1]) <= 2 * chunk_tokens:
             end += 1
         sub = cache.view_rows(start, end)
         valid = torch.tensor(lens[start:end], device=dev)
         out = forward_cached(model, sub, pad_right(suffixes[start:end], pad_id, dev), rope,
-                             last_index=valid - 1, return_features=return_features, valid=valid)
+                             last_index=valid - 1, return_features=return_features, valid=valid,
+                             backend=backend)
         if return_features:
             out, h = out
             hidden.append(F.pad(h, (0, 0, 0, max(lens) - h.shape[1])))
         logits.append(out[:, 0])
         start = end
     return torch.cat(logits), (torch.cat(hidden) if return_features else None)
-
-
-def pad_right(seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
-    """``[B, longest]`` right-padded token ids."""
-    return padded(seqs, pad_id, torch.long, device)

@@ -1,19 +1,8 @@
 """The generator's KV cache: preallocated per layer, one length per sample.
 
-Storage per layer is ``[batch, kv_heads/TP, max_len, head_dim]`` for keys and values: the
-same content as ``[batch, max_len, kv_heads/TP, head_dim]``, laid out so that attention
-(SDPA, head-major) reads it without a copy. Samples in one batch hold different numbers
-of tokens (prompts differ; under speculation each sample accepts a different number),
-so ``lengths`` is per sample; positions beyond a sample's length are garbage and masked.
-
-Rows (whole samples) can be packed into one tensor and appended to another cache:
-sample migration between data-parallel ranks moves them.
-
-The tensors live in a store of ``capacity`` rows that never moves while the batch shrinks
-(finished rows compacted to the front) or grows within it (migrated rows appended):
-``keys``, ``values`` and ``lengths`` are views of its first ``batch`` rows, and every
-change to them is made in place. CUDA graphs of decode steps
-(:mod:`megatron_rlhf.generation.graphs`) read and write the store at fixed addresses.
+Entry point: :class:`KVCache`. Keys and values are ``[batch, kv_heads/TP, max_len, head_dim]``
+per layer; past a row's length they are garbage and masked. Invariant: they are views of a
+store that never moves while rows are compacted or appended (CUDA graphs read it in place).
 """
 
 from __future__ import annotations
@@ -21,23 +10,16 @@ from __future__ import annotations
 import torch
 
 
-# On CPU, bf16 batched matmuls over many tiny matrices carry a fixed cost per matrix that
-# fp32 ones do not: for a bf16 model the attention is faster in fp32 at small batches and
-# in bf16 (half the cache bytes read per step) at large ones. Measured on SmolLM2-135M, 2-core
-# AVX512-BF16 EPYC, ~50-75 cached tokens, median decode step with an fp32 / a bf16 cache:
-# batch 4 36.4 / 39.1 ms, 16 52.1 / 51.5, 32 81.1 / 79.5, 64 128.6 / 120.0.
-# A cache whose dtype followed the batch made a sample's numerics depend on its batch
-# (DP=1 at 32 samples against DP=2 at 16 each: other logits, other near-tie draws), so by
-# default it does not: fp32 at every batch (7% slower at batch 64, no slower up to 32).
-# A batch size here brings the bf16 cache back from that batch on.
+# On CPU a bf16 model's attention is faster with an fp32 cache at small batches and a bf16
+# one at large ones (docs/benchmarks.md). A dtype that followed the batch would make a
+# sample's numerics depend on its batch (DP=1 against DP=2: other near-tie draws), so by
+# default the CPU cache is fp32 at every batch; a batch size here brings bf16 back from it on.
 CPU_HALF_CACHE_MIN_BATCH: int | None = None
 
 
 def cache_dtype(weight: torch.Tensor, batch: int) -> torch.dtype:
-    """The cache's dtype for a model whose weights are ``weight``'s: the model's own on GPU
-    and for fp32 models; on CPU fp32 (bf16 from :data:`CPU_HALF_CACHE_MIN_BATCH` samples
-    on when it is set; keys and values are computed in bf16 either way: the fp32 cache only
-    widens them)."""
+    """The cache dtype for a model of ``weight``'s: the model's own on GPU and for fp32; on
+    CPU fp32 (bf16 from :data:`CPU_HALF_CACHE_MIN_BATCH` rows on, when set)."""
     if weight.is_cuda or weight.dtype == torch.float32:
         return weight.dtype
     half_from = CPU_HALF_CACHE_MIN_BATCH
@@ -102,21 +84,16 @@ class KVCache:
 
     def slots(self, n: int) -> torch.Tensor:
         """``[B * kv_heads * n]`` rows of a layer's cache viewed as ``[B * kv_heads * max_len,
-        head_dim]`` for positions ``lengths .. lengths+n-1`` of every sample and head, in
-        ``[B, kv_heads, n]`` order, as :meth:`write` copies them (one index for every layer
-        of a forward)."""
+        head_dim]`` at positions ``lengths .. lengths+n-1``, in ``[B, kv_heads, n]`` order."""
         b, h, length, _ = self.keys[0].shape
         pos = self.lengths[:, None] + torch.arange(n, device=self.lengths.device)  # [B, n]
         first = torch.arange(b * h, device=pos.device).view(b, h, 1) * length
         return (first + pos[:, None, :]).reshape(-1)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-        """Store ``k, v [B, kv_heads, n, head_dim]`` at positions ``lengths .. lengths+n-1``.
-
-        Does not advance ``lengths`` (every layer writes at the same offsets; call
-        :meth:`advance` once after the last layer). ``slots`` is :meth:`slots` ``(n)``.
-        Rows are copied with ``index_copy_`` (``scatter_`` copies a whole bf16 cache on CPU).
-        """
+        """Store ``k, v [B, kv_heads, n, head_dim]`` at positions ``lengths .. lengths+n-1``
+        (``slots``: :meth:`slots`); ``lengths`` advance only in :meth:`advance`."""
+        # index_copy_: scatter_ copies a whole bf16 cache on CPU
         slots = self.slots(k.shape[2]) if slots is None else slots
         d = k.shape[-1]
         for cache, new in ((self.keys[layer], k), (self.values[layer], v)):
@@ -126,22 +103,21 @@ class KVCache:
         self.lengths += n
 
     def truncate(self, lengths: torch.Tensor) -> None:
-        """Roll back to ``lengths`` ([B], each at most the current length): drops rejected tokens.
-        Checked on the CPU only (on a GPU the check would be a host sync per round)."""
+        """Roll back to ``lengths [B]`` (each at most the current one); raises ValueError
+        otherwise, checked on the CPU only (on a GPU it would be a host sync per round)."""
         if not self.lengths.is_cuda and (bool((lengths > self.lengths).any()) or bool((lengths < 0).any())):
             raise ValueError("truncate can only shorten samples")
         self.lengths.copy_(lengths)
 
     def pack_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples ``rows`` as one tensor ``[2 * layers, n, kv_heads, length_max, head_dim]``
-        (keys of every layer, then values; only the filled prefix) and their ``lengths [n]``:
-        what migration sends."""
+        """Samples ``rows`` as ``[2 * layers, n, kv_heads, filled, head_dim]`` (keys, then
+        values; the filled prefix) and their ``lengths [n]``: what migration sends."""
         n = int(self.lengths[rows].max()) if len(rows) else 0
         return torch.stack([t[rows, :, :n] for t in self.keys + self.values]), self.lengths[rows].clone()
 
     def append_rows(self, packed: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Add samples packed by :meth:`pack_rows` (of a cache with this one's layers and
-        heads) after this cache's rows, in this cache's dtype."""
+        """Add rows packed by :meth:`pack_rows` after this cache's; raises ValueError when
+        they do not fit its layers or length."""
         layers, n, _, filled, _ = packed.shape
         if layers != 2 * len(self.keys):
             raise ValueError(f"packed rows hold {layers // 2} layers, this cache {len(self.keys)}")
@@ -159,8 +135,7 @@ class KVCache:
         self.resize(b + n)
 
     def view_rows(self, start: int, end: int) -> "KVCache":
-        """A cache over rows ``start:end`` that shares this one's storage (writes land here);
-        its lengths are its own: set this cache's lengths after using it."""
+        """Rows ``start:end`` sharing this cache's storage, with lengths of their own."""
         sub = KVCache.__new__(KVCache)
         sub.store_keys = [k[start:end] for k in self.keys]
         sub.store_values = [v[start:end] for v in self.values]
@@ -170,8 +145,7 @@ class KVCache:
         return sub
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (in that order), shrinking the batch: drops finished samples.
-        The kept rows move to the front of the store, in place."""
+        """Keep only ``rows``, in that order, moved to the front of the store in place."""
         for store, t in zip(self.store_keys + self.store_values, self.keys + self.values):
             store[: len(rows)] = t.index_select(0, rows)
         self.store_lengths[: len(rows)] = self.lengths.index_select(0, rows)

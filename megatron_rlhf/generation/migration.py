@@ -1,32 +1,13 @@
 """Sample reallocation between data-parallel ranks during generation (RLHFSpec).
 
-Each data-parallel rank generates its own share of the samples, and the share shrinks
-unevenly: some ranks run out of work while others still decode long answers. Every
-``interval`` rounds each rank posts its live count in a non-blocking all-gather over the
-DP group and keeps generating; a rank with no live sample posts at once and waits. When
-the exchange has completed, and the busiest rank held more than ``1 + threshold`` times
-the mean and at least two more than the idlest, unfinished samples move from busy to idle
-ranks over point-to-point sends (NCCL on GPU, gloo on CPU) until every rank is within one
-of the mean (:func:`plan_transfers`; a sender gives only what it still has). Busy ranks
-never wait for one another: the exchange completes when the last rank posts, and only the
-receivers of samples block, for at most one of the sender's rounds.
-
-A sample travels whole: its per-row state (global index, tokens emitted, pending token,
-the draft's catch-up buffer and, for a feature draft, the actor hidden states in it),
-its rows of the actor's and the draft's KV caches, and its outputs so far (tokens, log-
-probs). Its random numbers are keyed by its global index and position
-(:mod:`~megatron_rlhf.generation.rng`), so it continues exactly as it would have where
-it started. Generation statistics stay with the rank that did the work.
-
-At the end, samples return to the rank that owns them (:meth:`Migrator.return_results`),
-each exactly once, in the owner's original order. A rank that dies mid-transfer ends the
-job with a :class:`MigrationError` naming it.
-
-Under TP each TP rank of a replica exchanges with the same TP rank of the other replicas
-(that is what ``pg.dp`` groups): the counts and plans agree across TP, and every TP rank
-ships its own shards of the caches. The count exchanges of the TP ranks complete at
-different times, so while one is in flight the TP ranks agree (a one-integer all-reduce
-over ``tp_group`` per round) on the round in which they act.
+Entry point: :class:`Migrator` (``agree``, ``start``, ``poll`` every round, ``return_results``).
+Every ``interval`` rounds each rank posts its live count in a non-blocking all-gather over
+the DP group; once it completed and the imbalance passes ``threshold``, unfinished samples
+move whole (row state, KV cache rows, outputs so far) from busy to idle ranks
+(:func:`plan_transfers`). Invariants: a sample's random numbers are keyed by its global
+index, so it continues exactly as where it started; at the end every sample returns to its
+owner once, in order; a peer lost mid-transfer raises :class:`MigrationError`. Under TP each
+TP rank exchanges with the same TP rank of the other replicas and ships its own shards.
 """
 
 from __future__ import annotations
@@ -50,10 +31,8 @@ class MigrationError(RuntimeError):
 
 
 def plan_transfers(counts: list[int], threshold: float) -> list[tuple[int, int, int]]:
-    """Moves ``(src, dst, samples)`` that bring every rank within one of the mean live
-    count, or none when the imbalance is below ``threshold`` (see the module docstring).
-    Ranks that already hold the most keep the remainder; every rank only sends or only
-    receives."""
+    """Moves ``(src, dst, samples)`` that bring every rank within one of the mean live count
+    (none below ``threshold``); every rank only sends or only receives."""
     total, size = sum(counts), len(counts)
     if not total or size < 2:
         return []
@@ -96,8 +75,7 @@ class Migrator:
                               "probably died, see its own log")
 
     def agree(self, max_len: int, batch: int) -> tuple[int, int]:
-        """The longest cache and the largest batch of any rank: every rank sizes its caches
-        for any sample, and profiles (``auto``) up to the batch it may come to hold."""
+        """The longest cache and the largest batch of any rank (every rank sizes for any sample)."""
         t = torch.tensor([max_len, batch], device=self.device)
         try:
             dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group)
@@ -136,14 +114,11 @@ class Migrator:
         return [int(x) for x in out]
 
     def poll(self, rows: Rows, out: Outputs, stats: GenerationStats) -> bool:
-        """Call at every round boundary. Every ``interval`` rounds (at once when this rank
-        has nothing to do) the live count is posted in a non-blocking all-gather; when it
-        has completed (a rank with no live sample waits for it), samples move as
-        :func:`plan_transfers` says, from the counts as posted (a sender gives what it
-        still can). Busy ranks never wait for each other: a rank runs ahead until a peer
-        posts. True when every rank posted zero (generation is over everywhere). Finished
-        rows are dropped only before samples move (the engine compacts on its own schedule:
-        a compaction copies the caches)."""
+        """Call at every round boundary: posts the live count every ``interval`` rounds (at
+        once when idle) and moves samples once an exchange completed. True when every rank
+        posted zero (generation is over everywhere)."""
+        # Busy ranks never wait for each other: only an idle rank waits for the exchange.
+        # Finished rows are dropped only before samples move (a compaction copies the caches).
         live = int(rows["alive"].sum())
         if self._posted is None:
             if live and self._since < self.interval:
@@ -220,7 +195,7 @@ class Migrator:
 
     def _send(self, package: dict[str, torch.Tensor] | None, dst: int, stats) -> list:
         """Post the sends of ``package`` (None: no samples after all) to ``dst``; returns
-        ``(work, dst, tensors)`` to complete later (the tensors must outlive the send)."""
+        ``(work, dst, tensors)`` (the tensors must outlive the send)."""
         names = sorted(package) if package is not None else []
         header = torch.zeros(max(len(names), 1), 2 + _MAX_DIMS, dtype=torch.long)
         if package is None:

@@ -10,7 +10,8 @@ from megatron_rlhf.config import GenerationConfig, SpecConfig
 
 
 def check_draft(actor_cfg, draft_cfg) -> None:
-    """A draft must share the actor's tokenizer (vocabulary)."""
+    """Raises ValueError unless the draft shares the actor's vocabulary (and a feature
+    draft its hidden width)."""
     if draft_cfg.vocab_size != actor_cfg.vocab_size:
         raise ValueError(
             f"the draft's vocabulary ({draft_cfg.vocab_size} tokens) differs from the actor's "
@@ -25,10 +26,8 @@ def check_draft(actor_cfg, draft_cfg) -> None:
 
 def check_request(prompts: list[list[int]], cfg: GenerationConfig, spec: SpecConfig,
                   actor_cfg, draft_cfg=None, allow_empty: bool = False, history: bool = False) -> int:
-    """Validate a request against the model configs (no models, no collectives needed).
-
-    Returns the KV-cache length the request needs.
-    """
+    """Validate a request against the model configs (no models, no collectives); returns the
+    KV-cache length it needs, raises ValueError saying what to change."""
     if not prompts and not allow_empty:
         raise ValueError("no prompts to generate from")
     if not spec.auto and spec.num_draft_tokens and draft_cfg is None and not history:

@@ -1,4 +1,4 @@
-"""The typed result of generation."""
+"""The typed result of generation: :class:`Rollout` and its :class:`GenerationStats`."""
 
 from __future__ import annotations
 
@@ -11,55 +11,36 @@ import torch
 class GenerationStats:
     """Work done and, under speculation, how much of the draft the actor accepted."""
 
-    num_draft_tokens: int = 0
-    """Largest draft length a verification could take (0: plain decoding)."""
-    mode: str = "plain"
-    """plain, fixed (one draft length) or auto (the selector's choice per round)."""
+    num_draft_tokens: int = 0  # Largest draft length a verification could take (0: plain decoding).
+    mode: str = "plain"  # plain, fixed (one draft length) or auto (the selector's choice per round).
+    # [N+1]: rounds run with n draft tokens (index 0: plain steps).
     rounds_by_draft_len: list[int] = field(default_factory=list)
-    """``[N+1]``: rounds run with ``n`` draft tokens (index 0: plain steps)."""
+    # [N]: sample-verifications whose draft reached position i (n > i).
     drafted_per_position: list[int] = field(default_factory=list)
-    """``[N]``: sample-verifications whose draft reached position ``i`` (``n > i``)."""
-    actor_steps: int = 0
-    """Actor forwards after prefill (decode steps or verifications)."""
-    draft_steps: int = 0
-    """Draft forwards after prefill."""
-    verifications: int = 0
-    """Sample-verifications: one per live sample per actor step under speculation."""
+    actor_steps: int = 0  # Actor forwards after prefill (decode steps or verifications).
+    draft_steps: int = 0  # Draft forwards after prefill.
+    verifications: int = 0  # Sample-verifications: one per live sample per actor step under speculation.
+    # [n]: how many verifications accepted at least i+1 draft tokens.
     accepted_per_position: list[int] = field(default_factory=list)
-    """``[n]``: how many verifications accepted at least ``i+1`` draft tokens."""
-    new_tokens: int = 0
-    """Tokens emitted over all samples."""
+    new_tokens: int = 0  # Tokens emitted over all samples.
+    # Sample-verifications whose drafts came (also) from the rollout's history.
     history_verifications: int = 0
-    """Sample-verifications whose drafts came (also) from the rollout's history."""
-    history_drafted: int = 0
-    """Draft tokens the history proposed (live samples)."""
-    history_accepted: int = 0
-    """Of those, the tokens the actor accepted."""
-    history_s: float = 0.0
-    """Wall time spent looking drafts up in the history."""
-    elapsed_s: float = 0.0
-    """Wall time of the whole call, prefill included."""
-    prefill_s: float = 0.0
-    """Wall time of the prefill (actor and draft)."""
+    history_drafted: int = 0  # Draft tokens the history proposed (live samples).
+    history_accepted: int = 0  # Of those, the tokens the actor accepted.
+    history_s: float = 0.0  # Wall time spent looking drafts up in the history.
+    elapsed_s: float = 0.0  # Wall time of the whole call, prefill included.
+    prefill_s: float = 0.0  # Wall time of the prefill (actor and draft).
+    # how decode steps ran: the attention backend and cuda graphs, eager graph code or dynamic
+    # (with the reason when a capture failed)
     decode: str = ""
-    """How decode steps ran: the attention backend (:func:`~megatron_rlhf.generation.
-    incremental.attention_backend`) and ``cuda graphs``, ``eager graph code`` or ``dynamic``
-    (with the reason when a capture failed)."""
+    # wall time capturing CUDA graphs in this call (in elapsed_s; graphs are kept for the next call)
     graph_capture_s: float = 0.0
-    """Wall time spent capturing CUDA graphs of decode steps in this call (included in
-    ``elapsed_s``; graphs are kept for the next call unless the generator released them)."""
-    migrated_out: int = 0
-    """Samples this rank sent to another data-parallel rank."""
-    migrated_in: int = 0
-    """Samples this rank received."""
-    migration_bytes: int = 0
-    """Bytes this rank sent or received when moving samples (KV caches included)."""
-    migration_s: float = 0.0
-    """Wall time spent packing, moving and unpacking samples."""
-    sync_s: float = 0.0
-    """Wall time in the exchanges of live counts (waiting for the other ranks included)."""
-    idle_s: float = 0.0
-    """Wall time with no live sample on this rank before the rollout ended everywhere."""
+    migrated_out: int = 0  # Samples this rank sent to another data-parallel rank.
+    migrated_in: int = 0  # Samples this rank received.
+    migration_bytes: int = 0  # Bytes this rank sent or received when moving samples (KV caches included).
+    migration_s: float = 0.0  # Wall time spent packing, moving and unpacking samples.
+    sync_s: float = 0.0  # Wall time in the exchanges of live counts (waiting for the other ranks included).
+    idle_s: float = 0.0  # Wall time with no live sample on this rank before the rollout ended everywhere.
 
     @property
     def accepted_tokens(self) -> int:
@@ -132,20 +113,15 @@ class GenerationStats:
 class Rollout:
     """Responses to a batch of prompts, with what PPO needs about them."""
 
-    prompt_ids: list[list[int]]
-    """``B`` prompts, unpadded."""
-    response_ids: torch.Tensor
-    """``[B, T]`` generated tokens, right-padded with ``pad_id``."""
+    prompt_ids: list[list[int]]  # B prompts, unpadded.
+    response_ids: torch.Tensor  # [B, T] generated tokens, right-padded with pad_id.
+    # [B, T] log pi_actor(token) at temperature 1, unmodified distribution; 0 at padding.
     response_logprobs: torch.Tensor
-    """``[B, T]`` log pi_actor(token) at temperature 1, unmodified distribution; 0 at padding."""
+    # [B, T] log-prob under the distribution actually sampled from; 0 at padding.
     sampling_logprobs: torch.Tensor
-    """``[B, T]`` log-prob under the distribution actually sampled from; 0 at padding."""
-    lengths: torch.Tensor
-    """``[B]`` response lengths (EOS included)."""
-    finish_reasons: list[str]
-    """``B`` of "eos" or "length"."""
-    stats: GenerationStats
-    """Throughput and acceptance statistics."""
+    lengths: torch.Tensor  # [B] response lengths (EOS included).
+    finish_reasons: list[str]  # B of "eos" or "length".
+    stats: GenerationStats  # Throughput and acceptance statistics.
 
     def responses(self) -> list[list[int]]:
         return [self.response_ids[i, : int(n)].tolist() for i, n in enumerate(self.lengths)]

@@ -1,8 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p, and the log-probs PPO needs.
 
-All functions work on a batch of logits ``[..., V]``. ``probs_for_sampling`` turns raw
-logits into the distribution tokens are drawn from; the speculative rule uses the same
-function for the actor and the draft, so it samples exactly what plain sampling would.
+Entry points: :func:`sample`, :func:`draw` (inverse CDF with keyed uniforms) and
+:func:`logprob_pair`, on logits ``[..., V]``. Invariant: the actor, the draft and every
+verification draw from :func:`probs_for_sampling`, so speculation samples what plain
+sampling would, and equal probabilities and uniforms draw equal tokens on every rank.
 """
 
 from __future__ import annotations
@@ -22,27 +23,21 @@ def probs_for_sampling(logits: torch.Tensor, params: GenerationConfig) -> torch.
 
 
 def samples_actor(params: GenerationConfig, vocab: int) -> bool:
-    """True when the sampling distribution is the actor's own (temperature 1, no top-k or
-    top-p truncation): then a token's sampling log-prob is its log-prob under the actor."""
+    """Whether the sampling distribution is the actor's own (temperature 1, no truncation)."""
     return (not params.greedy and params.temperature == 1.0 and params.top_p >= 1.0
             and not (params.top_k and params.top_k < vocab))
 
 
 # draw() finds a token in two levels: the block (of this many tokens) that holds it, then
-# the token inside that block. One cumsum over the whole vocabulary is sequential per row
-# (3.9 ms of a 108 ms batch-64 bf16 decode step of SmolLM2 on CPU); a block-sum pass and two
-# short cumsums are not.
+# the token inside it. One cumsum over the whole vocabulary is sequential per row; a
+# block-sum pass and two short cumsums are not.
 DRAW_BLOCK = 256
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs [..., V]`` by inverse CDF, with the uniforms ``u [...]``
-    (in ``[0, 1)``; per-sample keyed ones from :mod:`~megatron_rlhf.generation.rng`).
-
-    Much cheaper than ``torch.multinomial`` over a large vocabulary on CPU. Equal
-    probabilities and uniforms draw equal tokens on every rank. A zero-probability token
-    is never drawn (float rounding at the top end falls back to the argmax).
-    """
+    """One token per row of ``probs [..., V]`` by inverse CDF with uniforms ``u [...]`` in
+    ``[0, 1)``; a zero-probability token is never drawn."""
+    # float rounding at the top end falls back to the argmax
     flat = probs.reshape(-1, probs.shape[-1]).float()
     idx = inverse_cdf(flat, u.reshape(-1, 1).to(flat.device, torch.float32))
     bad = flat.gather(-1, idx) <= 0  # no host read (``bad.any()``): a graphed step draws too
@@ -52,8 +47,7 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def inverse_cdf(flat: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``[R, 1]``: per row of unnormalised ``flat [R, V]`` the first token whose cumulative
-    mass exceeds ``u [R, 1]`` (in [0, 1)) times the row's total, found block by block
-    (:data:`DRAW_BLOCK`)."""
+    mass exceeds ``u [R, 1]`` times the row's total."""
     rows, vocab = flat.shape
     pad = (-vocab) % DRAW_BLOCK
     blocks = torch.nn.functional.pad(flat, (0, pad)) if pad else flat
@@ -84,13 +78,20 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def logprob_pair(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor,
                  params: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(token_logprobs, sampling_logprobs)`` of ``tokens``. When the tokens were drawn from
-    the actor's own distribution (:func:`samples_actor`), both are ``log probs[token]``:
-    no second pass over the vocabulary."""
+    """``(token_logprobs, sampling_logprobs)`` of ``tokens``; one tensor twice when the
+    tokens were drawn from the actor's own distribution (:func:`samples_actor`)."""
     if probs is not None and samples_actor(params, logits.shape[-1]):
         lp = probs.gather(-1, tokens[..., None])[..., 0].clamp(min=1e-30).log()
         return lp, lp
     return token_logprobs(logits, tokens), sampling_logprobs(probs, tokens)
+
+
+def logprob_lists(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor,
+                  params: GenerationConfig) -> tuple[list, list]:
+    """:func:`logprob_pair` as nested lists, the same list twice when both are one tensor."""
+    lp, slp = logprob_pair(logits, probs, tokens, params)
+    lps = lp.tolist()
+    return lps, (lps if slp is lp else slp.tolist())
 
 
 def sampling_logprobs(probs: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
@@ -101,9 +102,8 @@ def sampling_logprobs(probs: torch.Tensor | None, tokens: torch.Tensor) -> torch
 
 
 def sampling_logits(logits: torch.Tensor, params: GenerationConfig) -> torch.Tensor:
-    """``[..., V]`` fp32 logits whose softmax is the sampling distribution: ``logits /
-    temperature``, ``-inf`` outside the top-k and top-p set. Differentiable in the kept
-    logits (the set itself is chosen without gradient). Not for greedy decoding."""
+    """``[..., V]`` fp32 logits whose softmax is the sampling distribution (``-inf`` outside
+    the top-k and top-p set; differentiable in the kept logits). Raises ValueError when greedy."""
     if params.greedy:
         raise ValueError("greedy decoding (temperature 0) samples the argmax; it has no "
                          "sampling logits: use a temperature > 0")
@@ -122,20 +122,17 @@ def sampling_logits(logits: torch.Tensor, params: GenerationConfig) -> torch.Ten
     return logits
 
 
+# the columns of step_outputs' packed result, the one thing the host reads of a step
 STEP_COLUMNS = ("sample", "token", "logprob", "sampling_logprob", "alive", "done")
-"""The columns of :func:`step_outputs`' packed result, the one thing the host reads of a step."""
 
 
 def step_outputs(logits: torch.Tensor, params: GenerationConfig, u: torch.Tensor | None,
                  sid: torch.Tensor, alive: torch.Tensor, emitted: torch.Tensor, max_new: int,
                  eos: int | None):
-    """Everything a plain decode step decides, on the device with no host read (so a CUDA
-    graph captures it): per row of ``logits [R, V]`` the token drawn with the uniforms
-    ``u [R]``, its log-probs (:func:`logprob_pair`) and whether the sample finishes (it
-    was ``alive`` and the token is ``eos`` (None: no stop) or its ``emitted + 1``-th,
-    reaching ``max_new``). Returns ``(tokens [R], done [R] bool, packed [R, 6] float64)``,
-    ``packed`` holding :data:`STEP_COLUMNS` (each row's sample index ``sid``, then token ids
-    and fp32 log-probs, all exactly)."""
+    """What a plain step decides per row of ``logits [R, V]``, with no host read: the token
+    drawn with ``u [R]``, its log-probs, and whether an ``alive`` sample finishes (``eos``,
+    or ``max_new`` reached). Returns ``(tokens [R], done [R], packed [R, 6] float64)``,
+    ``packed`` holding :data:`STEP_COLUMNS` exactly."""
     tok, probs = sample(logits, params, u)
     lp, slp = logprob_pair(logits, probs, tok, params)
     done = emitted + 1 >= max_new

@@ -1,21 +1,7 @@
-"""Lossless speculative decoding as small pure functions, batch size > 1 from the start.
-
-Per step the draft proposes ``n`` tokens per sample (a chain); the actor scores all
-``n + 1`` positions in one forward; each sample keeps its accepted prefix plus one
-corrected (on rejection) or bonus (all accepted) token. With ``p`` the actor's and ``q``
-the draft's sampling distributions (same temperature/top-k/top-p), draft token ``x`` is
-accepted with probability ``min(1, p(x)/q(x))``; on rejection the replacement is drawn
-from ``normalise(max(p - q, 0))``. The emitted tokens are then distributed exactly as
-plain sampling from ``p`` (Leviathan et al. 2023; Chen et al. 2023). Greedy decoding is
-the special case of one-hot ``p`` and ``q``: accept while the draft equals the argmax.
-
-:func:`accept_exact` is a stronger rule for a draft that proposes single tokens (a
-history lookup, or a draft model's own draws): a drafted token is accepted iff it is the
-token plain sampling would draw at that position with that position's keyed uniform, and
-the first mismatch emits that drawn token. The emitted tokens are then those of
-speculation off, token for token (given equal logits), not only equal in distribution;
-the acceptance probability of a proposed ``x`` is ``p(x)``, as rejection sampling's is
-for a deterministic proposal.
+"""Lossless speculative verification as pure functions: each sample keeps its accepted
+prefix of ``n`` drafts plus one corrected or bonus token. :func:`accept_sampling`: rejection
+sampling (Leviathan et al. 2023); :func:`accept_exact`: a draft is accepted iff it is the
+token plain sampling draws there, so the tokens are speculation off's; :func:`accept_greedy`.
 """
 
 from __future__ import annotations
@@ -31,10 +17,8 @@ from megatron_rlhf.generation.sampling import draw
 class Verdict:
     """What one verification decided, per sample."""
 
-    accepted: torch.Tensor
-    """``[B]`` number of draft tokens accepted (0..n)."""
-    next_token: torch.Tensor
-    """``[B]`` the corrected token (after a rejection) or the bonus token (all accepted)."""
+    accepted: torch.Tensor  # [B] draft tokens accepted (0..n)
+    next_token: torch.Tensor  # [B] the corrected token (after a rejection) or the bonus token
 
 
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
@@ -44,20 +28,15 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Ve
 
 
 def accept_exact(draft_tokens: torch.Tensor, p_probs: torch.Tensor, u_next: torch.Tensor) -> Verdict:
-    """Exact verification: ``draft_tokens [B, n]``, ``p_probs [B, n+1, V]`` the actor's
-    sampling distributions, ``u_next [B, n+1]`` the uniforms plain sampling draws each
-    position's token with. Accept drafts while each equals the token drawn at its position;
-    emit the drawn token at the first mismatch (or the bonus after all ``n``)."""
+    """Exact verification: ``draft_tokens [B, n]``, the actor's sampling distributions
+    ``p_probs [B, n+1, V]`` and plain sampling's uniforms ``u_next [B, n+1]``."""
     drawn = draw(p_probs, u_next)  # [B, n+1]: plain sampling's tokens at these positions
     return accept_drawn(draft_tokens, drawn)
 
 
 def accept_drawn(draft_tokens: torch.Tensor, drawn: torch.Tensor, widths: torch.Tensor | None = None) -> Verdict:
-    """The rule of :func:`accept_exact` given the drawn tokens: ``draft_tokens [B, n]``,
-    ``drawn [B, n+1]`` the token plain sampling draws at each position (the argmax when
-    greedy). ``widths [B]``: the drafts row ``b`` verifies, its first ``widths[b]`` (a
-    ragged round; the rest is padding, never accepted, and ``drawn`` there is not read);
-    default all ``n``."""
+    """:func:`accept_exact` given plain sampling's tokens ``drawn [B, n+1]``; ``widths [B]``:
+    row ``b`` verifies its first ``widths[b]`` drafts only (default all ``n``)."""
     ok = draft_tokens == drawn[:, :-1]
     if widths is not None:
         ok &= torch.arange(ok.shape[1], device=ok.device) < widths[:, None]
@@ -80,15 +59,11 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def accept_sampling(draft_tokens: torch.Tensor, q_probs: torch.Tensor, p_probs: torch.Tensor,
                     u_accept: torch.Tensor, u_next: torch.Tensor) -> Verdict:
-    """Rejection sampling: ``draft_tokens [B, n]``, ``q_probs [B, n, V]``, ``p_probs [B, n+1, V]``.
-
-    ``q_probs``/``p_probs`` are the draft's and actor's *sampling* distributions (after
-    temperature, top-k, top-p: the draft's are those its tokens were drawn from).
-    ``u_accept [B, n]``: the uniform of each position's acceptance test; ``u_next [B, n+1]``:
-    the uniform of the token drawn after ``j`` accepted drafts. One replacement is drawn per
-    sample, from the residual at its first rejected position (or from ``p`` after all ``n``
-    accepted: the bonus token).
-    """
+    """Rejection sampling of ``draft_tokens [B, n]`` under the draft's and the actor's sampling
+    distributions ``q_probs [B, n, V]``, ``p_probs [B, n+1, V]``, with acceptance uniforms
+    ``u_accept [B, n]`` and next-token uniforms ``u_next [B, n+1]``."""
+    # x is accepted with probability min(1, p(x)/q(x)); one replacement per sample is drawn
+    # from normalise(max(p - q, 0)) at its first rejection, or from p after all n (the bonus)
     b, n = draft_tokens.shape
     p_x = p_probs[:, :n].gather(-1, draft_tokens[..., None])[..., 0]  # [B, n]
     q_x = q_probs.gather(-1, draft_tokens[..., None])[..., 0]

@@ -1,19 +1,7 @@
-"""What the generator holds per sample: outputs so far, and the live batch's rows.
-
-:class:`Outputs` keeps each sample's emitted tokens and log-probs, keyed by its global
-index (the key of its random numbers, :mod:`~megatron_rlhf.generation.rng`).
-:class:`Rows` is the live batch: one row per unfinished sample in every per-row tensor
-and in the KV caches of the actor and the draft. Rows can be dropped (finished samples),
-packed and appended (samples migrating between data-parallel ranks).
-
-Per-row tensors:
-
-- ``sid [R]`` global sample index; ``emitted [R]`` tokens emitted so far (the position of
-  the next draw); ``pending [R]`` the newest token (emitted, not yet in the actor cache);
-  ``alive [R]`` False once the sample finished (the row is dropped later);
-- with a draft: ``catch_tokens [R, c]`` the tokens the draft cache lacks (``pending``
-  last), ``catch_count [R]`` how many of the ``c`` columns are real, and for a feature
-  draft ``catch_features [R, c, h]`` the actor's hidden state paired with each of them.
+"""What the generator holds per sample: :class:`Outputs` (tokens and log-probs by global
+index) and :class:`Rows`, the live batch: ``sid``, ``emitted``, ``pending`` (newest token,
+not yet in the actor cache), ``alive``, and with a draft model its catch-up buffer
+(``catch_tokens``, ``catch_count``, ``catch_features``), row-aligned with the KV caches.
 """
 
 from __future__ import annotations
@@ -22,8 +10,7 @@ import torch
 
 from megatron_rlhf.generation.kv_cache import KVCache
 
-WIDE = ("catch_tokens", "catch_features")
-"""Per-row tensors whose second dimension differs between batches (padded when joined)."""
+WIDE = ("catch_tokens", "catch_features")  # per-row tensors whose width differs between batches
 
 
 class Outputs:

@@ -7,6 +7,8 @@ import torch
 
 from gen_fixtures import decode_attention_error, explicit_attention, reference_flash_kvcache
 from megatron_rlhf.config import preset
+from megatron_rlhf.generation import attention as attn
+from megatron_rlhf.generation import cpu_numerics
 from megatron_rlhf.generation import incremental as inc
 from megatron_rlhf.generation import kv_cache
 from megatron_rlhf.models.builder import build_model
@@ -17,38 +19,30 @@ from megatron_rlhf.models.builder import build_model
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
-@pytest.fixture
-def backend():
-    yield inc.set_attention_backend
-    inc.set_attention_backend(None)
-
-
 @pytest.mark.parametrize("name", ["matmul", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_folded_attention_equals_explicit_gqa(backend, name, dtype):
-    backend(name)
+def test_folded_attention_equals_explicit_gqa(name, dtype):
     gen = torch.Generator().manual_seed(0)
     b, kv, g, n, d, L = 3, 2, 3, 4, 16, 11
     q = torch.randn(b, kv * g, n, d, generator=gen).to(dtype)
     k, v = (torch.randn(b, kv, L, d, generator=gen).to(dtype) for _ in range(2))
-    mask = inc.attention_mask(torch.tensor([0, 3, 7]), n, L)  # rows padded to different lengths
+    mask = attn.attention_mask(torch.tensor([0, 3, 7]), n, L)  # rows padded to different lengths
     ref = explicit_attention(q, k, v, mask)
-    out = inc.attention(q, k, v, mask).float()
+    out = attn.attention(q, k, v, mask, name).float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out - ref).abs().max() <= tol
-    nomask = inc.attention(q, k, v, torch.ones_like(mask)).float()
+    nomask = attn.attention(q, k, v, torch.ones_like(mask), name).float()
     assert (nomask - ref).abs().max() > 10 * tol  # the mask is what makes them equal
 
 
 @pytest.mark.parametrize("name", ["matmul", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("static", [False, True])
-def test_decode_equals_whole_sequence_forward_on_padded_gqa(world1, backend, name, dtype, static):
-    backend(name)
+def test_decode_equals_whole_sequence_forward_on_padded_gqa(world1, name, dtype, static):
     model = build_model(preset("tiny"), "actor", world1, dtype=dtype, seed=2).eval()
     assert model.mrlhf_config.num_query_groups < model.mrlhf_config.num_attention_heads
-    assert decode_attention_error(model, static=static) < TOLERANCE[dtype]
-    assert decode_attention_error(model, static=static, drop_mask=True) > 5 * TOLERANCE[dtype]
+    assert decode_attention_error(model, name, static=static) < TOLERANCE[dtype]
+    assert decode_attention_error(model, name, static=static, drop_mask=True) > 5 * TOLERANCE[dtype]
 
 
 @pytest.fixture
@@ -63,54 +57,73 @@ def fake_flash(monkeypatch):
         calls.append(kw["cache_seqlens"].clone())
         return reference_flash_kvcache(*args, **kw)
 
-    monkeypatch.setattr(inc, "_flash_kvcache", kernel)
+    monkeypatch.setattr(attn, "_flash_kvcache", kernel)
     monkeypatch.setattr(kv_cache, "CPU_HALF_CACHE_MIN_BATCH", 1)
     return calls
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_flash_decode_equals_whole_sequence_forward_on_padded_gqa(world1, backend, fake_flash, static):
+def test_flash_decode_equals_whole_sequence_forward_on_padded_gqa(world1, fake_flash, static):
     """flash_attn_with_kvcache on the cache in place (strided [B, L, KV, d] views, each row's
     keys ending at its own length, causal alignment for verification widths) gives the
     whole-sequence forward's logits; with every row's keys ending at the cache's end
     (padding and future positions visible) it does not."""
-    backend("flash")
     model = build_model(preset("tiny"), "actor", world1, dtype=torch.bfloat16, seed=2).eval()
-    assert decode_attention_error(model, static=static) < TOLERANCE[torch.bfloat16]
+    assert decode_attention_error(model, "flash", static=static) < TOLERANCE[torch.bfloat16]
     layers = model.mrlhf_config.num_layers
     assert len(fake_flash) >= 4 * layers  # every layer of the 4 decode forwards (and the prefill)
-    assert decode_attention_error(model, static=static, drop_mask=True) > 5 * TOLERANCE[torch.bfloat16]
+    assert decode_attention_error(model, "flash", static=static, drop_mask=True) > 5 * TOLERANCE[torch.bfloat16]
 
 
-def test_flash_with_an_fp32_cache_takes_sdpa(world1, backend, fake_flash):
-    backend("flash")
+def test_flash_with_an_fp32_cache_takes_sdpa(world1, fake_flash):
     model = build_model(preset("tiny"), "actor", world1, dtype=torch.float32, seed=2).eval()
-    assert decode_attention_error(model) < TOLERANCE[torch.float32]
+    assert decode_attention_error(model, "flash") < TOLERANCE[torch.float32]
     assert not fake_flash
 
 
-def test_backend_choice(backend, monkeypatch):
-    assert inc.attention_backend("cpu") == "matmul"
-    if inc.flash_kvcache() is None:  # flash-attn not installed: the GPU takes SDPA
-        assert inc.attention_backend("cuda") == "sdpa"
+def test_backend_choice(monkeypatch):
+    monkeypatch.delenv(attn.ENV_OVERRIDE, raising=False)
+    assert attn.default_backend("cpu") == "matmul"
+    if attn.flash_kvcache() is None:  # flash-attn not installed: the GPU takes SDPA
+        assert attn.default_backend("cuda") == "sdpa"
         with pytest.raises(ValueError, match="flash-attn does not import"):
-            backend("flash")
-    monkeypatch.setattr(inc, "_flash_kvcache", reference_flash_kvcache)
-    assert inc.attention_backend("cuda") == "flash" and inc.attention_backend("cpu") == "matmul"
+            attn.check_backend("flash")
+    monkeypatch.setattr(attn, "_flash_kvcache", reference_flash_kvcache)
+    assert attn.default_backend("cuda") == "flash" and attn.default_backend("cpu") == "matmul"
     monkeypatch.setenv("MRLHF_DECODE_ATTENTION", "sdpa")
-    assert inc.attention_backend("cpu") == "sdpa"
-    assert inc.attention_backend("cuda") == "sdpa"
-    backend("matmul")
-    assert inc.attention_backend("cuda") == "matmul"
+    assert attn.default_backend("cpu") == "sdpa"
+    assert attn.default_backend("cuda") == "sdpa"
+    assert attn.check_backend("matmul") == "matmul"
     with pytest.raises(ValueError, match="matmul, sdpa, flash"):
-        backend("nope")
-    backend(None)
+        attn.check_backend("nope")
     monkeypatch.setenv("MRLHF_DECODE_ATTENTION", "nope")
     with pytest.raises(ValueError, match="MRLHF_DECODE_ATTENTION"):
-        inc.attention_backend("cpu")
+        attn.default_backend("cpu")
     q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
-    assert inc.sdpa_kernel_name(q, k, v, inc.attention_mask(torch.tensor([2]), 1, 5)) in (
+    assert attn.sdpa_kernel_name(q, k, v, attn.attention_mask(torch.tensor([2]), 1, 5)) in (
         "flash", "efficient", "cudnn", "math")
+
+
+def test_the_generators_backend_is_chosen_once_and_used(world1, monkeypatch):
+    """An explicit backend (the generator's ``attention``) beats the environment's, reaches
+    every forward of the call (prefill, steps), and names the call's decode mode."""
+    from megatron_rlhf.config import GenerationConfig
+    from megatron_rlhf.generation.engine import Generator
+
+    monkeypatch.setenv(attn.ENV_OVERRIDE, "matmul")
+    model = build_model(preset("tiny"), "actor", world1, dtype=torch.float32, seed=2).eval()
+    seen = []
+    real = inc._forward_cached
+
+    def spy(*a, **kw):
+        seen.append(kw.get("backend"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(inc, "_forward_cached", spy)
+    r = Generator(model, attention="sdpa").generate([[5, 6, 7]], GenerationConfig(max_new_tokens=4))
+    assert r.stats.decode.startswith("sdpa attention") and seen and set(seen) == {"sdpa"}
+    with pytest.raises(ValueError, match="use one of"):
+        Generator(model, attention="nope")
 
 
 def test_gpu_defaults():
@@ -167,9 +180,9 @@ def test_bf16_verification_equals_one_token_steps_bit_for_bit(smollm2_shaped, mo
     call over the 5 positions), this fails on the 2-core EPYC: logits up to 0.0078 apart
     on this model, 0.75 on SmolLM2's 30 trained layers; whether it fails elsewhere depends
     on how a CPU's fp32 matmuls order their sums for 15 query rows against 3."""
-    monkeypatch.setattr(inc, "_linear", _row_by_row)
-    assert inc.width_invariant(torch.bfloat16, "cpu", 5) and not inc.width_invariant(torch.float32, "cpu", 5)
-    assert not inc.width_invariant(torch.bfloat16, "cpu", inc.WIDTH_INVARIANT_MAX_TOKENS + 1)  # prefill
+    monkeypatch.setattr(cpu_numerics, "linear", _row_by_row)
+    assert cpu_numerics.width_invariant(torch.bfloat16, 5) and not cpu_numerics.width_invariant(torch.float32, 5)
+    assert not cpu_numerics.width_invariant(torch.bfloat16, cpu_numerics.WIDTH_INVARIANT_MAX_TOKENS + 1)  # prefill
     wide, steps = _verify_vs_steps(smollm2_shaped, 5, LENGTHS)
     assert torch.equal(wide, steps)
 
@@ -207,7 +220,7 @@ def test_ragged_bf16_verification_equals_one_token_steps_bit_for_bit(smollm2_sha
     linears and the head; the attention one query position at a time over all rows, the
     cache read in place) computes each real token as a one-token step does, bit for bit in
     bf16 (linears row by row, as above)."""
-    monkeypatch.setattr(inc, "_linear", _row_by_row)
+    monkeypatch.setattr(cpu_numerics, "linear", _row_by_row)
     ragged, steps = _ragged_vs_steps(smollm2_shaped, RAGGED, LENGTHS)
     assert ragged.shape == (sum(RAGGED), smollm2_shaped.mrlhf_config.vocab_size)
     assert torch.equal(ragged, steps)
@@ -230,7 +243,7 @@ def test_packed_logits_need_a_ragged_feed(world1):
         inc.forward_cached(model, cache, torch.ones(2, 2, dtype=torch.long), rope, packed_logits=True)
 
 
-@pytest.mark.parametrize("align", [inc.ATTEND_ALIGN, 1])
+@pytest.mark.parametrize("align", [cpu_numerics.ATTEND_ALIGN, 1])
 def test_a_samples_decode_logits_do_not_depend_on_its_batch(world1, monkeypatch, align):
     """The attention reads whole multiples of ``ATTEND_ALIGN`` cache positions, so a
     sample's logits through prefill, steps and verifications are the same alone and in a
@@ -242,8 +255,8 @@ def test_a_samples_decode_logits_do_not_depend_on_its_batch(world1, monkeypatch,
     of 64)."""
     from megatron_rlhf.generation.kv_cache import KVCache
 
-    monkeypatch.setattr(inc, "_linear", _row_by_row)
-    monkeypatch.setattr(inc, "ATTEND_ALIGN", align)
+    monkeypatch.setattr(cpu_numerics, "linear", _row_by_row)
+    monkeypatch.setattr(cpu_numerics, "ATTEND_ALIGN", align)
     model = build_model(preset("smollm2-135m", num_layers=2), "actor", world1, dtype=torch.float32, seed=2).eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 200, (length,), generator=g).tolist() for length in (37, 45, 50, 61, 70, 77)]

@@ -190,7 +190,7 @@ def test_a_ragged_round_verifies_each_rows_own_proposal(models, plain, monkeypat
     the row takes a plain step), and only those tokens reach the LM head: the forward's
     packed logits hold ``sum(valid)`` rows. Under ``auto`` with random per-sample widths,
     the tokens are still plain decoding's."""
-    from megatron_rlhf.generation import engine
+    from megatron_rlhf.generation import rounds
 
     seen = []
 
@@ -200,8 +200,8 @@ def test_a_ragged_round_verifies_each_rows_own_proposal(models, plain, monkeypat
             seen.append((kw["valid"].tolist(), out.shape[0], tokens.shape[1]))
         return out
 
-    forward_cached = engine.forward_cached
-    monkeypatch.setattr(engine, "forward_cached", recording)
+    forward_cached = rounds.forward_cached
+    monkeypatch.setattr(rounds, "forward_cached", recording)
     generator = Generator(models[0], history=HistoryDrafter())
     for seed in (SEED + 1, SEED):  # a first epoch fills the history
         r = generator.generate(_prompts(), SETTINGS["T1"], SpecConfig(4, draft_source="history"), seed=seed)

@@ -54,9 +54,9 @@ def test_plain_layer_path_equals_the_modules(world1, monkeypatch, name, dtype):
     """Our presets' layers take the wrapper-free path, and it computes exactly what the
     layers' own modules compute (prefill, decode, verification). Few-row fp32 products,
     which the plain path computes in another order, are tested below."""
-    import megatron_rlhf.generation.incremental as inc
+    from megatron_rlhf.generation import cpu_numerics
 
-    monkeypatch.setattr(inc, "swapped_gemm_max_rows", lambda: 0)
+    monkeypatch.setattr(cpu_numerics, "swapped_gemm_max_rows", lambda: 0)
     model = build_model(preset(name), "actor", world1, dtype=dtype, seed=2).eval()
     assert plain_layers(model)
     outs = []
@@ -78,9 +78,9 @@ def test_few_row_fp32_gemms_match_the_modules(world1, monkeypatch, batch, limit)
     """Decode steps and verifications with at most ``swapped_gemm_max_rows()`` rows run
     every fp32 linear of the plain path (and the head) as ``(w @ x^T)^T``, not through
     ``F.linear``; they give the modules' logits up to float rounding."""
-    import megatron_rlhf.generation.incremental as inc
+    from megatron_rlhf.generation import cpu_numerics
 
-    monkeypatch.setattr(inc, "swapped_gemm_max_rows", lambda: limit)
+    monkeypatch.setattr(cpu_numerics, "swapped_gemm_max_rows", lambda: limit)
     model = build_model(preset("tiny"), "actor", world1, dtype=torch.float32, seed=2).eval()
     prompts = PROMPTS[:batch]
     feeds = [n for n in (1, 2, 1, 4) if batch * n <= limit]
@@ -106,7 +106,7 @@ def test_few_row_fp32_gemms_match_the_modules(world1, monkeypatch, batch, limit)
 
 
 def test_swapped_gemm_is_linear_up_to_rounding():
-    from megatron_rlhf.generation.incremental import _linear, swapped_gemm_max_rows
+    from megatron_rlhf.generation.cpu_numerics import linear as _linear, swapped_gemm_max_rows
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 40, generator=g)
@@ -410,20 +410,20 @@ def test_feature_draft_reads_the_right_hidden_states(world1, pair, monkeypatch, 
     """Every entry the draft keeps in its cache is ``(x_t, h_{t-1})`` of the final sequence:
     each catch-up call continues where the last one ended, with the sequence's tokens and
     the actor's true hidden states (from a full recompute) shifted by one."""
-    from megatron_rlhf.generation import engine
+    from megatron_rlhf.generation import drafting
     from megatron_rlhf.generation.draft import shifted_features, target_logits_and_features
 
     actor, _ = pair
     draft = feature_draft_for(actor, world1)
-    calls, real = [], engine.forward_cached
+    calls, real = [], drafting.forward_cached
 
     def spy(model, cache, tokens, rope, last_index=None, features=None, return_features=False,
-            valid=None):
+            valid=None, **kw):
         if model is draft and last_index is not None:  # a catch-up (not a drafting step)
             calls.append((int(cache.lengths[0]), int(last_index[0]) + 1, tokens[0], features[0]))
-        return real(model, cache, tokens, rope, last_index, features, return_features, valid)
+        return real(model, cache, tokens, rope, last_index, features, return_features, valid, **kw)
 
-    monkeypatch.setattr(engine, "forward_cached", spy)
+    monkeypatch.setattr(drafting, "forward_cached", spy)
     cfg = GenerationConfig(max_new_tokens=20, temperature=1.0)
     for p in PROMPTS[:3]:
         calls.clear()

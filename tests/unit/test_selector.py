@@ -264,7 +264,7 @@ def test_large_ragged_rounds_do_not_price_small_ones_out():
     plain step, so nothing drafted again and nothing corrected it. Through the origin the
     same rounds price a draft at about 5 ms, and a round of 3 rows with two 4-draft
     proposals (acceptance 0.8) drafts them."""
-    from megatron_rlhf.generation import strategy
+    from megatron_rlhf.generation import costs
 
     sel = Selector(OnlineCosts(), 4, None, Acceptance(4, decay=1.0, prior=0.8, prior_weight=10.0))
     for b in range(100, 0, -3):
@@ -275,7 +275,7 @@ def test_large_ragged_rounds_do_not_price_small_ones_out():
     assert 0.004 < sel.costs.drafted.predict(1) < 0.006
     assert sel.costs.ragged_s(3, 8) < 0.059 + 8 * 0.006
     assert sel.choose_widths([4, 4, 0]) == [4, 4, 0]
-    free = strategy._Fit(1.0)  # the free line over the same rounds: the intercept
+    free = costs._Fit(1.0)  # the free line over the same rounds: the intercept
     for drafts, extra in rounds:
         free.add(drafts, extra)
     assert free.predict(8) > 1.0
@@ -456,12 +456,12 @@ def test_keyed_uniforms_are_uniform_and_independent():
 def test_auto_without_a_profile_learns_costs_as_it_runs(world1, monkeypatch):
     """No --cost-profile: no profiling at the first call (it would raise here); the costs
     are the rounds' own, and greedy tokens equal plain decoding."""
-    from megatron_rlhf.generation import strategy
+    from megatron_rlhf.generation import costs
 
     def no_profile(*a, **k):
         raise AssertionError("profiled")
 
-    monkeypatch.setattr(strategy, "profile", no_profile)
+    monkeypatch.setattr(costs, "profile", no_profile)
     actor, draft = actor_and_draft(world1, noise=0.0)
     cfg = GenerationConfig(max_new_tokens=20, temperature=0)
     plain = Generator(actor).generate(PROMPTS, cfg).responses()

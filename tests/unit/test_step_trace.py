@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gen_fixtures import PROMPTS, RandomSelector, actor_and_draft
 from megatron_rlhf.config import GenerationConfig, SpecConfig
-from megatron_rlhf.generation import graphs, sampling
+from megatron_rlhf.generation import graphs, lookup, rounds, sampling
 from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.generation.history import HistoryDrafter
 from megatron_rlhf.generation.state import Rows
@@ -117,8 +117,9 @@ def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=Non
         rec.tolist(self)
         return real_tolist(self)
     # what each round calls first
-    first = "_look_up" if history else ("_spec_round" if draft is not None and not plain_rounds else "_plain_step")
-    real_step = getattr(Generator, first)
+    first = (lookup, "look_up") if history else (
+        (rounds, "spec_round") if draft is not None and not plain_rounds else (rounds, "plain_step"))
+    real_step = getattr(*first)
 
     def run(self):
         before, rec.phase = rec.phase, "graph"
@@ -127,9 +128,9 @@ def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=Non
         finally:
             rec.phase = before
 
-    def step(self, *a, **k):
+    def step(*a, **k):
         rec.phase, rec.step = "loop", rec.step + 1
-        return real_step(self, *a, **k)
+        return real_step(*a, **k)
 
     def rollout(self, *a, **k):
         rec.phase = "end"
@@ -140,7 +141,7 @@ def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=Non
         return real_select(self, keep)
 
     monkeypatch.setattr(graphs._Eager, "run", run)
-    monkeypatch.setattr(Generator, first, step)
+    monkeypatch.setattr(*first, step)
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     monkeypatch.setattr(Generator, "_rollout", rollout)
     monkeypatch.setattr(Rows, "select", select)
@@ -257,13 +258,13 @@ def test_an_item_in_the_step_fails(actor, monkeypatch):
 
 
 def test_a_host_read_in_the_loop_fails(actor, monkeypatch):
-    real = Generator._sampled_step
+    real = rounds.sampled_step
 
-    def sabotaged(self, runner, rows, *a, **k):
+    def sabotaged(call, runner, rows, *a, **k):
         int(rows["alive"].sum())  # the per-step live count the engine used to read
-        return real(self, runner, rows, *a, **k)
+        return real(call, runner, rows, *a, **k)
 
-    monkeypatch.setattr(Generator, "_sampled_step", sabotaged)
+    monkeypatch.setattr(rounds, "sampled_step", sabotaged)
     rec, _ = trace(actor, CFGS["greedy"], monkeypatch)
     assert any(h > MAX_HOST_COPIES for _, h in per_step(rec).values())
 
@@ -275,8 +276,8 @@ def test_a_failed_capture_decodes_eagerly(actor, monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     real_init = graphs.StepGraphs.__init__
 
-    def init(self, model, capacity, max_len, capture):
-        real_init(self, model, capacity, max_len, capture=False)
+    def init(self, model, capacity, max_len, capture, backend=None):
+        real_init(self, model, capacity, max_len, capture=False, backend=backend)
         self.capture = True  # what a GPU would do: try to capture each new graph
 
     monkeypatch.setattr(graphs.StepGraphs, "__init__", init)

@@ -13,7 +13,7 @@ from megatron_rlhf import runtime
 from megatron_rlhf.config import GenerationConfig, SpecConfig, preset
 from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.generation.history import HistoryDrafter
-from megatron_rlhf.generation import incremental, kv_cache
+from megatron_rlhf.generation import attention, kv_cache
 from megatron_rlhf.generation.incremental import plain_layers
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.parallel.groups import build_process_groups
@@ -58,19 +58,17 @@ def check_decode_attention(pg):
     """At TP=2 each rank holds one KV group of two query heads: still grouped. flash runs
     the reference of flash-attn's kernel (tests/gen_fixtures.py) on bf16 caches."""
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # as tests/unit/test_decode_attention.py
-    saved = incremental._flash_kvcache, kv_cache.CPU_HALF_CACHE_MIN_BATCH
-    incremental._flash_kvcache, kv_cache.CPU_HALF_CACHE_MIN_BATCH = reference_flash_kvcache, 1
+    saved = attention._flash_kvcache, kv_cache.CPU_HALF_CACHE_MIN_BATCH
+    attention._flash_kvcache, kv_cache.CPU_HALF_CACHE_MIN_BATCH = reference_flash_kvcache, 1
     for dtype, tol in tolerance.items():
         model = build_model(preset("tiny"), "actor", pg, dtype=dtype, seed=2).eval()
-        for backend in incremental.BACKENDS:
-            incremental.set_attention_backend(backend)
+        for backend in attention.BACKENDS:
             for static in (False, True):
-                err = decode_attention_error(model, static=static)
+                err = decode_attention_error(model, backend, static=static)
                 assert err < tol, f"TP=2 {backend} {dtype} static={static}: {err}"
-                control = decode_attention_error(model, static=static, drop_mask=True)
+                control = decode_attention_error(model, backend, static=static, drop_mask=True)
                 assert control > 5 * tol, f"TP=2 {backend} {dtype} static={static}: no mask, {control}"
-    incremental.set_attention_backend(None)
-    incremental._flash_kvcache, kv_cache.CPU_HALF_CACHE_MIN_BATCH = saved
+    attention._flash_kvcache, kv_cache.CPU_HALF_CACHE_MIN_BATCH = saved
 
 
 def main():
