@@ -132,8 +132,11 @@ def test_the_token_after_j_accepted_drafts_uses_position_m_plus_j_uniform():
 
 
 def test_rejection_is_refused_for_history_drafts():
-    with pytest.raises(ValueError, match="spec-verify exact"):
+    from megatron_rlhf.flags import cli_message
+
+    with pytest.raises(ValueError, match="draft_source history .*: use verify exact") as e:
         SpecConfig(4, draft_source="history", verify="rejection")
+    assert "--draft-source history" in cli_message(e.value) and "use --spec-verify exact" in cli_message(e.value)
 
 
 def test_repeats_are_found(models):
