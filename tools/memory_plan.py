@@ -222,15 +222,20 @@ def measure(args) -> int:
                    "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS')][0])"],
         capture_output=True, text=True, check=True, cwd=root, env=env).stdout.split()[-1]
     runtime_gb = int(runtime) * 1024 / GB
-    flags = [i for i, a in enumerate(train_args) if a == "--recompute-granularity"]
-    recompute = train_args[flags[-1] + 1] if flags else None
+    # the estimate's workload comes from the very flags the run was given
+    from megatron_rlhf.config import (GenerationConfig, LoopConfig, PPOConfig, SpecConfig,
+                                      dataclass_from_namespace)
+    from megatron_rlhf.train import parse_args
+
+    ns = parse_args(["--actor-load", str(ckpt), *train_args])
+    ppo, loop, gen, spec = (dataclass_from_namespace(c, ns)
+                            for c in (PPOConfig, LoopConfig, GenerationConfig, SpecConfig))
     est = memory.estimate(
         {"actor": model_config(str(ckpt))},  # the demo drafts from its history: no draft model
         Cluster(nodes=1, gpus_per_node=2, gpu_memory_gb=1000.0),
         StageLayouts(train=Layout.parse("1x1x2"), gen=Layout.parse("1x2", pipeline=False)),
-        Workload(rollout_batch=32, max_prompt_length=MEASURE_PROMPT_TOKENS, max_new_tokens=128,
-                 micro_batch_size=8, num_mini_batches=2),
-        MemoryOptions(recompute=recompute or "none", park_on_host=False))  # (a CPU run)
+        Workload.from_configs(ppo, loop, gen, spec, has_draft=False),
+        MemoryOptions(recompute=ns.recompute_granularity or "none", park_on_host=False))  # (a CPU run)
     gib = 2**30 / GB
     rows = []
     for st in est.stages:
