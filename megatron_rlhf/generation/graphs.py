@@ -65,6 +65,43 @@ class _Eager:
         return self.fn()
 
 
+class CaptureError(RuntimeError):
+    """A capture failed; the message names the first op that failed inside it."""
+
+
+def describe(error: BaseException) -> str:
+    """``error`` and where it was raised: its innermost frame, and the innermost in
+    megatron_rlhf or megatron-core when that is another (the op our code called)."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    where = [f for f in frames if "megatron" in f.filename]
+    shown = [frames[-1]] if frames else []
+    if where and where[-1] is not shown[-1]:
+        shown.insert(0, where[-1])
+    at = " <- ".join(f"{f.filename}:{f.lineno} in {f.name} ({(f.line or '').strip()})"
+                     for f in reversed(shown))
+    return f"{type(error).__name__}: {error}" + (f" at {at}" if at else "")
+
+
+def record(fn, capture):
+    """``fn()`` inside the ``capture`` context; returns its result. A failure raises
+    :class:`CaptureError` naming the first op that failed inside the capture: when an op
+    breaks a capture, leaving the context (``capture_end()``) raises an error of its own
+    that would otherwise hide it."""
+    first = None
+    try:
+        with capture:
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 (kept: the context's exit may raise another)
+                first = e
+                raise
+    except Exception as e:  # noqa: BLE001
+        cause = first or e
+        raise CaptureError(describe(cause)) from cause
+
+
 class _Captured:
     def __init__(self, fn, pool, state: tuple[torch.Tensor, ...]):
         """``state``: tensors the step advances in place, restored after warm-up and capture."""
@@ -79,8 +116,7 @@ class _Captured:
                         t.copy_(v)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.out = fn()
+            self.out = record(fn, torch.cuda.graph(self.graph, pool=pool))
         finally:  # a capture records without running: the state is as saved either way
             for t, v in zip(state, saved):
                 t.copy_(v)
@@ -380,7 +416,7 @@ class StepGraphs:
         try:
             return _Captured(step, self.pool, (self.cache.store_lengths, *state))
         except Exception as e:  # noqa: BLE001 (any capture failure: decode eagerly instead)
-            self.capture, self.failed = False, f"{type(e).__name__}: {e}"
+            self.capture, self.failed = False, str(e) if isinstance(e, CaptureError) else describe(e)
             log.warning("CUDA graph capture failed (%s); decoding runs eagerly from here on "
                         "(--no-cuda-graphs skips capture)", self.failed)
             return _Eager(step)

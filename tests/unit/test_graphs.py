@@ -254,3 +254,42 @@ def test_buckets():
     assert [graphs.width_bucket(n, room=9) for n in range(1, 8)] == [1, 3, 3, 7, 7, 7, 7]
     assert [graphs.width_bucket(n, room=4) for n in (2, 4, 5)] == [3, 4, 5]
     assert graphs.width_bucket(8, room=20) == 8  # past MAX_TOKENS: no graph serves it
+
+
+class _FakeCapture:
+    """A capture context whose exit fails like ``capture_end()`` after an op broke the capture."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if kind is not None or self.always:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        return False
+
+    def __init__(self, always=False):
+        self.always = always
+
+
+def _host_sync_in_capture():
+    x = torch.ones(2)
+    return x.sum().item() + _raise_capture_forbidden()
+
+
+def _raise_capture_forbidden():
+    raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_names_the_op_that_broke_it_not_capture_end():
+    from megatron_rlhf.generation.graphs import CaptureError, record
+
+    with pytest.raises(CaptureError) as e:
+        record(_host_sync_in_capture, _FakeCapture())
+    message = str(e.value)
+    assert message.startswith("RuntimeError: operation not permitted when stream is capturing"), message
+    assert "_raise_capture_forbidden" in message and "capture_end" not in message and "previous error" not in message
+    assert "test_graphs.py" in message  # where the op ran
+    # a capture whose only failure is the exit: that error is the one named
+    with pytest.raises(CaptureError, match="previous error during capture"):
+        record(lambda: 1, _FakeCapture(always=True))
+    assert record(lambda: 7, _FakeCapture()) == 7
