@@ -109,11 +109,11 @@ class ModelConfig:
     def check_attention_span(self, tokens: int) -> None:
         """Refuse sequences of ``tokens`` tokens that a sliding window would cut."""
         if self.sliding_window is not None and tokens > self.sliding_window:
-            raise ValueError(
+            raise ConfigError(
                 f"the model attends within a sliding window of {self.sliding_window} tokens and "
                 f"sequences here reach {tokens}: sliding-window attention is not implemented, so "
-                f"keep prompt + new tokens <= {self.sliding_window} (--max-prompt-length, "
-                "--max-new-tokens)")
+                f"keep prompt + new tokens <= {self.sliding_window} ({{max_prompt_length}}, "
+                "{max_new_tokens})")
 
     @property
     def padded_vocab_size(self) -> int:

@@ -68,8 +68,12 @@ def test_unknown_model_type_and_sliding_windows_are_refused(tmp_path):
     with pytest.raises(ValueError, match="model_type 'gemma2' is not supported; supported model "
                                          "types: llama, mistral, qwen2"):
         convert.hf_to_mcore(tmp_path, tmp_path / "out")  # no safetensors there: named first
-    with pytest.raises(ValueError, match="sliding window of 128 tokens and sequences here reach 150"):
+    with pytest.raises(ValueError, match="sliding window of 128 tokens and sequences here reach 150") as e:
         preset("tiny-mistral").check_attention_span(150)
+    from megatron_rlhf.flags import cli_message  # the config names fields, the CLI flags
+
+    assert "(max_prompt_length, max_new_tokens)" in str(e.value)
+    assert "(--max-prompt-length, --max-new-tokens)" in cli_message(e.value)
     preset("tiny-mistral").check_attention_span(128)
 
 
