@@ -74,6 +74,7 @@ def _plan_hardware(name: str | None):
         if not torch.cuda.is_available():
             return cost.HARDWARE["cpu"], {}, "hardware preset cpu (no GPU)"
         device = torch.cuda.get_device_name(0)
+        # (in GiB, the unit of the data sheets' "80 GB" of HBM)
         sheet, how = device_preset(device, torch.cuda.get_device_properties(0).total_memory / 2**30)
         return cost.HARDWARE[sheet.preset], {}, (
             f"hardware preset {sheet.preset} ({sheet.model} data sheet) for GPU {device!r}, {how}; "

@@ -211,8 +211,10 @@ def memory_warning(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int) ->
     estimate errs on the safe side (see docs/memory_plan.md)."""
     from megatron_rlhf.plan import memory as mem
 
+    # (auto parks the optimizer states wherever they would not fit beside generation)
+    park = plan.par.park_optimizer != "off"
     try:
-        mem.fits_or_raise(memory_estimate(plan, gpu_memory_gb, gpus_per_node))
+        mem.fits_or_raise(memory_estimate(plan, gpu_memory_gb, gpus_per_node, park_on_host=park))
     except ValueError as e:
         return f"memory estimate: {e}"
     return None
