@@ -55,11 +55,14 @@ class ParallelConfig:
     release_train_copy: bool | None = None
     """With a gen_layout, keep the actor's training copy in pinned host memory during generation."""
     # None: on GPU.
+    park_optimizer: Literal["auto", "on", "off"] = "auto"
+    """Optimizer states and fp32 masters in pinned host memory during generation: auto (when the memory estimate finds no room beside it), on, off."""
+    # Decided once at start-up (rlhf.build); on CPU nothing moves whatever the setting.
     plan: str | None = field(default=None, metadata={"metavar": "FILE.json|auto"})
     """Layouts from a plan file (tools/plan.py --out FILE) or auto (searched at start-up)."""
     # It replaces the layout settings; auto runs megatron_rlhf.plan.search.
     plan_hardware: str | None = field(default=None, metadata={"metavar": "NAME|FILE.json"})
-    """Plan auto: h100, h200, a100, cpu or a Hardware/Profile JSON (None: h100 on GPU, else cpu)."""
+    """Plan auto: h100, h200, a100, cpu or a Hardware/Profile JSON (None: the GPU's preset by name, else cpu)."""
 
     def __post_init__(self) -> None:
         finite(self)
@@ -86,6 +89,8 @@ class ParallelConfig:
                 Layout.parse(text)
         if self.draft_train_layout not in ("gen", "train"):
             raise ConfigError(f"{{draft_train_layout}} {self.draft_train_layout!r}: use gen or train")
+        if self.park_optimizer not in ("auto", "on", "off"):
+            raise ConfigError(f"{{park_optimizer}} {self.park_optimizer!r}: use auto, on or off")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(f"{{recompute_granularity}} {self.recompute_granularity!r}: "
                               "use full or selective")

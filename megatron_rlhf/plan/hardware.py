@@ -82,6 +82,45 @@ HARDWARE = {
 }
 
 
+@dataclass(frozen=True)
+class Datasheet:
+    """A GPU model's published peaks, and the :data:`HARDWARE` preset that prices it."""
+
+    preset: str  # Key in HARDWARE.
+    model: str  # The part the figures are for.
+    marker: str  # Upper-case text in ``torch.cuda.get_device_name()`` that names this GPU.
+    memory_gb: float
+    bf16_tflops: float  # Dense, without sparsity.
+    hbm_tb_s: float
+    nvlink_gb_s: float  # Per GPU, both directions together.
+
+
+DATASHEETS = (
+    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column)
+    Datasheet("h200", "H200 SXM 141GB", "H200", memory_gb=141, bf16_tflops=989, hbm_tb_s=4.8,
+              nvlink_gb_s=900),
+    # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column)
+    Datasheet("h100", "H100 SXM 80GB", "H100", memory_gb=80, bf16_tflops=989, hbm_tb_s=3.35,
+              nvlink_gb_s=900),
+    # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column)
+    Datasheet("a100", "A100 SXM4 80GB", "A100", memory_gb=80, bf16_tflops=312, hbm_tb_s=2.039,
+              nvlink_gb_s=600),
+)
+
+
+def device_preset(device_name: str, memory_gb: float) -> tuple[Datasheet, str]:
+    """``(datasheet, how)`` for a GPU named ``device_name`` with ``memory_gb`` of memory:
+    the first of :data:`DATASHEETS` whose marker the name contains, else the one closest in
+    memory (ties: the lower peak FLOP/s). ``how`` says which of the two it was."""
+    name = device_name.upper()
+    for sheet in DATASHEETS:
+        if sheet.marker in name:
+            return sheet, f"matched by name ({sheet.marker})"
+    sheet = min(DATASHEETS, key=lambda s: (abs(s.memory_gb - memory_gb), s.bf16_tflops))
+    return sheet, (f"an unknown GPU: the preset closest in memory ({memory_gb:.0f} GB against "
+                   f"{sheet.memory_gb:g} GB)")
+
+
 @dataclass
 class Profile:
     """Measured per-layer seconds at TP=1 for one model shape (``tools/profile_costs.py``)."""

@@ -36,6 +36,34 @@ def _trainee(plan: TrainPlan, model, pg, lr: float, schedule: bool):
                                             o.lr_warmup_iters * steps, total))
 
 
+def _park_optimizer(plan: TrainPlan) -> bool:
+    """``--park-optimizer`` resolved once (:func:`~megatron_rlhf.rlhf.offload.park_decision`),
+    auto from the memory estimate on this machine's GPUs; the first rank logs the verdict."""
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rlhf import runtime
+    from megatron_rlhf.rlhf.offload import park_decision
+    from megatron_rlhf.rlhf.train_plan import memory_estimate
+
+    cuda, unparked = runtime.has_cuda(), None
+    if cuda and plan.par.park_optimizer == "auto":
+        gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
+        try:
+            unparked = memory_estimate(plan, gb, local, park_on_host=False)
+        except ValueError:  # a layout the estimator cannot price: parked, as without one
+            pass
+    park, why = park_decision(plan.par.park_optimizer, cuda, unparked)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        where = "in pinned host memory" if park else "on the device"
+        print(f"optimizer states during generation: {where} ({why})", file=sys.stderr)
+    return park
+
+
 def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     """Models, optimizers, generator and experience maker on this rank; resumes if asked.
     ``pg``: the train layout's process groups; ``gen_pg``: the generation layout's (None or
@@ -146,4 +174,4 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
                        migration=plan.migration, gen_pg=gen_pg,
                        release_train_copy=plan.par.release_train_copy,
                        model_pgs={n: g for n, g in places.items() if g is not anchor},
-                       heldout=plan.heldout)
+                       heldout=plan.heldout, park_optimizer=_park_optimizer(plan))

@@ -1,8 +1,9 @@
 """Colocation on GPU: park what the current stage does not use in pinned host memory.
 
 Every stage runs on the same ranks. Entry points: :func:`move_model` (a model's weights),
-:func:`park_trainee` (optimizer states, gradient buffers), :func:`release_weights` (the
-training copy's weights during the rollout), :class:`StageMemory`. On CPU these are no-ops.
+:func:`park_trainee` (optimizer states, gradient buffers; whether at all: :func:`park_decision`),
+:func:`release_weights` (the training copy's weights during the rollout), :class:`StageMemory`.
+On CPU these are no-ops.
 """
 
 from __future__ import annotations
@@ -108,6 +109,28 @@ def park_trainee(t, host: bool, move=None) -> None:
         torch.cuda.synchronize()
         if host:
             torch.cuda.empty_cache()
+
+
+def park_decision(mode: str, cuda: bool, unparked=None) -> tuple[bool, str]:
+    """``(park, why)``: whether the trainees' optimizer states and gradient buffers wait in
+    host memory during generation (:func:`park_trainee`). ``mode``: ``--park-optimizer``
+    (auto, on, off). ``unparked``: the memory estimate (:class:`~megatron_rlhf.plan.memory.Estimate`)
+    with them left on the device, or None where there is none. auto keeps them on the device
+    when generation and inference fit beside them in the estimate's usable memory (the GPU's
+    less its reserve), and parks them otherwise or without an estimate."""
+    if not cuda:
+        return False, "no GPU: nothing is moved"
+    if mode != "auto":
+        return mode == "on", f"--park-optimizer {mode}"
+    if unparked is None:
+        return True, "auto, without a memory estimate"
+    # Training holds them either way; the stages before it decide.
+    stages = [s for s in unparked.stages if s.stage in ("generation", "inference")]
+    worst = max(stages, key=lambda s: s.total - s.capacity)
+    need = f"{worst.stage} with them needs {worst.total / 1e9:.1f} GB of {worst.capacity / 1e9:.1f} GB usable"
+    if all(s.fits for s in stages):
+        return False, f"auto: the memory estimate fits them ({need})"
+    return True, f"auto: the memory estimate does not fit them ({need})"
 
 
 def release_weights(t, host: bool, force: bool = False) -> None:

@@ -29,7 +29,9 @@ def execution_plan(par: ParallelConfig, infos: dict, ppo: PPOConfig, loop: LoopC
     if par.plan != "auto":
         return dataclasses.replace(par, plan=None, **search.trainer_flags(search.Plan.load(par.plan)))
     models = {role: info.config for role, info in infos.items()}
-    hw, profiles = _plan_hardware(par.plan_hardware)
+    hw, profiles, source = _plan_hardware(par.plan_hardware)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"plan auto: {source}", file=sys.stderr)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     gpu_gb = (torch.cuda.get_device_properties(0).total_memory / 1e9 if torch.cuda.is_available()
               else hw.gpu_memory_gb)
@@ -60,21 +62,30 @@ def execution_plan(par: ParallelConfig, infos: dict, ppo: PPOConfig, loop: LoopC
 
 
 def _plan_hardware(name: str | None):
-    """``(Hardware, {shape: Profile})`` for ``--plan-hardware``."""
+    """``(Hardware, {shape: Profile}, note)`` for ``--plan-hardware``; ``note`` says where
+    the hardware came from. None: the preset of this machine's GPU, or ``cpu``."""
     import json
     from pathlib import Path
 
     from megatron_rlhf.plan import cost
+    from megatron_rlhf.plan.hardware import device_preset
 
     if name is None:
-        name = "h100" if torch.cuda.is_available() else "cpu"
+        if not torch.cuda.is_available():
+            return cost.HARDWARE["cpu"], {}, "hardware preset cpu (no GPU)"
+        device = torch.cuda.get_device_name(0)
+        # (in GiB, the unit of the data sheets' "80 GB" of HBM)
+        sheet, how = device_preset(device, torch.cuda.get_device_properties(0).total_memory / 2**30)
+        return cost.HARDWARE[sheet.preset], {}, (
+            f"hardware preset {sheet.preset} ({sheet.model} data sheet) for GPU {device!r}, {how}; "
+            "--plan-hardware NAME|FILE.json chooses another")
     if name in cost.HARDWARE:
-        return cost.HARDWARE[name], {}
+        return cost.HARDWARE[name], {}, f"hardware preset {name} (--plan-hardware)"
     path = Path(name)
     if not path.is_file():
         raise ValueError(f"--plan-hardware {name!r}: use one of {', '.join(cost.HARDWARE)} or a JSON file")
     data = json.loads(path.read_text())
     if "forward" in data:  # a measured Profile, with its fitted hardware
         prof = cost.Profile(**data)
-        return cost.Hardware(**prof.hardware), {prof.shape: prof}
-    return cost.Hardware(**data), {}
+        return cost.Hardware(**prof.hardware), {prof.shape: prof}, f"measured profile {name}"
+    return cost.Hardware(**data), {}, f"hardware {name}"

@@ -206,11 +206,27 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
 
 
 def memory_warning(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int) -> str | None:
-    """The memory estimator's verdict on this run (:mod:`megatron_rlhf.plan.memory`): None
-    when every stage fits GPUs of ``gpu_memory_gb``, else its message. A warning, not an
-    error: the estimate errs on the safe side (see docs/memory_plan.md). A train layout over
-    part of the world is priced on its own GPUs, generation's samples per GPU as if
-    generated there too (more than they are: on the safe side)."""
+    """The memory estimator's verdict on this run (:func:`memory_estimate`): None when every
+    stage fits GPUs of ``gpu_memory_gb``, else its message. A warning, not an error: the
+    estimate errs on the safe side (see docs/memory_plan.md)."""
+    from megatron_rlhf.plan import memory as mem
+
+    # (auto parks the optimizer states wherever they would not fit beside generation)
+    park = plan.par.park_optimizer != "off"
+    try:
+        mem.fits_or_raise(memory_estimate(plan, gpu_memory_gb, gpus_per_node, park_on_host=park))
+    except ValueError as e:
+        return f"memory estimate: {e}"
+    return None
+
+
+def memory_estimate(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int,
+                    park_on_host: bool = True):
+    """:func:`megatron_rlhf.plan.memory.estimate` of this run on GPUs of ``gpu_memory_gb``;
+    ``park_on_host=False``: the optimizer states stay on the device through every stage.
+    A train layout over part of the world is priced on its own GPUs, generation's samples
+    per GPU as if generated there too (more than they are: on the safe side). Raises
+    ValueError where a layout cannot be priced."""
     from megatron_rlhf.parallel.layout import Layout
     from megatron_rlhf.plan import memory as mem
 
@@ -222,21 +238,16 @@ def memory_warning(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int) ->
         gen = Layout(tp=tp, dp=gpus // tp)
     models = {role: info.config for role, info in plan.infos.items()}
     nodes = max(gpus // gpus_per_node, 1)
-    try:
-        est = mem.estimate(
-            models, mem.Cluster(nodes=nodes, gpus_per_node=gpus // nodes,
-                                gpu_memory_gb=gpu_memory_gb),
-            mem.StageLayouts(train=train, gen=gen),
-            mem.Workload.from_configs(plan.ppo, plan.loop, plan.gen, plan.spec, "draft" in plan.infos),
-            mem.MemoryOptions(param_bytes=plan.dtype.itemsize,
-                              distributed_optimizer=plan.optim.use_distributed_optimizer,
-                              recompute=plan.par.recompute_granularity or "none",
-                              sequence_parallel=plan.par.sequence_parallel,
-                              release_train_copy=plan.par.release_train_copy is not False))
-        mem.fits_or_raise(est)
-    except ValueError as e:
-        return f"memory estimate: {e}"
-    return None
+    return mem.estimate(
+        models, mem.Cluster(nodes=nodes, gpus_per_node=gpus // nodes, gpu_memory_gb=gpu_memory_gb),
+        mem.StageLayouts(train=train, gen=gen),
+        mem.Workload.from_configs(plan.ppo, plan.loop, plan.gen, plan.spec, "draft" in plan.infos),
+        mem.MemoryOptions(param_bytes=plan.dtype.itemsize,
+                          distributed_optimizer=plan.optim.use_distributed_optimizer,
+                          recompute=plan.par.recompute_granularity or "none",
+                          sequence_parallel=plan.par.sequence_parallel,
+                          release_train_copy=plan.par.release_train_copy is not False,
+                          park_on_host=park_on_host))
 
 
 def _check_layout(info, name: str, stage: str, tp: int, pp: int = 1) -> None:

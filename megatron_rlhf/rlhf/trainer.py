@@ -105,7 +105,7 @@ class RLHFTrainer:
                  start_iteration: int = 0, run_info: dict | None = None,
                  migration: MigrationConfig | None = None, gen_pg=None,
                  release_train_copy: bool | None = None, model_pgs: dict | None = None,
-                 heldout: HeldOut | None = None):
+                 heldout: HeldOut | None = None, park_optimizer: bool | None = None):
         self.m, self.generator, self.maker = models, generator, maker
         self.heldout = heldout
         # call (reference, reward, critic, critic_train) -> its own layout's process groups
@@ -113,6 +113,8 @@ class RLHFTrainer:
         # (None: on GPU; only where the actor generates on a copy of its own)
         release = runtime.has_cuda() if release_train_copy is None else release_train_copy
         self.release_train_copy = release and models.actor_gen is not None
+        # the trainees' optimizer states wait on the host during generation (None: on GPU)
+        self.park_optimizer = runtime.has_cuda() if park_optimizer is None else park_optimizer
         self.gen_pg = gen_pg if gen_pg is not None else pg
         from megatron_rlhf.parallel.reshard import Reallocator
 
@@ -177,10 +179,11 @@ class RLHFTrainer:
         return ids, texts, list(range(first, first + len(ids))), metas
 
     def _generate(self, ids, sample_ids, gen: GenerationConfig, seed: int):
-        """A generation call on the generation layout; trainee states wait on the host."""
+        """A generation call on the generation layout; trainee states wait on the host where
+        ``park_optimizer``."""
         m = self.m
         for t in (m.actor, m.critic, m.draft_trainee):
-            if t is not None:
+            if t is not None and self.park_optimizer:
                 offload.park_trainee(t, host=True)
         if self.release_train_copy and m.actor is not None:  # generation has its own copy: the training one waits
             offload.release_weights(m.actor, host=True, force=True)
@@ -298,8 +301,9 @@ class RLHFTrainer:
 
     def _memory_components(self) -> dict:
         """``mem_<model>_<component>_gb`` (GiB) of this rank: trainees' weights, gradients and
-        optimizer states, the other models' weights."""
-        m, out = self.m, {}
+        optimizer states, the other models' weights; ``mem_optimizer_parked``: 1 where the
+        optimizer states wait on the host during generation."""
+        m, out = self.m, {"mem_optimizer_parked": int(self.park_optimizer and runtime.has_cuda())}
         for name, t in (("actor", m.actor), ("critic", m.critic)):
             if t is not None:
                 out.update({f"mem_{name}_{k}_gb": v / 2**30 for k, v in offload.trainee_bytes(t).items()})

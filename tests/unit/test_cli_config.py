@@ -206,3 +206,17 @@ def test_the_cli_refuses_nan_before_reading_anything(command, extra, message, ca
         arguments.validated(validate, args)
     assert e.value.code == 2
     assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_park_optimizer_takes_auto_on_or_off(capsys):
+    """--park-optimizer: auto by default, on or off; anything else refused by the CLI and
+    by ParallelConfig, the flag named."""
+    p = parser("train")
+    assert p.parse_args(REQUIRED["train"]).park_optimizer == "auto"
+    assert p.parse_args(REQUIRED["train"] + ["--park-optimizer", "off"]).park_optimizer == "off"
+    with pytest.raises(SystemExit):
+        p.parse_args(REQUIRED["train"] + ["--park-optimizer", "maybe"])
+    assert "invalid choice: 'maybe'" in capsys.readouterr().err
+    with pytest.raises(ConfigError) as e:
+        ParallelConfig(park_optimizer="maybe")
+    assert "--park-optimizer 'maybe': use auto, on or off" in flags.cli_message(e.value)

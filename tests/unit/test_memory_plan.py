@@ -278,3 +278,23 @@ def test_workload_from_configs():
                          num_mini_batches=2, num_draft_tokens=3)
     assert Workload.from_configs(ppo, loop, gen, SpecConfig(), has_draft=False).num_draft_tokens == \
         SpecConfig().base_tokens(False)
+
+
+def test_the_warning_keeps_the_optimizer_on_the_device_under_park_optimizer_off(world1, tmp_path):
+    """With --park-optimizer off the warning prices generation and inference with the
+    optimizer states and gradient buffers resident (auto and on: parked there)."""
+    import dataclasses
+    import re
+
+    import rlhf_fixtures as F
+    from megatron_rlhf import train
+    from megatron_rlhf.rlhf.train_plan import memory_warning
+
+    actor = F.make_actor_checkpoint(tmp_path / "actor", world1)
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
+    plan = train.validate(train.parse_args(F.train_args(actor, prompts, tmp_path / "out")))
+    resident = r"generation on layout \S+ needs [\d.]+ GB per GPU, [\d.]+ GB usable \(largest: \w+_optimizer"
+    for mode, kept in (("auto", False), ("on", False), ("off", True)):
+        run = dataclasses.replace(plan, par=dataclasses.replace(plan.par, park_optimizer=mode))
+        warning = memory_warning(run, gpu_memory_gb=1e-4, gpus_per_node=8)
+        assert bool(re.search(resident, warning)) == kept, (mode, warning)

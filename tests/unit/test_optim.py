@@ -194,3 +194,58 @@ def test_releasing_the_weights_during_generation_changes_no_update(world1, dtype
         finals.append([p.detach().float().clone() for p in params])
     for a, b in zip(*finals):
         assert torch.equal(a, b)
+
+
+def test_parking_is_decided_by_the_memory_estimate():
+    """--park-optimizer auto: the states stay on the device when generation and inference
+    fit beside them in the estimate, and are parked when they do not (or without an
+    estimate); on and off force either way; on CPU nothing is parked."""
+    from megatron_rlhf.parallel.layout import Layout
+    from megatron_rlhf.plan import memory
+    from megatron_rlhf.rlhf.offload import park_decision
+
+    models = {"actor": preset("smollm2-135m"), "critic": preset("smollm2-135m")}
+    lay = memory.StageLayouts(train=Layout.parse("1x1x2"), gen=Layout.parse("1x2", pipeline=False))
+
+    def unparked(gb):
+        return memory.estimate(models, memory.Cluster(nodes=1, gpus_per_node=2, gpu_memory_gb=gb), lay,
+                               options=memory.MemoryOptions(park_on_host=False, reserve_gb=0.0))
+
+    roomy = unparked(1000.0)
+    gen = roomy.stage("generation")
+    state = sum(v for k, v in gen.parts.items() if k.endswith(("_grads", "_optimizer")))
+    # room for generation alone, not for the states beside it
+    tight = unparked((max(s.total for s in roomy.stages if s.stage != "training") - state / 2) / memory.GB)
+    assert tight.stage("generation").total - state <= tight.stage("generation").capacity
+    park, why = park_decision("auto", True, roomy)
+    assert not park and "fits them" in why
+    park, why = park_decision("auto", True, tight)
+    assert park and "does not fit" in why
+    assert park_decision("auto", True, None)[0]
+    for gpu in (roomy, tight, None):
+        assert park_decision("on", True, gpu) == (True, "--park-optimizer on")
+        assert park_decision("off", True, gpu) == (False, "--park-optimizer off")
+        for mode in ("auto", "on", "off"):
+            assert not park_decision(mode, False, gpu)[0]
+
+
+def test_the_trainer_parks_only_where_decided(monkeypatch):
+    """The rollout parks the trainees' optimizer states where ``park_optimizer`` says, and
+    ``mem_optimizer_parked`` records it (0 on CPU, where nothing moves)."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.rlhf import offload
+    from megatron_rlhf.rlhf.trainer import RLHFTrainer
+
+    moves = []
+    monkeypatch.setattr(offload, "park_trainee", lambda t, host: moves.append((t, host)))
+    generator = SimpleNamespace(generate=lambda *a, **k: "samples", release=lambda: None)
+    for park in (True, False):
+        moves.clear()
+        me = SimpleNamespace(m=SimpleNamespace(actor=None, critic="critic", draft_trainee=None),
+                             park_optimizer=park, release_train_copy=False, generator=generator,
+                             spec=None, migrator=None)
+        assert RLHFTrainer._generate(me, [[1]], [0], None, 0) == "samples"
+        assert moves == ([("critic", True)] if park else [])
+        me.m = SimpleNamespace(actor=None, critic=None, reference=None, reward_model=None, draft=None)
+        assert RLHFTrainer._memory_components(me) == {"mem_optimizer_parked": 0}

@@ -576,3 +576,72 @@ def test_plan_auto_gives_the_trainer_layouts_it_can_run(world1, tmp_path, monkey
     assert par.plan is None and par.train_layout and par.gen_layout
     train, gen = par.layouts(4)
     assert train.size == gen.size == 4 and gen.pp == 1
+
+
+@pytest.mark.parametrize("device,memory_gb,preset_name,how", [
+    ("NVIDIA H200", 140.4, "h200", "by name"),
+    ("NVIDIA H100 80GB HBM3", 79.6, "h100", "by name"),
+    ("NVIDIA A100-SXM4-80GB", 79.2, "a100", "by name"),
+    ("NVIDIA A100-SXM4-40GB", 39.4, "a100", "by name"),
+    ("NVIDIA L40S", 44.4, "a100", "unknown GPU"),  # 80 GB the closest; the lower peak of two
+    ("Future GPU X", 178.0, "h200", "unknown GPU"),
+])
+def test_a_gpu_gets_its_preset_by_name_else_the_closest_in_memory(device, memory_gb, preset_name, how):
+    from megatron_rlhf.plan.hardware import device_preset
+
+    sheet, text = device_preset(device, memory_gb)
+    assert sheet.preset == preset_name and how in text
+
+
+def test_every_datasheet_prices_with_a_preset_below_its_peaks():
+    """Each GPU's data-sheet figures (NVIDIA's) and the sustained preset that prices it: the
+    same memory, rates at or under the peaks."""
+    from megatron_rlhf.plan.hardware import DATASHEETS, HARDWARE
+
+    assert {s.preset for s in DATASHEETS} >= {"h100", "h200", "a100"}
+    for s in DATASHEETS:
+        hw = HARDWARE[s.preset]
+        assert hw.gpu_memory_gb == s.memory_gb
+        assert hw.flops <= s.bf16_tflops * 1e12 and hw.mem_bw <= s.hbm_tb_s * 1e12
+        assert hw.intra_bw <= s.nvlink_gb_s * 1e9
+
+
+def test_plan_auto_prices_an_h200_as_an_h200(world1, tmp_path, monkeypatch, capsys):
+    """--plan auto on a GPU named "NVIDIA H200": the search is priced with the h200 preset
+    and the GPU's 141 GB, and says so; --plan-hardware names another."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import rlhf_fixtures as F
+    from megatron_rlhf.config import GenerationConfig, LoopConfig, ParallelConfig, PPOConfig, SpecConfig
+    from megatron_rlhf.models.checkpoint import read_checkpoint
+    from megatron_rlhf.plan import cost
+    from megatron_rlhf.rlhf.planning import execution_plan
+
+    info = read_checkpoint(F.make_actor_checkpoint(tmp_path / "actor", world1))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    priced = []
+    real = cost.Estimator
+
+    def estimator(models, hw, *a, **k):
+        priced.append(hw)
+        return real(models, hw, *a, **k)
+
+    monkeypatch.setattr(cost, "Estimator", estimator)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=141e9))
+    for hardware, want in ((None, "h200"), ("a100", "a100")):
+        execution_plan(ParallelConfig(plan="auto", plan_hardware=hardware),
+                       {"actor": info, "reference": info, "critic": info},
+                       PPOConfig(global_batch_size=4, rollout_n=2, micro_batch_size=2),
+                       LoopConfig(max_prompt_length=8), GenerationConfig(max_new_tokens=6),
+                       SpecConfig(0), torch.float32, world_size=4)
+        hw = priced[-1]
+        assert hw.name == want and hw.gpu_memory_gb == 141.0 and hw.gpus_per_node == 4
+        assert hw.flops == cost.HARDWARE[want].flops
+    err = capsys.readouterr().err
+    assert "hardware preset h200 (H200 SXM 141GB data sheet) for GPU 'NVIDIA H200', matched by name" in err
+    assert "hardware preset a100 (--plan-hardware)" in err
