@@ -123,6 +123,9 @@ def run(fix: Path, out: Path) -> dict:
               "--reward-fn", "behaviour_reward:parity_recorded", "--advantage-estimator", "grpo",
               "--global-batch-size", "8", "--rollout-n", "4", "--kl-coef", "0.05",
               "--draft-source", "history", "--num-draft-tokens", "3", "--sample-migration", "on",
+              # log pi_old from a training forward: generation's log-probs may differ in the last
+              # bits with the batch a sample ran in, which migration decides by timing
+              "--recompute-logprobs",
               "--log-dir", str(out / "grpo_log"), "--save", str(out / "grpo_save"),
               BEHAVIOUR_SAMPLES=str(samples))
     lines = sorted(x for f in samples.glob("*.jsonl") for x in f.read_text().splitlines())
