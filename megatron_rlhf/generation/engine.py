@@ -128,7 +128,7 @@ class Generator:
         if spec.auto and big_n:
             call.selector = self.selector_for(spec, batch, max_len, graphed=call.mode == "cuda")
         call.stats.mode = "auto" if call.selector else ("fixed" if big_n else "plain")
-        capture_before = self._capture_s()
+        capture_before, captures_before = self._capture_s(), self._captures()
         call.rope = RopeTable(self.actor, max_len)
         # the draft's cache has room for a padded catch-up past the longest sample (the
         # actor's has none to spare: attention may read a whole cache, CPU bf16 does)
@@ -145,6 +145,7 @@ class Generator:
             self.history.drop_live()  # samples that passed through here and finished elsewhere
         call.stats.elapsed_s = time.perf_counter() - t0
         call.stats.graph_capture_s = self._capture_s() - capture_before
+        call.stats.graph_captures = self._captures() - captures_before
         call.stats.decode = self._decode_mode(call)
         return self._rollout(prompts, sids, call.out, call.stats, dev)
 
@@ -236,6 +237,10 @@ class Generator:
     def _capture_s(self) -> float:
         """Seconds spent capturing graphs so far, by the stores kept now."""
         return sum(g.capture_s for g in self._steps.values())
+
+    def _captures(self) -> int:
+        """Graphs made so far by the stores kept now."""
+        return sum(g.captures for g in self._steps.values())
 
     def _graph_mode(self, cfg: GenerationConfig, dev) -> str | None:
         if self.graphs == "eager":

@@ -171,6 +171,7 @@ class StepGraphs:
         self.weights = _weights(model)
         self._store = self.cache.store_keys[0]
         self.capture_s = 0.0  # seconds spent capturing (and warming up), all graphs so far
+        self.captures = 0  # graphs made so far (captured, or their eager twins)
 
     @property
     def capacity(self) -> int:
@@ -407,6 +408,7 @@ class StepGraphs:
             start = time.perf_counter()
             graph = table[key] = self._graph(step, state)
             self.capture_s += time.perf_counter() - start
+            self.captures += 1
         return graph
 
     def _graph(self, step, state: tuple[torch.Tensor, ...] = ()):

@@ -35,6 +35,7 @@ class GenerationStats:
     decode: str = ""
     # wall time capturing CUDA graphs in this call (in elapsed_s; graphs are kept for the next call)
     graph_capture_s: float = 0.0
+    graph_captures: int = 0  # graphs made in this call: 0 when every bucket's graph was kept
     migrated_out: int = 0  # Samples this rank sent to another data-parallel rank.
     migrated_in: int = 0  # Samples this rank received.
     migration_bytes: int = 0  # Bytes this rank sent or received when moving samples (KV caches included).
@@ -66,7 +67,8 @@ class GenerationStats:
         self.elapsed_s += other.elapsed_s
         self.prefill_s += other.prefill_s
         for name in ("migrated_out", "migrated_in", "migration_bytes", "migration_s", "sync_s",
-                     "idle_s", "history_verifications", "history_drafted", "history_accepted", "history_s"):
+                     "idle_s", "history_verifications", "history_drafted", "history_accepted", "history_s",
+                     "graph_capture_s", "graph_captures"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("accepted_per_position", "drafted_per_position", "rounds_by_draft_len"):
             mine, theirs = getattr(self, name), getattr(other, name)

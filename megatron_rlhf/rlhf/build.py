@@ -36,32 +36,58 @@ def _trainee(plan: TrainPlan, model, pg, lr: float, schedule: bool):
                                             o.lr_warmup_iters * steps, total))
 
 
+def _estimate_here(plan: TrainPlan, park_on_host: bool):
+    """The run's memory estimate on this machine's GPUs; None without one (no GPU, or a
+    layout the estimator cannot price)."""
+    import os
+
+    import torch
+
+    from megatron_rlhf import runtime
+    from megatron_rlhf.rlhf.train_plan import memory_estimate
+
+    if not runtime.has_cuda():
+        return None
+    gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
+    try:
+        return memory_estimate(plan, gb, local, park_on_host=park_on_host)
+    except ValueError:
+        return None
+
+
+def _log(message: str) -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, file=sys.stderr)
+
+
 def _park_optimizer(plan: TrainPlan) -> bool:
     """``--park-optimizer`` resolved once (:func:`~megatron_rlhf.rlhf.offload.park_decision`),
     auto from the memory estimate on this machine's GPUs; the first rank logs the verdict."""
-    import os
-    import sys
-
-    import torch
-    import torch.distributed as dist
-
     from megatron_rlhf import runtime
     from megatron_rlhf.rlhf.offload import park_decision
-    from megatron_rlhf.rlhf.train_plan import memory_estimate
 
-    cuda, unparked = runtime.has_cuda(), None
-    if cuda and plan.par.park_optimizer == "auto":
-        gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
-        try:
-            unparked = memory_estimate(plan, gb, local, park_on_host=False)
-        except ValueError:  # a layout the estimator cannot price: parked, as without one
-            pass
-    park, why = park_decision(plan.par.park_optimizer, cuda, unparked)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        where = "in pinned host memory" if park else "on the device"
-        print(f"optimizer states during generation: {where} ({why})", file=sys.stderr)
+    auto = plan.par.park_optimizer == "auto"
+    unparked = _estimate_here(plan, park_on_host=False) if auto else None  # None: parked
+    park, why = park_decision(plan.par.park_optimizer, runtime.has_cuda(), unparked)
+    where = "in pinned host memory" if park else "on the device"
+    _log(f"optimizer states during generation: {where} ({why})")
     return park
+
+
+def _keep_graphs(plan: TrainPlan, park: bool) -> bool:
+    """Whether the generator's KV cache store and decode graphs stay across rollouts
+    (:func:`~megatron_rlhf.rlhf.offload.keep_graphs_decision`); the first rank logs it."""
+    from megatron_rlhf import runtime
+    from megatron_rlhf.rlhf.offload import keep_graphs_decision
+
+    keep, why = keep_graphs_decision(runtime.has_cuda(), _estimate_here(plan, park_on_host=park))
+    _log(f"decode graphs and KV cache store: {why}")
+    return keep
 
 
 def build_trainer(plan: TrainPlan, pg, gen_pg=None):
@@ -168,10 +194,11 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
                    if models.draft_trainee is not None else {}),
                 **{f"{n}_layout": mem.layout_text(lay) for n, lay in own.items()},
                 "actor_init": str(plan.paths.actor), "reference": str(plan.infos["reference"].path)}
+    park = _park_optimizer(plan)
     return RLHFTrainer(models, generator, maker, plan.ppo, plan.loop, plan.gen, plan.spec,
                        plan.prompts, plan.prompt_ids, anchor, tokenizer=tok, save_dir=plan.save_dir,
                        log_dir=plan.log_dir, start_iteration=start, run_info=run_info,
                        migration=plan.migration, gen_pg=gen_pg,
                        release_train_copy=plan.par.release_train_copy,
                        model_pgs={n: g for n, g in places.items() if g is not anchor},
-                       heldout=plan.heldout, park_optimizer=_park_optimizer(plan))
+                       heldout=plan.heldout, park_optimizer=park, keep_graphs=_keep_graphs(plan, park))

@@ -133,6 +133,25 @@ def park_decision(mode: str, cuda: bool, unparked=None) -> tuple[bool, str]:
     return True, f"auto: the memory estimate does not fit them ({need})"
 
 
+def keep_graphs_decision(cuda: bool, estimate=None) -> tuple[bool, str]:
+    """``(keep, why)``: whether the generator's KV cache store and decode graphs stay allocated
+    through training, so the next rollout captures nothing new. ``estimate``: the run's memory
+    estimate (:class:`~megatron_rlhf.plan.memory.Estimate`), or None. Kept when training fits
+    with the generation stage's KV caches beside it; released otherwise, or without an estimate."""
+    if not cuda:
+        return False, "no GPU: no graphs to keep"
+    if estimate is None:
+        return False, "released after each rollout (no memory estimate)"
+    gen = next(s for s in estimate.stages if s.stage == "generation")
+    train = next(s for s in estimate.stages if s.stage == "training")
+    store = sum(v for k, v in gen.parts.items() if k.endswith("kv_cache"))
+    need = (f"training with them needs {(train.total + store) / 1e9:.1f} GB of "
+            f"{train.capacity / 1e9:.1f} GB usable")
+    if train.total + store <= train.capacity:
+        return True, f"kept across rollouts: the memory estimate fits them ({need})"
+    return False, f"released after each rollout: the memory estimate does not fit them ({need})"
+
+
 def release_weights(t, host: bool, force: bool = False) -> None:
     """``host=True``: trainee ``t``'s weights wait in pinned host memory while generation runs
     on another copy. ``host=False``: they come back. Idempotent. On CPU a no-op unless

@@ -105,7 +105,8 @@ class RLHFTrainer:
                  start_iteration: int = 0, run_info: dict | None = None,
                  migration: MigrationConfig | None = None, gen_pg=None,
                  release_train_copy: bool | None = None, model_pgs: dict | None = None,
-                 heldout: HeldOut | None = None, park_optimizer: bool | None = None):
+                 heldout: HeldOut | None = None, park_optimizer: bool | None = None,
+                 keep_graphs: bool = False):
         self.m, self.generator, self.maker = models, generator, maker
         self.heldout = heldout
         # call (reference, reward, critic, critic_train) -> its own layout's process groups
@@ -115,6 +116,8 @@ class RLHFTrainer:
         self.release_train_copy = release and models.actor_gen is not None
         # the trainees' optimizer states wait on the host during generation (None: on GPU)
         self.park_optimizer = runtime.has_cuda() if park_optimizer is None else park_optimizer
+        # the generator's KV cache store and decode graphs stay from one rollout to the next
+        self.keep_graphs = keep_graphs
         self.gen_pg = gen_pg if gen_pg is not None else pg
         from megatron_rlhf.parallel.reshard import Reallocator
 
@@ -189,7 +192,8 @@ class RLHFTrainer:
             offload.release_weights(m.actor, host=True, force=True)
         generated = self.generator.generate(ids, gen, self.spec, seed=seed, sample_ids=sample_ids,
                                             migrator=self.migrator)
-        self.generator.release()  # the KV cache store (and its graphs) until the next rollout
+        if not self.keep_graphs:  # the KV cache store and its graphs, until the next rollout
+            self.generator.release()
         if m.actor is not None:
             offload.release_weights(m.actor, host=False, force=True)
         return generated
@@ -355,7 +359,8 @@ class RLHFTrainer:
                             s.history_drafted, s.history_accepted, s.actor_steps,
                             sum(s.rounds_by_draft_len[1:])], dtype=torch.float64, device=dev)
         slowest = torch.tensor([s.elapsed_s, s.idle_s, s.idle_s / max(s.elapsed_s, 1e-9),
-                                s.migration_s, s.graph_capture_s, s.history_s], dtype=torch.float64, device=dev)
+                                s.migration_s, s.graph_capture_s, s.history_s, s.graph_captures],
+                               dtype=torch.float64, device=dev)
         hist = torch.tensor(s.rounds_by_draft_len + [s.migrated_out, s.migration_bytes],
                             dtype=torch.float64, device=dev)
         local = runtime.all_reduce(local, group=self.pg.dp)
@@ -364,7 +369,7 @@ class RLHFTrainer:
         hist = runtime.all_reduce(hist, group=self.gen_pg.dp).tolist()
         rsum, rsq, kl, tokens, n, eos = local.tolist()
         new, ver, acc, h_ver, h_drafted, h_acc, steps, drafting = gen.tolist()
-        elapsed, idle, idle_frac, mig_s, capture_s, history_s = slowest.tolist()
+        elapsed, idle, idle_frac, mig_s, capture_s, history_s, captures = slowest.tolist()
         mean = rsum / n
         return {
             "gen_rounds_by_draft_len": [int(x) for x in hist[:-2]],
@@ -372,6 +377,7 @@ class RLHFTrainer:
             "gen_migration_mb": hist[-1] / 2 / 2**20,  # counted by sender and receiver
             "gen_migration_s": mig_s,
             "gen_graph_capture_s": capture_s,
+            "gen_graph_captures": int(captures),  # the most any rank made: 0 once every graph is kept
             "gen_idle_s_max": idle,
             "gen_idle_frac_max": idle_frac,
             "samples": n,

@@ -293,3 +293,18 @@ def test_a_failed_capture_names_the_op_that_broke_it_not_capture_end():
     with pytest.raises(CaptureError, match="previous error during capture"):
         record(lambda: 1, _FakeCapture(always=True))
     assert record(lambda: 7, _FakeCapture()) == 7
+
+
+def test_graphs_survive_a_second_rollout(pair):
+    """A generator keeps its graph store between calls: a second rollout of the same shapes
+    makes no graph (its capture count is 0) and emits what the first did; after release()
+    the next call makes them again."""
+    actor, _ = pair
+    cfg = GenerationConfig(max_new_tokens=10, temperature=0.8)
+    gen = Generator(actor, graphs="eager")
+    first = gen.generate(PROMPTS, cfg, seed=3)
+    second = gen.generate(PROMPTS, cfg, seed=3)
+    assert first.stats.graph_captures > 0 and second.stats.graph_captures == 0
+    assert second.responses() == first.responses()
+    gen.release()
+    assert gen.generate(PROMPTS, cfg, seed=3).stats.graph_captures == first.stats.graph_captures

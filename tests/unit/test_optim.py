@@ -244,8 +244,48 @@ def test_the_trainer_parks_only_where_decided(monkeypatch):
         moves.clear()
         me = SimpleNamespace(m=SimpleNamespace(actor=None, critic="critic", draft_trainee=None),
                              park_optimizer=park, release_train_copy=False, generator=generator,
-                             spec=None, migrator=None)
+                             spec=None, migrator=None, keep_graphs=False)
         assert RLHFTrainer._generate(me, [[1]], [0], None, 0) == "samples"
         assert moves == ([("critic", True)] if park else [])
         me.m = SimpleNamespace(actor=None, critic=None, reference=None, reward_model=None, draft=None)
         assert RLHFTrainer._memory_components(me) == {"mem_optimizer_parked": 0}
+
+
+def test_decode_graphs_are_kept_where_training_fits_beside_them():
+    """The KV cache store and its graphs stay across rollouts when the estimate fits training
+    with the generation stage's KV caches beside it; released otherwise, without an estimate,
+    or without a GPU; the trainer releases them only where not kept."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.parallel.layout import Layout
+    from megatron_rlhf.plan import memory
+    from megatron_rlhf.rlhf.offload import keep_graphs_decision
+    from megatron_rlhf.rlhf.trainer import RLHFTrainer
+
+    models = {"actor": preset("smollm2-135m")}
+    lay = memory.StageLayouts(train=Layout.parse("1x1x2"), gen=Layout.parse("1x2", pipeline=False))
+
+    def estimate(gb):
+        return memory.estimate(models, memory.Cluster(nodes=1, gpus_per_node=2, gpu_memory_gb=gb), lay,
+                               options=memory.MemoryOptions(reserve_gb=0.0))
+
+    roomy = estimate(1000.0)
+    train, gen = roomy.stage("training"), roomy.stage("generation")
+    store = gen.parts["kv_cache"]
+    assert keep_graphs_decision(True, roomy)[0]
+    # training fits alone, not with the store beside it
+    tight = estimate(max(max(s.total for s in roomy.stages), train.total + store // 2) / memory.GB)
+    assert tight.stage("training").fits and tight.stage("training").total + store > tight.stage("training").capacity
+    keep, why = keep_graphs_decision(True, tight)
+    assert not keep and "does not fit" in why, why
+    assert not keep_graphs_decision(True, None)[0] and not keep_graphs_decision(False, roomy)[0]
+
+    released = []
+    generator = SimpleNamespace(generate=lambda *a, **k: "samples", release=lambda: released.append(1))
+    for keep in (True, False):
+        released.clear()
+        me = SimpleNamespace(m=SimpleNamespace(actor=None, critic=None, draft_trainee=None), park_optimizer=False,
+                             release_train_copy=False, generator=generator, spec=None, migrator=None,
+                             keep_graphs=keep)
+        RLHFTrainer._generate(me, [[1]], [0], None, 0)
+        assert released == ([] if keep else [1])
