@@ -76,12 +76,12 @@ class Check(DecodeStages):
             tempfile.mkdtemp(prefix="gpu_check_"))
         self.work.mkdir(parents=True, exist_ok=True)
         self.hf_dir, self.ckpt = self.work / "hf", self.work / "ckpt"
-        # the budget's end (the install, before this process, is not counted)
-        self.deadline = time.perf_counter() + args.budget_s if args.budget_s else None
-        self.stage_deadline = None  # the running stage's
         self.graphs = bool(args.cuda_graphs)  # generating stages replay CUDA graphs (on CUDA)
         # no stage can run without megatron.core (a stage process is told by its parent)
         self.blocked = _import_error("megatron.core") if blocked is None else blocked
+        # the budget's end (the install, before this process, is not counted)
+        self.deadline = time.perf_counter() + args.budget_s if args.budget_s else None
+        self.stage_deadline = None  # the running stage's
         self.tokenizer = None
         self.tokenizer_source = None
         self.pg = None
