@@ -76,13 +76,17 @@ class Report:
         failed = [s["name"] for s in self.stages if s["status"] == "FAIL"]
         late = [s["name"] for s in self.stages if s["status"] == "TIMEOUT"]
         short = self.skipped_for_time()
+        verdict = [f"FAILED: {', '.join(failed)}"] if failed else []
+        if late:
+            verdict.append(f"TIMEOUT (ran past its deadline): {', '.join(late)}")
+        if short:
+            verdict.append(f"SKIPPED for time (not a failure): {', '.join(short)}")
+        if not failed and not late:
+            verdict.insert(0, "all stages run passed")
         install = h.get("install_s") or 0.0
         lines.append("")
         lines.append(f"total wall time {install + self.elapsed():.1f} s (install {install:.1f} s + check "
-                     f"{self.elapsed():.1f} s); "
-                     + ("all stages run passed" if not failed else f"FAILED: {', '.join(failed)}")
-                     + (f"; TIMEOUT (ran past its deadline): {', '.join(late)}" if late else "")
-                     + (f"; SKIPPED for time (not a failure): {', '.join(short)}" if short else ""))
+                     f"{self.elapsed():.1f} s); " + "; ".join(verdict))
         return "\n".join(lines)
 
     def elapsed(self) -> float:

@@ -330,6 +330,8 @@ class Check(DecodeStages):
                        error=tb)
             # the context is lost: no further stage in this process (the group goes on in another)
             self.poisoned = bool(STICKY.search(str(e)) or type(e).__name__ == "AcceleratorError")
+            if self.poisoned:
+                row["details"] += " (sticky: the stages after it run in a new process)"
         row["seconds"] = time.perf_counter() - t0
         self.stage_deadline = None
         if self.cuda and not self.poisoned:  # this process's peak (the training stages run in their own)
