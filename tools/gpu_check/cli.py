@@ -17,7 +17,7 @@ import threading
 from gpu_check import budget
 from gpu_check.environment import _decode_attention, _versions
 from gpu_check.faults import parse_faults
-from gpu_check.processes import _end, not_run, numerics, run_groups
+from gpu_check.processes import end_process, not_run, numerics, run_groups
 from gpu_check.report import Report
 from gpu_check.stages import STAGES, Check
 
@@ -25,12 +25,12 @@ OUT_FILES = ("summary.json", "measurements.jsonl", "table.txt", "logs.txt", "ppo
              "grpo_metrics.jsonl")
 
 
-def _watchdog(check: Check, seconds: float) -> None:
+def _watchdog(check: Check, seconds: float) -> threading.Timer:
     """After ``seconds``: end the running stage's process (TIMEOUT), list the stages not run,
     write and print the table, dump every thread's stack and exit 3."""
     def fire():
         if check.child is not None and check.child.is_alive():
-            _end(check.child)
+            end_process(check.child)
         row = check.current
         if row is not None:
             row.update(status="TIMEOUT", details=f"still running at the {seconds:.0f} s watchdog")

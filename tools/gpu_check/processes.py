@@ -85,7 +85,7 @@ def _child(args, work: str, blocked: str, header: dict, end: float | None, names
     conn.close()
 
 
-def _end(proc) -> None:
+def end_process(proc) -> None:
     """End a stage process: SIGTERM (it ends its subprocesses), then SIGKILL."""
     proc.terminate()
     proc.join(2)
@@ -135,7 +135,7 @@ def _follow(check: Check, proc, conn) -> list[str]:
         elif not proc.is_alive():
             break
         if row is not None and end is not None and time.time() > end + GRACE_S:
-            _end(proc)
+            end_process(proc)
             row.update(status="TIMEOUT", seconds=time.time() - started,
                        details=f"ran past its deadline ({end - started:.0f} s): its process was ended")
             row = check.current = None
@@ -143,10 +143,10 @@ def _follow(check: Check, proc, conn) -> list[str]:
             break
     proc.join(10)
     if proc.is_alive():  # stuck on its way out
-        _end(proc)
+        end_process(proc)
     if row is not None:  # started, never finished: the process died under it
         row.update(status="FAIL", seconds=time.time() - started,
-                   details=f"its process died ({_death(proc.exitcode)}); the group goes on in a new one")
+                   details=f"its process died ({_death(proc.exitcode)})")
         check.current = None
         rep.save()
     return done
@@ -184,7 +184,7 @@ def run_group(check: Check, names: list[str]) -> None:
             done = _follow(check, proc, recv)
         finally:  # whatever ends this process's run (an interrupt): the stage process ends too
             if proc.is_alive():
-                _end(proc)
+                end_process(proc)
             check.child = None
             recv.close()
         if not done:  # died before its first stage: the group's stages fail with it

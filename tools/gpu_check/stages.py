@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from gpu_check.budget import minimum, stage_end
 from gpu_check.decode import DecodeStages
 from gpu_check.models import _fallback_tokenizer, _hf_no_eos, _llama_config, _tokenizer_from_dir
-from gpu_check.budget import minimum, stage_end
 from gpu_check.report import CheckFailed, Report, StageTimeout, fmt
 from gpu_check.shapes import SHAPES
 
