@@ -237,3 +237,23 @@ def test_stage_minimums_come_from_the_smoke_run():
     assert budget.stage_end(0.0, 100.0, 60.0, [20.0, 30.0]) == 60.0
     assert budget.stage_end(0.0, 100.0, 10.0, []) == 100.0
     assert budget.stage_end(0.0, None, 10.0, [20.0]) is None
+
+
+def test_watchdog_writes_and_prints_every_stage(tmp_path):
+    # the last resort: the check's own process stuck in a stage (here: the parent itself)
+    script = ("import time; from gpu_check import cli\n"
+              f"args = cli.parse_args(['--smoke', '--budget-s', '60', '--out', {str(tmp_path / 'out')!r}, "
+              f"'--work', {str(tmp_path / 'work')!r}])\n"
+              "check = cli.prepare(args)\n"
+              "cli._watchdog(check, 0.5)\n"
+              "check.run({n: (lambda rows: time.sleep(60)) for n in cli.STAGES})\n")
+    env = dict(os.environ, PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tools")]))
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 3, (p.returncode, p.stderr[-3000:])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    rows = {s["name"]: s for s in summary["stages"]}
+    assert list(rows) == ORDER and rows["convert"]["status"] == "TIMEOUT"
+    assert all(rows[n]["status"] == "SKIP" and "watchdog" in rows[n]["details"] for n in ORDER[2:])
+    assert (tmp_path / "out" / "table.txt").read_text() in p.stdout
