@@ -39,9 +39,9 @@ PLAN = (
     ("decode_bf16", "decode", "decode"),  # graphed and dynamic decode logits == the whole-sequence forward
     ("bench", "decode", "decode"),  # bf16 sampling, EOS ignored: ours against HF generate per batch size
     ("verify", "decode", "decode"),  # a cached forward of 5 tokens against 1 per sample
-    ("speculative", "decode", "speculative"),  # the actor as its own draft: equality, acceptance, speed, auto's choice
-    ("padded", "decode", "speculative"),  # a left-padded batch == each sequence alone; without the mask they differ
-    ("history", "decode", "speculative"),  # history drafts through the graphed verification round
+    ("speculative", "decode", "decode"),  # the actor as its own draft: equality, acceptance, speed, auto's choice
+    ("padded", "decode", "decode"),  # a left-padded batch == each sequence alone; without the mask they differ
+    ("history", "decode", "decode"),  # history drafts through the graphed verification round
 )
 STAGES = tuple(name for name, _, _ in PLAN)
 KIND = {name: kind for name, kind, _ in PLAN}
