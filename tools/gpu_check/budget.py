@@ -1,8 +1,6 @@
-"""The GPU check's time budget per stage. A stage's minimum is its measured seconds on the CPU
-smoke run (``stage_sizes.json``, written by ``--smoke --record-sizes``) times ``SIZE_SCALE``,
-at least ``FLOOR_S``. A stage starts only when its minimum is left; once started, its deadline
-leaves the later stages of its kind (training, or decode) their minimums, and its process is
-ended ``GRACE_S`` after that deadline."""
+"""The GPU check's time per stage: minimums from the CPU smoke run's seconds
+(``stage_sizes.json``, written by ``--smoke --record-sizes``), scaled, and the running stage's
+deadline."""
 
 from __future__ import annotations
 
@@ -36,9 +34,8 @@ def minimum(name: str, fake: bool = False) -> float:
 
 
 def stage_end(now: float, end: float | None, need: float, later: list[float]) -> float | None:
-    """The deadline of a stage starting at ``now`` with the budget ending at ``end``: every
-    second left but the ``later`` stages' minimums (and a restart and grace when there are
-    any), never under its own minimum ``need``, never past ``end``."""
+    """The deadline of a stage starting at ``now``: all the budget left (to ``end``) but the
+    ``later`` stages' minimums, a restart and a grace; at least ``need``, at most ``end``."""
     if end is None:
         return None
     reserve = sum(later) + (GRACE_S + RESTART_S if later else 0.0)
