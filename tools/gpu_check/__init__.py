@@ -2,4 +2,6 @@
 time and prints one summary table. Run it through ``bash tools/gpu_check.sh`` (which installs
 the carried megatron-core wheel when the machine lacks it); ``--smoke`` runs tiny shapes on any
 device. Modules: ``cli`` (flags, header, main), ``stages`` (scheduler, setup and training),
-``decode`` (the decode stages), ``report``, ``shapes``, ``models``, ``environment``."""
+``decode`` (the decode stages), ``processes`` (a process per stage group), ``budget`` (stage
+minimums and deadlines), ``faults`` (test hooks), ``report``, ``shapes``, ``models``,
+``environment``."""

@@ -14,6 +14,10 @@ class CheckFailed(Exception):
     """A stage ran but its check did not hold; the message is the table's detail."""
 
 
+class StageTimeout(CheckFailed):
+    """A stage ran past its deadline (its row says TIMEOUT, not FAIL)."""
+
+
 def fmt(x, digits=3) -> str:
     if x is None:
         return "n/a"
@@ -35,6 +39,7 @@ class Report:
         out.mkdir(parents=True, exist_ok=True)
         self.measurements = (out / "measurements.jsonl").open("w")
         self.lock = threading.Lock()
+        self.finished = False  # set before the last save: the check printed its own table
 
     def measure(self, stage: str, **values) -> dict:
         row = {"stage": stage, **values}
@@ -69,20 +74,26 @@ class Report:
                 met = {True: "met", False: "NOT MET", None: "n/a"}[g["met"]]
                 lines.append(f"  {g['goal']:<44}{fmt(g['value']):<10}{g['target']:<14}{met}")
         failed = [s["name"] for s in self.stages if s["status"] == "FAIL"]
+        late = [s["name"] for s in self.stages if s["status"] == "TIMEOUT"]
         short = self.skipped_for_time()
+        verdict = [f"FAILED: {', '.join(failed)}"] if failed else []
+        if late:
+            verdict.append(f"TIMEOUT (ran past its deadline): {', '.join(late)}")
+        if short:
+            verdict.append(f"SKIPPED for time (not a failure): {', '.join(short)}")
+        if not failed and not late:
+            verdict.insert(0, "all stages run passed")
         install = h.get("install_s") or 0.0
         lines.append("")
         lines.append(f"total wall time {install + self.elapsed():.1f} s (install {install:.1f} s + check "
-                     f"{self.elapsed():.1f} s); "
-                     + ("all stages run passed" if not failed else f"FAILED: {', '.join(failed)}")
-                     + (f"; SKIPPED for time (not a failure): {', '.join(short)}" if short else ""))
+                     f"{self.elapsed():.1f} s); " + "; ".join(verdict))
         return "\n".join(lines)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
     def skipped_for_time(self) -> list[str]:
-        """The decode stages the time budget left out."""
+        """The stages the time budget left out."""
         return [s["name"] for s in self.stages if s.get("skipped") == "time"]
 
     def passed(self) -> bool:
@@ -90,10 +101,14 @@ class Report:
         the time budget left out (reported as such; a training stage that cannot start FAILs)."""
         return all(s["status"] in ("PASS", "SKIP") for s in self.stages)
 
-    def save(self) -> None:
+    def save(self) -> str:
+        """Rewrite ``summary.json`` and ``table.txt``; returns the table written."""
         with self.lock:
             summary = {"header": self.header, "stages": self.stages, "goals": self.goals,
                        "total_s": (self.header.get("install_s") or 0.0) + self.elapsed(),
-                       "skipped_for_time": self.skipped_for_time(), "passed": self.passed()}
+                       "skipped_for_time": self.skipped_for_time(), "passed": self.passed(),
+                       "finished": self.finished}
+            table = self.table()
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
-            (self.out / "table.txt").write_text(self.table() + "\n")
+            (self.out / "table.txt").write_text(table + "\n")
+            return table

@@ -1,7 +1,8 @@
 """The GPU check's stage scheduler and its setup and training stages (the decode stages:
 ``gpu_check.decode``). Each stage is timed; an error fails its stage only. Training runs before
 the decode stages, so a short budget skips decode stages (SKIP, not a failure), never training
-(a setup or training stage that cannot start FAILs)."""
+(a setup or training stage that cannot start FAILs). Each process group of ``PLAN`` runs in a
+process of its own (``gpu_check.processes``); a stage past its deadline reads TIMEOUT."""
 
 from __future__ import annotations
 
@@ -21,27 +22,32 @@ from pathlib import Path
 
 import torch
 
+from gpu_check.budget import minimum, stage_end
 from gpu_check.decode import DecodeStages
 from gpu_check.models import _fallback_tokenizer, _hf_no_eos, _llama_config, _tokenizer_from_dir
-from gpu_check.report import CheckFailed, Report, fmt
+from gpu_check.report import CheckFailed, Report, StageTimeout, fmt
 from gpu_check.shapes import SHAPES
 
 ROOT = Path(__file__).resolve().parents[2]
 
 PLAN = (
-    # (stage, group, minimum seconds left to start it), in the order they run
-    ("convert", "setup", 60),  # a random HF Llama (bf16 values) converted by tools/convert_checkpoint.py
-    ("ppo", "train", 60),  # torchrun -m megatron_rlhf.train: stage times, peak memory
-    ("grpo", "train", 60),
-    ("greedy", "decode", 20),  # our generator == transformers greedy, fp32 (a divergence only at a near-tie)
-    ("decode_bf16", "decode", 10),  # graphed and dynamic decode logits == the whole-sequence forward
-    ("bench", "decode", 60),  # bf16 sampling, EOS ignored: ours against HF generate per batch size
-    ("verify", "decode", 10),  # a cached forward of 5 tokens against 1 per sample
-    ("speculative", "decode", 30),  # the actor as its own draft: equality, acceptance, speed, auto's choice
-    ("padded", "decode", 10),  # a left-padded batch == each sequence alone; without the mask they differ
-    ("history", "decode", 20),  # history drafts through the graphed verification round
+    # (stage, kind, process group), in the order they run; minimums: gpu_check.budget
+    ("convert", "setup", "prepare"),  # a random HF Llama (bf16 values) converted by tools/convert_checkpoint.py
+    ("ppo", "train", "prepare"),  # torchrun -m megatron_rlhf.train: stage times, peak memory
+    ("grpo", "train", "prepare"),
+    ("greedy", "decode", "decode"),  # our generator == transformers greedy, fp32 (a divergence only at a near-tie)
+    ("decode_bf16", "decode", "decode"),  # graphed and dynamic decode logits == the whole-sequence forward
+    ("bench", "decode", "decode"),  # bf16 sampling, EOS ignored: ours against HF generate per batch size
+    ("verify", "decode", "decode"),  # a cached forward of 5 tokens against 1 per sample
+    ("speculative", "decode", "decode"),  # the actor as its own draft: equality, acceptance, speed, auto's choice
+    ("padded", "decode", "decode"),  # a left-padded batch == each sequence alone; without the mask they differ
+    ("history", "decode", "decode"),  # history drafts through the graphed verification round
 )
 STAGES = tuple(name for name, _, _ in PLAN)
+KIND = {name: kind for name, kind, _ in PLAN}
+STICKY = re.compile(r"CUDA error|device-side assert|illegal memory access|CUBLAS_STATUS|CUDNN_STATUS"
+                    r"|unspecified launch failure")
+"""Errors after which a process's CUDA context is unusable: its group goes on in a fresh process."""
 
 # ---------------------------------------------------------------------------- the check
 def _import_error(module: str) -> str:
@@ -59,7 +65,7 @@ class Check(DecodeStages):
     """The check's state, its stage scheduler and the setup and training stages (the decode
     stages: :class:`gpu_check.decode.DecodeStages`)."""
 
-    def __init__(self, args):
+    def __init__(self, args, blocked: str | None = None):
         self.args = args
         self.smoke = args.smoke
         self.shape = SHAPES["smoke" if args.smoke else "1b"]
@@ -70,11 +76,12 @@ class Check(DecodeStages):
             tempfile.mkdtemp(prefix="gpu_check_"))
         self.work.mkdir(parents=True, exist_ok=True)
         self.hf_dir, self.ckpt = self.work / "hf", self.work / "ckpt"
-        # the install (before this process) counts against the budget
-        self.deadline = (time.perf_counter() + args.budget_s - (args.install_s or 0.0)
-                         if args.budget_s else None)
         self.graphs = bool(args.cuda_graphs)  # generating stages replay CUDA graphs (on CUDA)
-        self.blocked = _import_error("megatron.core")  # no stage can run without it
+        # no stage can run without megatron.core (a stage process is told by its parent)
+        self.blocked = _import_error("megatron.core") if blocked is None else blocked
+        # the budget's end (the install, before this process, is not counted)
+        self.deadline = time.perf_counter() + args.budget_s if args.budget_s else None
+        self.stage_deadline = None  # the running stage's
         self.tokenizer = None
         self.tokenizer_source = None
         self.pg = None
@@ -82,10 +89,16 @@ class Check(DecodeStages):
         self.hf: dict = {}
         self.report: Report | None = None
         self.current = None
+        self.relay = None  # in a stage process: the pipe to the parent (gpu_check.processes)
+        self.poisoned = False  # a sticky CUDA error: this process runs no further stage
+        self.proc = None  # the running subprocess of run_cmd
+        self.child = None  # in the parent: the running stage process
 
     # ------------------------------------------------------------------ helpers
     def remaining(self) -> float:
-        return math.inf if self.deadline is None else self.deadline - time.perf_counter()
+        """Seconds to the budget's end, or to the running stage's deadline when sooner."""
+        ends = [e for e in (self.deadline, self.stage_deadline) if e is not None]
+        return min(ends) - time.perf_counter() if ends else math.inf
 
     @property
     def graph_state(self) -> str:
@@ -111,13 +124,14 @@ class Check(DecodeStages):
 
     def run_cmd(self, name: str, cmd: list[str], timeout: float) -> int:
         """Run ``cmd`` in its own process group, output appended to ``logs.txt``; returns
-        its exit code (raises CheckFailed on timeout, after killing the group)."""
+        its exit code (raises StageTimeout on timeout, after killing the group)."""
         logs = self.out / "logs.txt"
         with logs.open("a") as f:
             f.write(f"\n===== {name} command: {' '.join(cmd)}\n")
             f.flush()
             p = subprocess.Popen(cmd, cwd=ROOT, env=self.env(), stdout=f, stderr=subprocess.STDOUT,
                                  start_new_session=True)
+            self.proc = p  # ended with this process (gpu_check.processes)
             try:
                 code = p.wait(timeout=max(timeout, 1))
             except subprocess.TimeoutExpired:
@@ -128,9 +142,10 @@ class Check(DecodeStages):
                 except ProcessLookupError:
                     pass
                 p.wait()
+                self.proc = None
             f.write(f"===== {name} exit status: {code}\n")
         if code is None:
-            raise CheckFailed(f"timed out after {timeout:.0f} s (see logs.txt)")
+            raise StageTimeout(f"timed out after {timeout:.0f} s (see logs.txt)")
         return code
 
     def last_error(self, name: str) -> str:
@@ -252,40 +267,60 @@ class Check(DecodeStages):
         self.report.save()
 
     def run(self, functions: dict | None = None) -> None:
-        """Every stage of :data:`PLAN` in order (``functions``: name -> function, default
-        :meth:`functions`)."""
+        """Every stage of :data:`PLAN` in order, in this process (``functions``: name ->
+        function, default :meth:`functions`); the check itself runs them in processes of
+        their own (:func:`gpu_check.processes.run_groups`)."""
         functions = functions or self.functions()
-        for name, group, min_s in PLAN:
-            self.stage(name, functions[name], min_s, group)
+        for name, kind, _ in PLAN:
+            self.stage(name, functions[name], kind)
 
-    def stage(self, name: str, fn, min_s: float = 5.0, group: str = "decode") -> None:
+    def not_run(self, name: str) -> str:
+        """Why stage ``name`` runs in no case (not selected, megatron.core missing), or ''."""
+        if name not in self.args.stages:
+            return "not selected (--stages)"
+        return "not run: megatron.core does not import" if self.blocked else ""
+
+    def emit(self, kind: str, payload) -> None:
+        """A stage row's news: to the parent from a stage process, else saved."""
+        if self.relay is not None:
+            self.relay.send((kind, payload))
+        elif kind == "row":
+            self.report.save()
+
+    def stage(self, name: str, fn, kind: str = "decode") -> None:
+        """Run stage ``name`` (``fn`` of its detail rows -> its summary) when its minimum is
+        left; its row: PASS, FAIL, TIMEOUT or SKIP."""
         rep = self.report
         row = {"name": name, "status": "FAIL", "seconds": 0.0, "details": "", "rows": []}
         rep.stages.append(row)
-        left = self.remaining()
-        if name not in self.args.stages:
-            row.update(status="SKIP", details="not selected (--stages)")
-        elif self.blocked:
-            row.update(status="SKIP", details="not run: megatron.core does not import")
-        elif left < min_s:
+        left, need = self.remaining(), minimum(name, getattr(self.args, "fake_stages", False))
+        why = self.not_run(name)
+        if why:
+            row.update(status="SKIP", details=why)
+        elif left < need:
             why = (f"{max(left, 0):.0f} s left of the {self.args.budget_s:g} s budget, "
-                   f"the stage needs {min_s:g} s")
-            if group == "decode":  # decode stages yield the time to training: not a failure
+                   f"the stage needs {need:g} s")
+            if kind == "decode":  # decode stages yield the time to training: not a failure
                 row.update(status="SKIP", skipped="time", details=f"skipped for time: {why}")
             else:
                 row.update(details=f"not run: {why}")
         if row["details"]:
-            rep.save()
+            self.emit("row", row)
             self.log(f"--- stage {name}: {row['status']}: {row['details']}")
             return
+        t0 = time.perf_counter()
+        self.stage_deadline = stage_end(t0, self.deadline, need, self.later(name))
         self.current = row
+        self.emit("start", (row, None if self.stage_deadline is None
+                            else time.time() + self.stage_deadline - t0))
         self.log(f"--- stage {name}")
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
         try:
             details = fn(row["rows"])
             row.update(status="PASS", details=details)
+        except StageTimeout as e:
+            row.update(status="TIMEOUT", details=str(e))
         except CheckFailed as e:
             row.update(details=str(e))
         except Exception as e:  # noqa: BLE001 - every error fails its own stage only
@@ -293,14 +328,28 @@ class Check(DecodeStages):
             self.log(tb)
             row.update(details=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300],
                        error=tb)
+            # the context is lost: no further stage in this process (the group goes on in another)
+            self.poisoned = bool(STICKY.search(str(e)) or type(e).__name__ == "AcceleratorError")
+            if self.poisoned:
+                row["details"] += " (sticky: the stages after it run in a new process)"
         row["seconds"] = time.perf_counter() - t0
-        if self.cuda:  # this process's peak (the training stages run in their own)
+        self.stage_deadline = None
+        if self.cuda and not self.poisoned:  # this process's peak (the training stages run in their own)
             row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            if group != "train":
+            if kind != "train":
                 row["details"] += f"; peak {row['peak_mem_gb']:.1f} GiB"
         self.current = None
-        rep.save()
+        self.emit("row", row)
         self.log(f"--- stage {name}: {row['status']} in {row['seconds']:.1f} s: {row['details']}")
+
+    def later(self, name: str) -> list[float]:
+        """The minimums of the selected stages after ``name`` of its kind (training and setup,
+        or decode): what its deadline leaves them."""
+        fake = getattr(self.args, "fake_stages", False)
+        decode = KIND[name] == "decode"
+        after = STAGES[STAGES.index(name) + 1:]
+        return [minimum(n, fake) for n in after
+                if n in self.args.stages and (KIND[n] == "decode") == decode]
 
     # ------------------------------------------------------------------ 1. convert
     def st_convert(self, rows) -> str:
