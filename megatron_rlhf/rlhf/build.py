@@ -39,19 +39,13 @@ def _trainee(plan: TrainPlan, model, pg, lr: float, schedule: bool):
 def _estimate_here(plan: TrainPlan, park_on_host: bool):
     """The run's memory estimate on this machine's GPUs; None without one (no GPU, or a
     layout the estimator cannot price)."""
-    import os
-
-    import torch
-
     from megatron_rlhf import runtime
-    from megatron_rlhf.rlhf.train_plan import memory_estimate
+    from megatron_rlhf.rlhf.train_plan import local_gpus, memory_estimate
 
     if not runtime.has_cuda():
         return None
-    gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
     try:
-        return memory_estimate(plan, gb, local, park_on_host=park_on_host)
+        return memory_estimate(plan, *local_gpus(), park_on_host=park_on_host)
     except ValueError:
         return None
 

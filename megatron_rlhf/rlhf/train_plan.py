@@ -197,12 +197,16 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                      save_dir=save_dir, log_dir=log_dir, resume_dir=resume, resume_state=state,
                      migration=migration or MigrationConfig(), reward=reward, heldout=heldout)
     if torch.cuda.is_available():  # a warning on stderr, by the first rank of each node
-        gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
-        warning = memory_warning(plan, gb, local)
+        warning = memory_warning(plan, *local_gpus())
         if warning and os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"warning: {warning}", file=sys.stderr)
     return plan
+
+
+def local_gpus() -> tuple[float, int]:
+    """This node's GPU memory in GB (GPU 0's) and GPUs per node, as the estimator prices them."""
+    gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    return gb, int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
 
 
 def memory_warning(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int) -> str | None:
