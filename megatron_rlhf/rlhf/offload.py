@@ -142,8 +142,7 @@ def keep_graphs_decision(cuda: bool, estimate=None) -> tuple[bool, str]:
         return False, "no GPU: no graphs to keep"
     if estimate is None:
         return False, "released after each rollout (no memory estimate)"
-    gen = next(s for s in estimate.stages if s.stage == "generation")
-    train = next(s for s in estimate.stages if s.stage == "training")
+    gen, train = estimate.stage("generation"), estimate.stage("training")
     store = sum(v for k, v in gen.parts.items() if k.endswith("kv_cache"))
     need = (f"training with them needs {(train.total + store) / 1e9:.1f} GB of "
             f"{train.capacity / 1e9:.1f} GB usable")
