@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,13 @@ class CheckFailed(Exception):
 
 class StageTimeout(CheckFailed):
     """A stage ran past its deadline (its row says TIMEOUT, not FAIL)."""
+
+
+def _replace(path: Path, text: str) -> None:
+    # written beside and renamed: a check killed mid-save leaves the previous table, never an empty one
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def fmt(x, digits=3) -> str:
@@ -109,6 +117,6 @@ class Report:
                        "skipped_for_time": self.skipped_for_time(), "passed": self.passed(),
                        "finished": self.finished}
             table = self.table()
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
-            (self.out / "table.txt").write_text(table + "\n")
+            _replace(self.out / "summary.json", json.dumps(summary, indent=1))
+            _replace(self.out / "table.txt", table + "\n")
             return table
