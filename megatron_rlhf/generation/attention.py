@@ -12,8 +12,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from megatron_rlhf.generation import cpu_numerics
-
 # matmul: two batched matmuls and an fp32 softmax (the CPU's); sdpa: torch's fused attention
 # (the GPU's without flash-attn); flash: flash_attn_with_kvcache on the cache in place (the
 # GPU's with flash-attn; a half-precision cache only, an fp32 one takes sdpa)
@@ -79,6 +77,13 @@ def flash_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     return out.transpose(0, 1)
 
 
+def group_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, groups*n, L]`` additive mask (0 or -inf) of ``mask [B, 1, n, L]`` for the
+    stacked query rows of :func:`fold`: built once per forward, read by every layer."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.repeat(1, 1, groups, 1)
+
+
 def fold(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, H, n, d]`` as ``[B, KV, g*n, d]`` (a KV group's query heads stacked as rows) and
     ``mask [B, 1, n, L]`` repeated for them."""
@@ -91,14 +96,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention, ``q [B, H, n, d]``, ``k, v [B, KV, L, d]``, ``mask [B, 1, n, L]``
     -> ``[B, H, n, d]``. ``backend`` ``flash`` with an fp32 cache comes here as ``sdpa``.
-    ``bias``: the matmul backend's additive mask, when the caller made it once per forward."""
+    ``bias``: :func:`group_bias` of ``mask`` (the matmul backend's in fp32, sdpa's in the
+    cache's dtype), when the caller made it once per forward."""
     if backend == "matmul":
+        from megatron_rlhf.generation import cpu_numerics
+
         return cpu_numerics.matmul_attention(q, k, v, mask, bias)
     b, h, n, d = q.shape
     # folded rows: with grouped heads and a mask torch's SDPA has only its math kernel,
     # as plain multi-head attention the memory-efficient kernel takes it
-    qg, mask_rows = fold(q, k, mask)
-    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask_rows).reshape(b, h, n, d)
+    if bias is None:
+        qg, bias = fold(q, k, mask)
+    else:  # the additive form SDPA would convert a bool mask to at every call
+        qg = q.reshape(b, k.shape[1], -1, d)
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=bias).reshape(b, h, n, d)
 
 
 def sdpa_kernel_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> str:
@@ -106,7 +117,8 @@ def sdpa_kernel_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     (``flash``, ``efficient``, ``cudnn``, ``math``; ``none``), each tried alone in torch's order."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    qg, mask_rows = fold(q, k, mask)
+    qg, _ = fold(q, k, mask[:, :, :0])
+    mask_rows = group_bias(mask, q.shape[1] // k.shape[1], q.dtype)  # as the forward passes it
     for name, kernel in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
                          ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):
         try:

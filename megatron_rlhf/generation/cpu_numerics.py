@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_rlhf.generation.attention import group_bias
+
 ATTEND_ALIGN = 16  # the attention reads a multiple of this many cache positions; caches are sized to one
 # widest forward (tokens per row) whose half-precision attention runs one query at a time:
 # verifications and short catch-ups, never a prefill chunk
@@ -45,12 +47,6 @@ def width_invariant(dtype: torch.dtype, n: int) -> bool:
     # context to bf16 turns that into ulps that flip tokens: per position, a verification's
     # logits equal the steps' bit for bit. fp32 (differences from the GEMMs) is left as is.
     return 1 < n <= WIDTH_INVARIANT_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
-
-
-def group_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, 1, groups*n, L]`` additive mask (0 or -inf) for the stacked query rows."""
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return bias.repeat(1, 1, groups, 1)
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megatron_rlhf.generation import cpu_numerics
 from megatron_rlhf.generation.attention import (attention, attention_mask, default_backend, flash_attention,
-                                                flash_seqlens, sdpa_kernel_name)
+                                                flash_seqlens, group_bias, sdpa_kernel_name)
 from megatron_rlhf.generation.cpu_numerics import attended_length
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.packing import Packing, packed_positions, pad_right
@@ -45,7 +45,7 @@ class _Step:
     tp: object = None  # the TP group when its size > 1 (for the plain layer path's all-reduce)
     packing: Packing | None = None  # the layers' activations hold real tokens only
     seqlens: torch.Tensor | None = None  # flash_seqlens: the attention is flash_attention
-    bias: torch.Tensor | None = None  # the matmul attention's additive mask (cpu_numerics)
+    bias: torch.Tensor | None = None  # the additive mask of folded query rows (attention.group_bias)
     spans: cpu_numerics.Spans | None = None  # the matmul attention in spans of query positions
 
 
@@ -64,12 +64,13 @@ def _layer_step(layer, idx: int, x, cache, s: _Step):
     return residual + (out if bias is None else out + bias)
 
 
-def _cached_attention(idx: int, q, k, v, cache, s: _Step):
-    """RoPE, cache write and attention of one layer: ``q, k, v [n, B, heads, d]`` ->
-    context ``[n, B, heads * d]`` (packed: ``[T, 1, ...]`` -> ``[T, 1, heads * d]``)."""
+def _cached_attention(idx: int, q, k, v, cache, s: _Step, rotated: bool = False):
+    """RoPE (unless ``rotated``), cache write and attention of one layer: ``q, k, v [n, B,
+    heads, d]`` -> context ``[n, B, heads * d]`` (packed: ``[T, 1, ...]`` -> ``[T, 1, heads * d]``)."""
     if s.packing is not None:
         q, k, v = (s.packing.unpack(t) for t in (q, k, v))
-    q, k = rotate(q, s.cos, s.sin), rotate(k, s.cos, s.sin)
+    if not rotated:
+        q, k = rotate(q, s.cos, s.sin), rotate(k, s.cos, s.sin)
     dtype = q.dtype
     cache.write(idx, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), s.slots)
     if s.seqlens is not None:
@@ -102,8 +103,11 @@ def _plain_layer_step(layer, idx: int, x, cache, s: _Step):
     h = F.rms_norm(x, ln.normalized_shape, ln.weight, ln.eps)
     # megatron's fused QKV layout per query group: its query heads, then k, then v
     mixed = s.linear(h, attn.linear_qkv.weight).view(n, b, groups, per_group + 2, d)
-    q = mixed[:, :, :, :per_group].reshape(n, b, groups * per_group, d)
-    ctx = _cached_attention(idx, q, mixed[:, :, :, per_group], mixed[:, :, :, per_group + 1], cache, s)
+    qk, rotated = mixed[:, :, :, :per_group + 1], s.packing is None
+    if rotated:  # RoPE of the q and k heads in one expression (a packed feed rotates unpacked)
+        qk = rotate(qk, s.cos[:, :, None], s.sin[:, :, None])
+    q = qk[:, :, :, :per_group].reshape(n, b, groups * per_group, d)
+    ctx = _cached_attention(idx, q, qk[:, :, :, per_group], mixed[:, :, :, per_group + 1], cache, s, rotated)
     x = x + _row_parallel(s.linear(ctx, attn.linear_proj.weight), s.tp)
     ln = layer.pre_mlp_layernorm
     gate, up = s.linear(F.rms_norm(x, ln.normalized_shape, ln.weight, ln.eps),
@@ -214,6 +218,8 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
         cpu = cpu_numerics.CpuForward(mask, cfg.num_attention_heads // cfg.num_query_groups, x.dtype,
                                       backend, ragged=packing is not None)
         step.linear, step.bias, step.spans = cpu.linear, cpu.bias, cpu.spans
+    if backend != "matmul" and not flash:  # sdpa: the additive mask of the stacked query rows, once for every layer
+        step.bias = group_bias(mask, cfg.num_attention_heads // cfg.num_query_groups, cache.keys[0].dtype)
     layer_step = _plain_layer_step if plain_layers(model) else _layer_step
     if getattr(model, "feature_fusion", None) is not None:
         if features is None:
