@@ -39,6 +39,9 @@ class Call:
     base_n: int = 0  # a round's drafts before long-running samples widen it
     selector: object = None  # the auto selector when it chooses this call's widths
     upkeep_s: float = 0.0  # this round's seconds spent keeping the draft current
+    # no row of the actor's cache holds more tokens: kept on the host from what the rounds
+    # return, it sizes the graphed steps' attention (graphs.length_bucket) without a device read
+    high: int = 0
 
     @property
     def verify(self) -> str:
@@ -57,10 +60,15 @@ class Call:
     def forward(self, name: str, model, cache: KVCache, tokens: torch.Tensor, rope, **kw):
         """One cached forward of ``model`` (``name``: actor or draft): a replayed graph where
         one serves this cache and shape, the dynamic step otherwise."""
-        runner = self.runner(name)
-        if runner is not None and runner.serves(cache, tokens.shape[1]):
-            return runner(tokens, kw.get("features"), kw.get("return_features", False))
+        runner, n = self.runner(name), tokens.shape[1]
+        if runner is not None and runner.serves(cache, n):
+            attend = self.attend(runner, n) if name == "actor" else None
+            return runner(tokens, kw.get("features"), kw.get("return_features", False), attend)
         return forward_cached(model, cache, tokens, rope, backend=self.backend, **kw)
+
+    def attend(self, runner, n: int) -> int:
+        """The actor's attended length for a graphed step of ``n`` tokens per row."""
+        return runner.attend(self.high + n)
 
     def emit(self, sid: int, tokens: list[int], lps: list[float], slps: list[float]) -> bool:
         """Emit a sample's tokens (the history drafter reads them); True when it finished."""

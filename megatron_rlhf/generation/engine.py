@@ -135,6 +135,7 @@ class Generator:
         if call.drafting:
             call.d_rope = RopeTable(self.draft, max_len + CATCH_UP_MAX)
         rows = self._prefill(call, prompts, sids, max_len, dev)
+        call.high = max((len(p) for p in prompts), default=0)
         call.stats.prefill_s = time.perf_counter() - t0
         self._decode(call, rows, migrator)
         if migrator is not None:
@@ -158,18 +159,18 @@ class Generator:
         if migrator is not None:
             migrator.start()
         live = None  # rows alive, when the host knows it without reading the device
+        graphed = call.runner("actor") is not None
         while True:
             if migrator is not None and migrator.poll(rows, call.out, stats):
                 break
             if live is None or migrator is not None:  # migration moves rows in and out
-                live = int(rows["alive"].sum())
+                live, call.high = _live_and_longest(rows)
             if live == 0:
                 if migrator is None:
                     break
                 continue
-            dead = len(rows) - live
-            if dead and dead * 4 >= len(rows):
-                rows.compact()
+            if _compacts(len(rows), live, graphed):
+                rows.compact({"actor": call.high})
             start, call.upkeep_s, captured = time.perf_counter(), 0.0, self._capture_s()
             looked_up = lookup.look_up(call, rows) if call.big_n and self.history is not None else None
             widths = self._widths(selector, looked_up) if looked_up is not None and ragged else None
@@ -245,8 +246,8 @@ class Generator:
     def _graph_mode(self, cfg: GenerationConfig, dev) -> str | None:
         if self.graphs == "eager":
             return "eager"
-        if self.graphs == "auto" and cfg.cuda_graphs and dev.type == "cuda":
-            return "cuda"
+        if self.graphs == "auto" and dev.type == "cuda":  # without capture: the same steps, eager
+            return "cuda" if cfg.cuda_graphs else "eager"
         return None
 
     def _decode_mode(self, call: Call) -> str:
@@ -346,3 +347,21 @@ class Generator:
                                                 torch.float32, dev),
                        lengths=lengths, finish_reasons=[out.reasons[s] for s in sids],
                        stats=stats)
+
+
+def _live_and_longest(rows: Rows) -> tuple[int, int]:
+    """Rows alive, and the most tokens a row of the actor's cache holds (one host read)."""
+    if not len(rows):
+        return 0, 0
+    alive, longest = torch.stack([rows["alive"].sum(), rows.caches["actor"].lengths.max()]).tolist()
+    return int(alive), int(longest)
+
+
+def _compacts(rows: int, live: int, graphed: bool) -> bool:
+    """Whether to drop the finished rows before a round: graphed, when the batch bucket
+    shrinks (a graph runs its bucket's rows, dead ones masked, so a copy saves nothing before);
+    dynamic, when a quarter of the rows are dead."""
+    if live == rows:
+        return False
+    return graphs.bucket(live) < graphs.bucket(rows) if graphed else (rows - live) * 4 >= rows
+

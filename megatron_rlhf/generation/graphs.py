@@ -1,8 +1,9 @@
 """Decode steps replayed from CUDA graphs: the generator at GPU speed, not launch speed.
 
 Entry point: :class:`StepGraphs`, one per model: a KV cache store, RoPE table and buffers at
-fixed addresses; a graph per batch bucket and tokens fed, with no host read inside and one
-packed copy to the host outside. ``capture=False`` runs the same code eagerly (the CPU's
+fixed addresses; a graph per batch bucket, length bucket and tokens fed, with no host read
+inside and one packed copy to the host outside. A step attends over its length bucket, which
+the caller derives from a bound on the rows' lengths that it keeps on the host. ``capture=False`` runs the same code eagerly (the CPU's
 check), as does a failed capture. A store refuses a model whose weights moved.
 """
 
@@ -36,6 +37,16 @@ WARMUP = 1
 def bucket(rows: int) -> int:
     """The batch a graph runs for ``rows`` live rows: the next power of two."""
     return 1 << max(rows - 1, 0).bit_length()
+
+
+MIN_LENGTH_BUCKET = 32  # shortest attended length (a multiple of cpu_numerics.ATTEND_ALIGN)
+
+
+def length_bucket(needed: int, max_len: int) -> int:
+    """The cache positions a step attends over when its rows hold at most ``needed`` tokens
+    (the step's included): the next power of two from :data:`MIN_LENGTH_BUCKET`, at most
+    ``max_len``."""
+    return min(max(MIN_LENGTH_BUCKET, 1 << max(needed - 1, 0).bit_length()), max_len)
 
 
 def width_bucket(n: int, room: int) -> int:
@@ -182,6 +193,10 @@ class StepGraphs:
         return (model is self.model and batch <= self.capacity and max_len <= self.cache.max_len
                 and self.cache.store_keys[0] is self._store and _weights(model) == self.weights)
 
+    def attend(self, needed: int) -> int:
+        """:func:`length_bucket` of ``needed`` tokens in this store."""
+        return length_bucket(needed, self.cache.max_len)
+
     def new_cache(self, batch: int) -> KVCache:
         """The store's first ``batch`` rows, emptied: the cache of a new request."""
         self.cache.resize(batch)
@@ -194,16 +209,18 @@ class StepGraphs:
             and cache.batch > 0
 
     def __call__(self, tokens: torch.Tensor, features: torch.Tensor | None = None,
-                 return_features: bool = False):
+                 return_features: bool = False, attend: int | None = None):
         """:func:`forward_cached` of ``tokens [R, n]`` from the graph of ``R``'s bucket: logits
-        ``[R, n, V]`` (and hidden states ``[R, n, h]`` with ``return_features``)."""
+        ``[R, n, V]`` (and hidden states ``[R, n, h]`` with ``return_features``). ``attend``:
+        the attended length (:meth:`attend`; None: the whole cache)."""
         r, n = tokens.shape
         b = bucket(r)
         self.tokens[:r, :n].copy_(tokens)
         if features is not None:
             self.features[:r, :n].copy_(features)
         self.cache.store_lengths[r:b] = 0  # padding rows: garbage at position 0
-        out = self._cached(self.graphs, (b, n, return_features), self._forward_step(b, n, return_features)).run()
+        out = self._cached(self.graphs, (b, n, return_features, attend),
+                           self._forward_step(b, n, return_features, attend)).run()
         if return_features:
             return out[0][:r].clone(), out[1][:r].clone()
         return out[:r].clone()  # the graph's output is overwritten by its next replay
@@ -230,21 +247,22 @@ class StepGraphs:
             rows[f] = buf[:r]
 
     def sample_step(self, rows, params, max_new: int, eos: int | None, pad_id: int,
-                    return_features: bool = False) -> list[list[float]]:
+                    return_features: bool = False, attend: int | None = None) -> list[list[float]]:
         """One plain decode step of bound ``rows`` from one graph; returns per row the
         :data:`~megatron_rlhf.generation.sampling.STEP_COLUMNS`. ``return_features``: each
-        fed token's final hidden state is left in :attr:`hidden` ``[R, h]``."""
+        fed token's final hidden state is left in :attr:`hidden` ``[R, h]``; ``attend`` as
+        in :meth:`__call__`."""
         r = len(rows)
         b = bucket(r)
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
-        key = (b, 1, "sample", sampling, max_new, eos, pad_id, return_features)
+        key = (b, 1, "sample", sampling, max_new, eos, pad_id, return_features, attend)
 
         def step():
             alive, emitted, lengths = self.alive[:b], self.emitted[:b], self.cache.store_lengths[:b]
             lengths.mul_(alive)  # finished and padding rows compute garbage at position 0
             feed = torch.where(alive, self.pending[:b], pad_id)[:, None]
             logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True,
-                                    return_features=return_features, backend=self.backend)
+                                    return_features=return_features, backend=self.backend, attend=attend)
             if return_features:
                 logits, hidden = logits
                 self.hidden[:b].copy_(hidden[:, 0])
@@ -260,7 +278,7 @@ class StepGraphs:
         return self._read(graph.run(), r)
 
     def verify_step(self, rows, drafts: torch.Tensor, n: int, width: int, params, max_new: int,
-                    eos: int | None, pad_id: int) -> list[list[float]]:
+                    eos: int | None, pad_id: int, attend: int | None = None) -> list[list[float]]:
         """One exact verification of ``drafts [R, >= n]`` for bound ``rows`` from one graph of
         ``width >= n`` drafts (:func:`width_bucket`). Returns per row ``[sid, alive, done, k,
         token_0..token_width, lp_0.., slp_0..]``, of which the first ``k + 1`` are emitted."""
@@ -271,16 +289,16 @@ class StepGraphs:
         self.limit.fill_(n)
         self.cache.store_lengths[r:b] = 0  # padding rows: garbage at position 0
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
-        key = (b, width + 1, "verify", sampling, max_new, eos, pad_id)
+        key = (b, width + 1, "verify", sampling, max_new, eos, pad_id, attend)
 
         def step():
-            return self._verify(b, self.tokens[:b, 1:width + 1], params, max_new, eos, pad_id)
+            return self._verify(b, self.tokens[:b, 1:width + 1], params, max_new, eos, pad_id, attend=attend)
 
         graph = self._cached(self.graphs, key, step, (self.pending, self.emitted, self.alive))
         return self._read(graph.run(), r)
 
     def _verify(self, b: int, drafted: torch.Tensor, params, max_new: int, eos: int | None,
-                pad_id: int, return_features: bool = False) -> torch.Tensor:
+                pad_id: int, return_features: bool = False, attend: int | None = None) -> torch.Tensor:
         """The verification a graph captures: feed ``[pending, drafted [b, w]]``, accept while
         each draft is plain sampling's token, never past :attr:`limit`; advance the rows and
         roll the cache back. Returns :meth:`verify_step`'s packed result; leaves :attr:`drawn`,
@@ -292,7 +310,7 @@ class StepGraphs:
         base = lengths.clone()
         feed = torch.cat([torch.where(alive, self.pending[:b], pad_id)[:, None], drafted], 1)
         logits = forward_cached(self.model, self._rows(b), feed, self.rope, static=True,
-                                return_features=return_features, backend=self.backend)
+                                return_features=return_features, backend=self.backend, attend=attend)
         if return_features:
             logits, hidden = logits
             self.verified_hidden[:b, :width + 1].copy_(hidden)
@@ -316,12 +334,13 @@ class StepGraphs:
         return torch.cat([head, drawn.double(), lp.double(), slp.double()], 1)
 
     def draft_step(self, draft: "StepGraphs", rows, n: int, params, max_new: int,
-                   eos: int | None, pad_id: int, history=None) -> list[list[float]]:
+                   eos: int | None, pad_id: int, history=None, attend: int | None = None) -> list[list[float]]:
         """A round of ``n`` drafts from a draft model (``draft``: its store, holding ``rows``'
         draft cache) as one graph: catch-up, proposals, exact verification. Returns what
         :meth:`verify_step` does; the next catch-up is the first ``accepted + 1`` of
         :attr:`drawn`. ``history``: ``(tokens [R, n], found [R])`` replacing a row's first
-        ``found`` proposals."""
+        ``found`` proposals. ``attend``: the actor's attended length (the draft's store is
+        read whole: its model is small)."""
         # the catch-up is fed at a power-of-two width; each proposal is drawn with the
         # uniform plain sampling uses there, so a draft near the actor proposes its token
         r = len(rows)
@@ -344,7 +363,7 @@ class StepGraphs:
         self.cache.store_lengths[r:b] = 0  # padding rows: garbage at position 0
         draft.cache.store_lengths[r:b] = 0
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
-        key = (b, n + 1, "draft", cw, sampling, max_new, eos, pad_id, history is not None, draft)
+        key = (b, n + 1, "draft", cw, sampling, max_new, eos, pad_id, history is not None, attend, draft)
         if key not in self.draft_graphs:  # graphs of an earlier draft store hold it alive: drop them
             self.draft_graphs = {k: v for k, v in self.draft_graphs.items() if k[-1] is draft}
 
@@ -377,7 +396,7 @@ class StepGraphs:
                     logits, hidden = res if feature else (res, None)
             d_len.copy_(caught)
             return self._verify(b, torch.stack(proposed, 1), params, max_new, eos, pad_id,
-                                return_features=feature)
+                                return_features=feature, attend=attend)
 
         graph = self._cached(self.draft_graphs, key, step,
                              (self.pending, self.emitted, self.alive, draft.cache.store_lengths))
@@ -391,13 +410,14 @@ class StepGraphs:
             torch.cuda.current_stream().synchronize()
         return host.tolist()
 
-    def _forward_step(self, b: int, n: int, return_features: bool):
+    def _forward_step(self, b: int, n: int, return_features: bool, attend: int | None = None):
         """The step of a plain forward's graph: ``n`` tokens for ``b`` rows from the buffers."""
         feats = None if self.features is None else self.features[:b, :n]
 
         def step():
             return forward_cached(self.model, self._rows(b), self.tokens[:b, :n], self.rope, features=feats,
-                                  return_features=return_features, static=True, backend=self.backend)
+                                  return_features=return_features, static=True, backend=self.backend,
+                                  attend=attend)
 
         return step
 

@@ -186,13 +186,16 @@ def forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable, *args, *
 def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
                     last_index: torch.Tensor | None = None, features: torch.Tensor | None = None,
                     return_features: bool = False, valid: torch.Tensor | None = None,
-                    static: bool = False, packed_logits: bool = False, backend: str | None = None):
+                    static: bool = False, packed_logits: bool = False, backend: str | None = None,
+                    attend: int | None = None):
     """Feed ``tokens [B, n]`` after each row's cached prefix (the cache advances by ``n``);
     returns logits ``[B, n, V]``, or ``[B, 1, V]`` at ``last_index [B]``, and with
     ``return_features`` the final-norm hidden states ``[B, n, h]``. ``features [B, n, h]``: a
     feature draft's. ``valid [B]``: real tokens per row (the layers compute only those; with
     ``packed_logits`` logits ``[T, V]`` in :func:`packed_positions` order). ``static``: the step
-    a CUDA graph captures (no host read). ``backend``: None for the device's default.
+    a CUDA graph captures (no host read), attending over the first ``attend`` cache positions
+    (default: all; the caller guarantees every row's tokens fit). ``backend``: None for the
+    device's default.
     Raises ValueError on an inconsistent combination."""
     b, n = tokens.shape
     if packed_logits and (valid is None or last_index is not None or return_features):
@@ -202,7 +205,7 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     if not static:
         cache.check_room(n)
     pos = cache.lengths[:, None] + torch.arange(n, device=tokens.device)  # [B, n]
-    k_len = cache.max_len if static else attended_length(cache, int(cache.lengths.max()) + n)
+    k_len = (attend or cache.max_len) if static else attended_length(cache, int(cache.lengths.max()) + n)
     mask = attention_mask(cache.lengths, n, k_len)
     x = model.embedding(input_ids=tokens, position_ids=pos)  # [n, B, h]
     cfg = model.mrlhf_config

@@ -144,9 +144,11 @@ class KVCache:
         sub.resize(end - start)
         return sub
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows``, in that order, moved to the front of the store in place."""
+    def select(self, rows: torch.Tensor, filled: int | None = None) -> None:
+        """Keep only ``rows``, in that order, moved to the front of the store in place;
+        ``filled``: no row holds more tokens (only that prefix is copied)."""
+        end = self.max_len if filled is None else min(filled, self.max_len)
         for store, t in zip(self.store_keys + self.store_values, self.keys + self.values):
-            store[: len(rows)] = t.index_select(0, rows)
+            store[: len(rows), :, :end] = t[:, :, :end].index_select(0, rows)
         self.store_lengths[: len(rows)] = self.lengths.index_select(0, rows)
         self.resize(len(rows))

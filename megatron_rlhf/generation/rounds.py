@@ -2,8 +2,9 @@
 
 Each takes the call and the live rows and advances them one round; dynamic rounds share
 :func:`accept_and_emit`, graphed ones :func:`take_verified`. Invariant: the emitted tokens
-are plain sampling's (exact or greedy verification), whatever was drafted. Speculative
-rounds return ``(accepted per live row, rows alive after or None)``.
+are plain sampling's (exact or greedy verification), whatever was drafted; each round
+raises ``call.high`` by the most tokens a row's cache gained. Speculative rounds return
+``(accepted per live row, rows alive after or None)``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def plain_step(call: Call, rows: Rows) -> int:
         else:
             live += 1
     rows["pending"], rows["emitted"] = tok, rows["emitted"] + 1
+    call.high += 1
     if call.drafting:
         drafting.buffer(call, rows, tok, hidden)
     return live
@@ -65,13 +67,14 @@ def sampled_step(call: Call, runner, rows: Rows, return_features: bool = False) 
     out = call.out
     eos = call.gen.eos if out.stop_on_eos else None
     live = 0
-    for sid, tok, lp, slp, was_alive, done in runner.sample_step(rows, call.cfg, out.max_new, eos,
-                                                                 call.gen.pad_id, return_features):
+    for sid, tok, lp, slp, was_alive, done in runner.sample_step(rows, call.cfg, out.max_new, eos, call.gen.pad_id,
+                                                                 return_features, call.attend(runner, 1)):
         if was_alive:
             if call.emit(int(sid), [int(tok)], [lp], [slp]) != bool(done):
                 raise RuntimeError(f"sample {int(sid)}: the step graph and the host disagree on "
                                    "whether it finished")
             live += not done
+    call.high += 1
     return live
 
 
@@ -87,6 +90,7 @@ def accept_and_emit(call: Call, rows: Rows, drafts: torch.Tensor, verdict: Verdi
     lp, slp = logprobs(emitted)
     live = alive.nonzero()[:, 0]
     ks, toks, sids = k.tolist(), emitted.tolist(), rows["sid"].tolist()
+    call.high += 1 + max((ks[r] for r in live.tolist()), default=0)
     for r in live.tolist():
         kr = ks[r] + 1
         if call.emit(sids[r], toks[r][:kr], lp[r][:kr], slp[r][:kr]):
@@ -206,7 +210,8 @@ def verified_round(call: Call, runner, rows: Rows, n: int, width: int, looked_up
     runner.bind(rows, call.key)
     out = call.out
     eos = call.gen.eos if out.stop_on_eos else None
-    res = runner.verify_step(rows, looked_up.tokens, n, width, call.cfg, out.max_new, eos, call.gen.pad_id)
+    res = runner.verify_step(rows, looked_up.tokens, n, width, call.cfg, out.max_new, eos, call.gen.pad_id,
+                             call.attend(runner, width + 1))
     ks, live = take_verified(call, res, n, width)
     count_history(call.stats, ks, [min(f, n) for f in looked_up.found_live])
     return torch.tensor(ks, dtype=torch.long), live
@@ -220,7 +225,8 @@ def drafted_round(call: Call, runner, d_runner, rows: Rows, n: int, looked_up: L
     runner.bind(rows, call.key)
     eos = gen.eos if out.stop_on_eos else None
     history = None if looked_up is None else looked_up.drafts(n)
-    res = runner.draft_step(d_runner, rows, n, call.cfg, out.max_new, eos, gen.pad_id, history)
+    res = runner.draft_step(d_runner, rows, n, call.cfg, out.max_new, eos, gen.pad_id, history,
+                            call.attend(runner, n + 1))
     ks, live = take_verified(call, res, n, n)
     if looked_up is not None:
         count_history(call.stats, ks, [min(f, n) for f in looked_up.found_live])
@@ -248,5 +254,6 @@ def take_verified(call: Call, res: list[list[float]], n: int, width: int) -> tup
                                "whether it finished")
         ks.append(k)
         live += not done
+    call.high += 1 + max(ks, default=0)
     call.stats.count_accepted(ks, n)
     return ks, live

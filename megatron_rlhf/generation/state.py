@@ -72,17 +72,18 @@ class Rows:
     def __len__(self) -> int:
         return int(self.fields["sid"].shape[0])
 
-    def select(self, keep: torch.Tensor) -> None:
-        """Keep rows ``keep`` (in that order)."""
+    def select(self, keep: torch.Tensor, filled: dict[str, int] | None = None) -> None:
+        """Keep rows ``keep`` (in that order); ``filled``: per cache name, a bound on its
+        rows' lengths (only that prefix of the cache is copied)."""
         for key, val in self.fields.items():
             self.fields[key] = val[keep]
-        for cache in self.caches.values():
-            cache.select(keep)
+        for name, cache in self.caches.items():
+            cache.select(keep, (filled or {}).get(name))
 
-    def compact(self) -> None:
-        """Drop finished rows."""
+    def compact(self, filled: dict[str, int] | None = None) -> None:
+        """Drop finished rows (``filled`` as in :meth:`select`)."""
         if not bool(self.fields["alive"].all()):
-            self.select(self.fields["alive"].nonzero()[:, 0])
+            self.select(self.fields["alive"].nonzero()[:, 0], filled)
 
     def pack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Rows ``rows`` as tensors (what migration sends): every field, each cache packed

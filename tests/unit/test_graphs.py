@@ -140,7 +140,8 @@ def test_plain_rounds_of_a_drafting_run_are_graphed(world1, pair, cfg, feature):
     assert got.stats.accepted_per_position == ref.stats.accepted_per_position
     assert got.stats.rounds_by_draft_len[0] and sum(got.stats.rounds_by_draft_len[1:]) > 2
     sampled = [key for key in gen._steps["actor"].graphs if key[2] == "sample"]
-    assert sampled and all(key[-1] == feature for key in sampled)  # with the hidden state for a feature draft
+    # with the hidden state for a feature draft (the key's return_features, before the attended length)
+    assert sampled and all(key[-2] == feature for key in sampled)
 
 
 def test_a_graphs_capture_is_not_a_rounds_cost(pair, monkeypatch):

@@ -58,6 +58,7 @@ class Trace(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops, self.phase, self.step, self.rebuilt = [], "setup", -1, set()
+        self.compactions: list[tuple[int, int, int]] = []  # (step, rows before, rows kept)
         self.host_buffers: list[torch.Tensor] = []
 
     def tolist(self, tensor: torch.Tensor) -> None:
@@ -136,9 +137,10 @@ def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=Non
         rec.phase = "end"
         return real_rollout(self, *a, **k)
 
-    def select(self, keep):  # compaction: this step's rows are rebuilt (and rebound next)
+    def select(self, keep, filled=None):  # compaction: this step's rows are rebuilt (and rebound next)
         rec.rebuilt.update((rec.step, rec.step + 1))
-        return real_select(self, keep)
+        rec.compactions.append((rec.step, len(self), len(keep)))
+        return real_select(self, keep, filled)
 
     monkeypatch.setattr(graphs._Eager, "run", run)
     monkeypatch.setattr(*first, step)
