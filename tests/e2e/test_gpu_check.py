@@ -16,7 +16,7 @@ import time
 from launch import ROOT
 
 ORDER = ["install", "convert", "ppo", "grpo", "greedy", "decode_bf16", "bench", "verify",
-         "speculative", "padded", "history"]
+         "speculative", "padded", "history", "bitwise"]
 
 
 def test_gpu_check_smoke(tmp_path):
@@ -65,6 +65,18 @@ def test_gpu_check_smoke(tmp_path):
                                           "history_speed"}
     assert all(r["first_divergence"] is None for r in rows if r["stage"] == "greedy")
     assert all(r["rel_err"] <= r["tolerance"] for r in rows if r["stage"] == "decode_bf16")
+    # no GPU here: batch_invariant_mode is not measured, and the row says why; the mode-off half runs
+    from gpu_check.bitwise import batch_invariant_unavailable
+
+    why = batch_invariant_unavailable(cuda=False)
+    bitwise = next(s for s in summary["stages"] if s["name"] == "bitwise")
+    assert why and bitwise["details"].startswith(f"batch_invariant_mode NOT MEASURED: {why}; with it off ")
+    assert [r[0] for r in bitwise["rows"]] == ["batch_invariant_mode off", "batch_invariant_mode on"]
+    assert bitwise["rows"][1][1] == f"NOT MEASURED: {why}"
+    measured = [r for r in rows if r["stage"] == "bitwise"]
+    assert [r["mode"] for r in measured] == ["off"] and measured[0]["tokens"] == 2 * 8  # smoke: 2 x 8
+    assert 0 <= measured[0]["equal"] <= measured[0]["tokens"] and measured[0]["finite"]
+    assert measured[0]["fraction"] == measured[0]["equal"] / measured[0]["tokens"]
     logs = (out / "logs.txt").read_text()
     assert logs.count("--no-cuda-graphs") == 2  # the ppo and grpo commands
     assert len(os.listdir(out)) <= 8  # what the device tool brings back: 8 files at most
@@ -257,3 +269,109 @@ def test_watchdog_writes_and_prints_every_stage(tmp_path):
     assert list(rows) == ORDER and rows["convert"]["status"] == "TIMEOUT"
     assert all(rows[n]["status"] == "SKIP" and "watchdog" in rows[n]["details"] for n in ORDER[2:])
     assert (tmp_path / "out" / "table.txt").read_text() in p.stdout
+
+
+# ---------------------------------------------------------------------------- the bitwise stage
+def test_bit_equal_fraction_counts_bits_under_the_mask():
+    import pytest
+    import torch
+
+    from gpu_check.bitwise import bit_equal, bit_equal_fraction
+
+    a = torch.tensor([[-1.5, -0.25, 0.0, -3.0], [-2.0, -7.0, -0.5, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float32)
+    assert bit_equal_fraction(a, a.clone(), mask) == 1.0
+    b = a.clone()
+    b[0, 1] = torch.nextafter(b[0, 1], torch.tensor(0.0))  # one bit off, under the mask
+    b[1, 3] = 9.0  # outside the mask: not counted
+    assert bit_equal_fraction(a, b, mask) == 4 / 5
+    c = a.clone()
+    c[0, 2] = -0.0  # equal as numbers, not as bits
+    assert bool((c == a).all()) and bit_equal_fraction(a, c, mask) == 4 / 5
+    nan = torch.full((2,), float("nan"))
+    assert bit_equal(nan, nan.clone()).all()  # the same NaN is the same bits
+    with pytest.raises(ValueError, match="selects no position"):
+        bit_equal_fraction(a, b, torch.zeros_like(mask))
+    with pytest.raises(ValueError, match="one dtype and shape"):
+        bit_equal(a, a.double())
+
+
+def _fake_bik(monkeypatch):
+    """A stand-in for megatron's batch_invariant_kernels module: its mode is a flag."""
+    import contextlib
+    import types
+
+    from gpu_check import bitwise
+
+    mod = types.ModuleType(bitwise.BIK_MODULE)
+    mod.on = False
+
+    @contextlib.contextmanager
+    def set_batch_invariant_mode(enabled=True):
+        before, mod.on = mod.on, enabled
+        try:
+            yield
+        finally:
+            mod.on = before
+
+    mod.set_batch_invariant_mode = set_batch_invariant_mode
+    mod.is_batch_invariant_mode_enabled = lambda: mod.on
+    monkeypatch.setitem(sys.modules, bitwise.BIK_MODULE, mod)
+    return mod
+
+
+def test_batch_invariant_unavailable_says_why(monkeypatch):
+    from gpu_check import bitwise
+
+    monkeypatch.delitem(sys.modules, bitwise.BIK_MODULE, raising=False)
+    monkeypatch.setitem(sys.modules, "triton", None)  # triton does not import
+    assert bitwise.batch_invariant_unavailable(cuda=True).startswith("triton does not import")
+    _fake_bik(monkeypatch)  # its module imports
+    assert bitwise.batch_invariant_unavailable(cuda=False).startswith("no CUDA device")
+    assert bitwise.batch_invariant_unavailable(cuda=True) == ""
+
+
+def test_bitwise_stage_measures_off_then_on(tmp_path, monkeypatch):
+    """The stage's plumbing with the rollout-and-forward measurement stubbed: the mode is on
+    exactly during the second measurement, both land in the table, and the matmul probe
+    failing with the mode on, or the mode left on, fails the stage."""
+    import pytest
+
+    from gpu_check import bitwise
+    from gpu_check.report import CheckFailed
+
+    mod = _fake_bik(monkeypatch)
+    monkeypatch.setattr(bitwise, "batch_invariant_unavailable", lambda cuda: "")
+    _, check = _check(tmp_path)
+    monkeypatch.setattr(check, "model", lambda dtype: "actor")
+    monkeypatch.setattr(check, "prompts", lambda n: [[5, 6]] * n)
+    modes, probe = [], {False: True, True: True}
+
+    def on_policy(actor, prompts, cfg):
+        modes.append(mod.on)
+        return {"equal": 12 if mod.on else 3, "tokens": 16, "fraction": (12 if mod.on else 3) / 16,
+                "max_abs_diff": 0.0, "formula_fraction": 1.0, "mm_rows_invariant": probe[mod.on],
+                "finite": True, "step_ms": 4.0 if mod.on else 2.0, "prefill_ms": 1.0,
+                "forward_ms": 30.0 if mod.on else 10.0, "capture_failed": None}
+
+    monkeypatch.setattr(check, "_on_policy", on_policy)
+    rows = []
+    summary = check.st_bitwise(rows)
+    assert modes == [False, True] and not mod.on
+    assert "off 18.8%, on 75.0%" in summary and "decode step x2.00, forward x3.00" in summary
+    assert [r[0] for r in rows] == ["batch_invariant_mode off", "batch_invariant_mode on"]
+    assert rows[1][1].startswith("12/16 response log-probs bit-equal")
+    probe[True] = False  # the mode did not make a matmul row batch-invariant
+    with pytest.raises(CheckFailed, match="did not take effect"):
+        check.st_bitwise([])
+    probe[True] = True
+    mod.set_batch_invariant_mode = lambda enabled=True: _stays_on(mod)
+    with pytest.raises(CheckFailed, match="still on"):
+        check.st_bitwise([])
+
+
+def _stays_on(mod):
+    import contextlib
+
+    mod.on = True
+    return contextlib.nullcontext()

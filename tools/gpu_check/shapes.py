@@ -26,6 +26,8 @@ class Shape:
     verify_context: int
     spec_batches: tuple[int, ...]
     spec_new: int
+    bitwise_batch: int  # the bitwise stage's prompts and new tokens
+    bitwise_new: int
     ppo: dict
     grpo: dict
     train_timeout_s: int
@@ -36,7 +38,7 @@ SHAPES = {
     "1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, positions=2048,
                 greedy_new=32, bench_batches=(1, 16, 64, 256), bench_new=128, warm_new=8,
                 verify_batches=(1, 16, 64), verify_context=256, spec_batches=(1, 16),
-                spec_new=64,
+                spec_new=64, bitwise_batch=16, bitwise_new=128,
                 ppo=dict(train_iters=3, global_batch_size=16, rollout_n=2, micro_batch_size=8,
                          max_new_tokens=128),
                 grpo=dict(train_iters=3, global_batch_size=8, rollout_n=4, micro_batch_size=8,
@@ -45,6 +47,7 @@ SHAPES = {
     "smoke": Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, positions=512,
                    greedy_new=8, bench_batches=(1, 2), bench_new=8, warm_new=2,
                    verify_batches=(1, 2), verify_context=16, spec_batches=(1, 2), spec_new=8,
+                   bitwise_batch=2, bitwise_new=8,
                    ppo=dict(train_iters=1, global_batch_size=2, rollout_n=2, micro_batch_size=2,
                             max_new_tokens=8),
                    grpo=dict(train_iters=1, global_batch_size=2, rollout_n=2, micro_batch_size=2,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_check.bitwise import BitwiseStage
 from gpu_check.budget import minimum, stage_end
 from gpu_check.decode import DecodeStages
 from gpu_check.models import _fallback_tokenizer, _hf_no_eos, _llama_config, _tokenizer_from_dir
@@ -42,6 +43,9 @@ PLAN = (
     ("speculative", "decode", "decode"),  # the actor as its own draft: equality, acceptance, speed, auto's choice
     ("padded", "decode", "decode"),  # a left-padded batch == each sequence alone; without the mask they differ
     ("history", "decode", "decode"),  # history drafts through the graphed verification round
+    # generator vs trainer log-probs bit-equal, batch_invariant_mode off and on (where Triton
+    # imports); a group of its own: the mode patches aten kernels process-wide
+    ("bitwise", "decode", "bitwise"),
 )
 STAGES = tuple(name for name, _, _ in PLAN)
 KIND = {name: kind for name, kind, _ in PLAN}
@@ -61,9 +65,9 @@ def _import_error(module: str) -> str:
                 "[\".whl\"])")[:400]
 
 
-class Check(DecodeStages):
+class Check(DecodeStages, BitwiseStage):
     """The check's state, its stage scheduler and the setup and training stages (the decode
-    stages: :class:`gpu_check.decode.DecodeStages`)."""
+    stages: :class:`gpu_check.decode.DecodeStages`, :class:`gpu_check.bitwise.BitwiseStage`)."""
 
     def __init__(self, args, blocked: str | None = None):
         self.args = args
@@ -250,7 +254,7 @@ class Check(DecodeStages):
                 "grpo": lambda rows: self.st_train(rows, "grpo"), "greedy": self.st_greedy,
                 "decode_bf16": self.st_decode_bf16, "bench": self.st_bench, "verify": self.st_verify,
                 "speculative": self.st_speculative, "padded": self.st_padded,
-                "history": self.st_history}
+                "history": self.st_history, "bitwise": self.st_bitwise}
 
     def record_install(self) -> None:
         """The ``install`` row: what ``gpu_check.sh`` installed and how long it took."""
