@@ -31,6 +31,17 @@ def actor_and_draft(pg, name: str = "tiny-untied", eos: int | None = None, sharp
     return actor, draft
 
 
+def eos_mid_batch(actor, cfg) -> None:
+    """Make ``actor``'s EOS the token its greedy responses to :data:`PROMPTS` (under ``cfg``)
+    most often hold in their first 8: samples then finish at different steps."""
+    from collections import Counter
+
+    from megatron_rlhf.generation.engine import Generator
+
+    plain = Generator(actor, graphs="off").generate(PROMPTS, cfg)
+    actor.mrlhf_config.eos_token_id = Counter(t for r in plain.responses() for t in set(r[:8])).most_common(1)[0][0]
+
+
 def feature_draft_for(actor, pg, noise: float = 0.01, seed: int = 3):
     """A feature (EAGLE) draft that is the actor plus a perturbation through the features.
 

@@ -153,6 +153,9 @@ class Generator:
     def _decode(self, call: Call, rows: Rows, migrator) -> None:
         """Run rounds until every row finished (and, with ``migrator``, every rank agreed)."""
         stats, selector = call.stats, call.selector
+        runner = call.runner("actor")
+        if migrator is None and not call.big_n and runner is not None and runner.serves(rows.caches["actor"], 1):
+            return self._overlapped(call, rows)
         # history rounds of the dynamic engine verify each row's own proposal (a graphed
         # round has fixed shapes: every row verifies the round's width, padded)
         ragged = self.ragged and self.history is not None and self.draft is None and call.mode is None
@@ -194,6 +197,25 @@ class Generator:
                 spent = time.perf_counter() - start - call.upkeep_s - max(self._capture_s() - captured, 0.0)
                 selector.observe(live, n, spent, k, found if n else None, drafts=drafts)
             live = after
+
+    def _overlapped(self, call: Call, rows: Rows) -> None:
+        """Plain graphed decoding with each step's host read overlapped: step t+1 is launched
+        before step t's result is parsed (what a step feeds stays on the device). The step
+        launched after the last row finished computes dead rows only, and is not counted."""
+        stats, runner = call.stats, call.runner("actor")
+        live, call.high = _live_and_longest(rows)
+        inflight = None
+        while live or inflight is not None:
+            launched = None
+            if live:  # rows alive after the step before the one in flight: one more may run idle
+                if _compacts(len(rows), live, True):
+                    rows.compact({"actor": call.high})
+                launched = rounds.launch_sampled(call, runner, rows)
+            if inflight is not None:
+                was, live = rounds.read_sampled(call, inflight)
+                stats.actor_steps += bool(was)
+                stats.rounds_by_draft_len[0] += bool(was)
+            inflight = launched
 
     # the round kinds (rounds.py) as methods, which the benchmarks' clocks wrap per generator
     def _plain_step(self, call: Call, rows: Rows) -> int:

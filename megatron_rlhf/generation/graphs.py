@@ -173,9 +173,11 @@ class StepGraphs:
         if self.features is not None:
             self.catch_features = torch.zeros(cap, CATCH_UP_MAX, h, dtype=weight.dtype, device=dev)
         self._key_value: int | None = None
-        # where the host reads a step's packed result (pinned: the copy runs asynchronously)
-        self.host = torch.zeros(cap, max(len(STEP_COLUMNS), 4 + 3 * MAX_TOKENS), dtype=torch.float64,
-                                pin_memory=capture)
+        # where the host reads a step's packed result (pinned: the copy runs asynchronously);
+        # two, used in turn: a step's copy lands while the host parses the one before
+        self.hosts = [torch.zeros(cap, max(len(STEP_COLUMNS), 4 + 3 * MAX_TOKENS), dtype=torch.float64,
+                                  pin_memory=capture) for _ in range(2)]
+        self._slot = 0
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.failed: str | None = None  # why a capture failed (every step then runs eagerly)
         self.graphs: dict[tuple, object] = {}
@@ -247,11 +249,11 @@ class StepGraphs:
             rows[f] = buf[:r]
 
     def sample_step(self, rows, params, max_new: int, eos: int | None, pad_id: int,
-                    return_features: bool = False, attend: int | None = None) -> list[list[float]]:
-        """One plain decode step of bound ``rows`` from one graph; returns per row the
-        :data:`~megatron_rlhf.generation.sampling.STEP_COLUMNS`. ``return_features``: each
-        fed token's final hidden state is left in :attr:`hidden` ``[R, h]``; ``attend`` as
-        in :meth:`__call__`."""
+                    return_features: bool = False, attend: int | None = None) -> "Fetch":
+        """One plain decode step of bound ``rows`` from one graph, launched; its
+        :meth:`Fetch.result` is per row the :data:`~megatron_rlhf.generation.sampling.STEP_COLUMNS`.
+        ``return_features``: each fed token's final hidden state is left in :attr:`hidden`
+        ``[R, h]``; ``attend`` as in :meth:`__call__`."""
         r = len(rows)
         b = bucket(r)
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
@@ -275,7 +277,7 @@ class StepGraphs:
             return packed
 
         graph = self._cached(self.graphs, key, step, (self.pending, self.emitted, self.alive))
-        return self._read(graph.run(), r)
+        return self._fetch(graph.run(), r)
 
     def verify_step(self, rows, drafts: torch.Tensor, n: int, width: int, params, max_new: int,
                     eos: int | None, pad_id: int, attend: int | None = None) -> list[list[float]]:
@@ -404,11 +406,18 @@ class StepGraphs:
 
     def _read(self, packed: torch.Tensor, r: int) -> list[list[float]]:
         """The first ``r`` rows of a step's packed result on the host (one pinned copy, one sync)."""
-        host = self.host.view(-1)[:r * packed.shape[1]].view(r, packed.shape[1])
+        return self._fetch(packed, r).result()
+
+    def _fetch(self, packed: torch.Tensor, r: int) -> "Fetch":
+        """Start copying the first ``r`` rows of ``packed`` into the next host buffer."""
+        host = self.hosts[self._slot].view(-1)[:r * packed.shape[1]].view(r, packed.shape[1])
+        self._slot ^= 1
         host.copy_(packed[:r], non_blocking=True)
+        event = None
         if packed.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        return host.tolist()
+            event = torch.cuda.Event()
+            event.record()
+        return Fetch(host, event)
 
     def _forward_step(self, b: int, n: int, return_features: bool, attend: int | None = None):
         """The step of a plain forward's graph: ``n`` tokens for ``b`` rows from the buffers."""
@@ -452,6 +461,20 @@ class StepGraphs:
         view.values = [v[:b] for v in self.cache.store_values]
         view.lengths = self.cache.store_lengths[:b]
         return view
+
+
+class Fetch:
+    """A step's packed result on its way to the host (a pinned buffer, and on a GPU the event
+    after its copy)."""
+
+    def __init__(self, host: torch.Tensor, event):
+        self.host, self.event = host, event
+
+    def result(self) -> list[list[float]]:
+        """The rows, once the copy has landed (waits for it; the one host sync of a step)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 @torch.inference_mode()

@@ -63,19 +63,33 @@ def sampled_step(call: Call, runner, rows: Rows, return_features: bool = False) 
     """A plain step as one graph (:meth:`~megatron_rlhf.generation.graphs.StepGraphs.sample_step`):
     the rows advance on the device, the host reads one packed result. Returns the rows alive
     after it; raises RuntimeError when the graph and the host disagree on a finish."""
+    return read_sampled(call, launch_sampled(call, runner, rows, return_features))[1]
+
+
+def launch_sampled(call: Call, runner, rows: Rows, return_features: bool = False):
+    """Launch a plain step's graph for ``rows``; returns its :class:`~megatron_rlhf.generation.
+    graphs.Fetch` (read by :func:`read_sampled`). Reads nothing from the device."""
     runner.bind(rows, call.key)
     out = call.out
     eos = call.gen.eos if out.stop_on_eos else None
-    live = 0
-    for sid, tok, lp, slp, was_alive, done in runner.sample_step(rows, call.cfg, out.max_new, eos, call.gen.pad_id,
-                                                                 return_features, call.attend(runner, 1)):
+    fetch = runner.sample_step(rows, call.cfg, out.max_new, eos, call.gen.pad_id, return_features,
+                               call.attend(runner, 1))
+    call.high += 1
+    return fetch
+
+
+def read_sampled(call: Call, fetch) -> tuple[int, int]:
+    """Emit a launched plain step's tokens; returns the rows alive before and after it.
+    Raises RuntimeError when the graph and the host disagree on a finish."""
+    was, live = 0, 0
+    for sid, tok, lp, slp, was_alive, done in fetch.result():
         if was_alive:
             if call.emit(int(sid), [int(tok)], [lp], [slp]) != bool(done):
                 raise RuntimeError(f"sample {int(sid)}: the step graph and the host disagree on "
                                    "whether it finished")
+            was += 1
             live += not done
-    call.high += 1
-    return live
+    return was, live
 
 
 def accept_and_emit(call: Call, rows: Rows, drafts: torch.Tensor, verdict: Verdict, base: torch.Tensor,

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gen_fixtures import PROMPTS, RandomSelector, actor_and_draft
+from gen_fixtures import PROMPTS, RandomSelector, actor_and_draft, eos_mid_batch
 from megatron_rlhf.config import GenerationConfig, SpecConfig
 from megatron_rlhf.generation import graphs, lookup, rounds, sampling
 from megatron_rlhf.generation.engine import Generator
@@ -76,9 +76,7 @@ class Trace(TorchDispatchMode):
 @pytest.fixture(scope="module")
 def actor(world1):
     actor, _ = actor_and_draft(world1)
-    plain = Generator(actor, graphs="off").generate(PROMPTS, CFGS["greedy"])
-    # EOS mid-batch: samples finish at different steps, so the batch is compacted
-    actor.mrlhf_config.eos_token_id = Counter(t for r in plain.responses() for t in set(r[:8])).most_common(1)[0][0]
+    eos_mid_batch(actor, CFGS["greedy"])  # samples finish at different steps: the batch is compacted
     return actor
 
 
@@ -108,7 +106,7 @@ def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=Non
     gen = Generator(actor, draft, graphs="eager", history=HistoryDrafter() if history else None,
                     selector=AlwaysPlain(3, seed=0) if plain_rounds else None)
     gen.generate(prompts, cfg, spec, seed=5)  # build the store once: its buffers are known below
-    rec.host_buffers.append(gen._steps["actor"].host)
+    rec.host_buffers.extend(gen._steps["actor"].hosts)
     if history:  # drafts from the prompts and the siblings only: rounds of every kind
         gen.history = HistoryDrafter()
     real_run, real_rollout, real_select = graphs._Eager.run, Generator._rollout, Rows.select
@@ -117,9 +115,10 @@ def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=Non
     def tolist(self):
         rec.tolist(self)
         return real_tolist(self)
-    # what each round calls first
+    # what each round calls first (plain decoding launches step t+1 before reading step t)
     first = (lookup, "look_up") if history else (
-        (rounds, "spec_round") if draft is not None and not plain_rounds else (rounds, "plain_step"))
+        (rounds, "spec_round") if draft is not None and not plain_rounds else
+        (rounds, "plain_step") if draft is not None else (rounds, "launch_sampled"))
     real_step = getattr(*first)
 
     def run(self):
@@ -260,13 +259,13 @@ def test_an_item_in_the_step_fails(actor, monkeypatch):
 
 
 def test_a_host_read_in_the_loop_fails(actor, monkeypatch):
-    real = rounds.sampled_step
+    real = rounds.launch_sampled
 
     def sabotaged(call, runner, rows, *a, **k):
         int(rows["alive"].sum())  # the per-step live count the engine used to read
         return real(call, runner, rows, *a, **k)
 
-    monkeypatch.setattr(rounds, "sampled_step", sabotaged)
+    monkeypatch.setattr(rounds, "launch_sampled", sabotaged)
     rec, _ = trace(actor, CFGS["greedy"], monkeypatch)
     assert any(h > MAX_HOST_COPIES for _, h in per_step(rec).values())
 
