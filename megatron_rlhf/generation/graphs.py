@@ -16,6 +16,7 @@ import torch
 
 from megatron_rlhf.generation import rng
 from megatron_rlhf.generation.attention import default_backend
+from megatron_rlhf.generation.cpu_numerics import ATTEND_ALIGN
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, plain_layers
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.sampling import STEP_COLUMNS, logprob_pair, sample, step_outputs
@@ -39,14 +40,20 @@ def bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
-MIN_LENGTH_BUCKET = 32  # shortest attended length (a multiple of cpu_numerics.ATTEND_ALIGN)
+MIN_LENGTH_BUCKET = 32  # shortest attended length
+# a length bucket is a multiple of this fraction of the next power of two: four per octave,
+# each at most 1/4 longer than what it holds, a few graphs more per batch bucket
+LENGTH_BUCKET_DIVISIONS = 8
 
 
 def length_bucket(needed: int, max_len: int) -> int:
     """The cache positions a step attends over when its rows hold at most ``needed`` tokens
-    (the step's included): the next power of two from :data:`MIN_LENGTH_BUCKET`, at most
-    ``max_len``."""
-    return min(max(MIN_LENGTH_BUCKET, 1 << max(needed - 1, 0).bit_length()), max_len)
+    (the step's included): ``needed`` rounded up to :data:`LENGTH_BUCKET_DIVISIONS` of its
+    next power of two (a multiple of ``ATTEND_ALIGN``), from :data:`MIN_LENGTH_BUCKET`, at
+    most ``max_len``."""
+    top = 1 << max(needed - 1, 0).bit_length()
+    step = max(ATTEND_ALIGN, top // LENGTH_BUCKET_DIVISIONS)
+    return min(max(MIN_LENGTH_BUCKET, -(-needed // step) * step), max_len)
 
 
 def width_bucket(n: int, room: int) -> int:
