@@ -148,7 +148,8 @@ def main(argv=None) -> None:
         lines += step_bytes(name, [int(b) for b in args.batches.split(",")], args.prompt, args.new)
     for line in lines:
         print(json.dumps(line), flush=True)
-    rows = [[x["model"], x["batch"], x["weights_gb"], x["kv_whole_cache_gb"], x["kv_bucketed_gb"], x["step_bytes_ratio"]]
+    rows = [[x["model"], x["batch"]] + [round(x[k], 2) for k in ("weights_gb", "kv_whole_cache_gb", "kv_bucketed_gb",
+                                                                 "step_bytes_ratio")]
             for x in lines if x["what"] == "bytes"]
     print(markdown(["model", "batch", "weights GB", "KV whole GB", "KV bucketed GB", "step bytes ratio"], rows))
 
