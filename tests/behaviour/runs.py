@@ -139,6 +139,8 @@ def run(fix: Path, out: Path) -> dict:
               "--critic-lr", "1e-3", "--advantage-estimator", "gae", "--global-batch-size", "8",
               "--rollout-n", "2", "--kl-coef", "0.05", "--draft-load", str(fix / "draft"),
               "--num-draft-tokens", "2", "--log-dir", str(out / "ppo_log"),
+              # at DP=2 migration is on by default: pi_old from a training forward, as for GRPO
+              "--recompute-logprobs",
               "--save", str(out / "ppo_save"))
     ppo = _metrics(out / "ppo_log")
     result["ppo"] = {"metrics": _digest(ppo), "weights": _weights(out / "ppo_save", out / "ppo_hf")}
