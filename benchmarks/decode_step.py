@@ -45,8 +45,8 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_layer(model, backend: str) -> int:
-    """Most aten ops a layer of the static one-token step runs."""
+def ops_per_layer(model, backend: str, tokens: int = 1) -> int:
+    """Most aten ops a layer of the static step of ``tokens`` per row runs (4 rows)."""
     from megatron_rlhf.generation import graphs, incremental
 
     runner = graphs.StepGraphs(model, 4, 64, capture=False, backend=backend)
@@ -63,7 +63,7 @@ def ops_per_layer(model, backend: str) -> int:
     incremental._plain_layer_step = layer_step
     try:
         with torch.inference_mode(), trace:
-            runner._forward_step(4, 1, False)()
+            runner._forward_step(4, tokens, False)()
     finally:
         incremental._plain_layer_step = real
     return max(trace.ops.values())
