@@ -9,7 +9,8 @@ from megatron_rlhf.config.errors import ConfigError, finite, positive
 
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce++"]
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
-LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                          "seq-mean-token-sum-norm"]
 # gae: a critic; grpo: group-normalised scores, KL as a loss term; rloo: leave-one-out
 # baselines within a prompt's group, KL in the reward; reinforce++: discounted returns of
 # the KL-shaped reward whitened over the batch (no baseline model).
@@ -33,9 +34,16 @@ class PPOConfig:
     ppo_epochs: int = 1
     """Passes over the iteration's samples."""
     advantage_estimator: AdvantageEstimator = "gae"
-    """gae (with a critic), grpo, rloo or reinforce++ (the last three train no critic)."""
+    """gae (with a critic), grpo (scores normalised in their group), rloo or reinforce++
+    (the last three train no critic)."""
     # grpo: group-normalised, KL as a loss; rloo: leave-one-out baseline in the group;
     # reinforce++: whitened returns.
+    grpo_std_norm: bool = True
+    """grpo: divide each group's centred scores by their std (unbiased, + 1e-6, as verl);
+    off: Dr. GRPO."""
+    # Off, the advantage is score - group mean (Dr. GRPO, verl's norm_adv_by_std_in_grpo=False):
+    # a group of nearly equal scores is not blown up by a tiny std. Dr. GRPO pairs it with
+    # --loss-agg seq-mean-token-sum-norm.
     gamma: float = 1.0
     """GAE discount."""
     lam: float = 0.95
@@ -62,18 +70,20 @@ class PPOConfig:
     entropy_coef: float = 0.0
     """Entropy bonus weight in the policy loss."""
     # token-mean: over the mini-batch's response tokens on all ranks; seq-mean-token-mean:
-    # each response's token mean, averaged; seq-mean-token-sum-norm (Dr. GRPO): each
-    # response's token sum over the response-length limit, averaged.
+    # each response's token mean, averaged; seq-mean-token-sum: each response's token sum,
+    # averaged; seq-mean-token-sum-norm (Dr. GRPO): each response's token sum over the
+    # response-length limit, averaged.
     loss_agg: LossAggregation = "token-mean"
     """How per-token policy losses become one (Dr. GRPO: seq-mean-token-sum-norm)."""
     filter_groups: bool = False
-    """DAPO's dynamic sampling: drop groups of equal rewards, generate more until the batch is full."""
-    # A group whose rewards are all equal gives a group baseline no signal.
+    """DAPO's dynamic sampling: drop groups of equal scores (before the overlong penalty),
+    generate more until the batch is full."""
+    # A group of equal scores gives a group baseline no signal, whatever its lengths.
     filter_max_tries: int = 4
     """filter_groups: most generation rounds per iteration (then dropped groups fill the batch)."""
     # The dropped groups that fill it are counted in the metrics.
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: tokens before the length limit where it starts (0: off)."""
+    """DAPO's soft overlong punishment: tokens before --max-new-tokens where it starts (0: off)."""
     # Responses within this many tokens of the limit lose up to overlong_penalty, linearly.
     overlong_penalty: float = 1.0
     """The largest soft overlong penalty, reached at the length limit."""
@@ -119,6 +129,10 @@ class PPOConfig:
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"{{dual_clip}} {self.dual_clip} must be > 1 (a cap on the ratio for "
                              "negative advantages, above the clip range; typically 3)")
+        if not self.grpo_std_norm and self.advantage_estimator != "grpo":
+            raise ConfigError(f"{{!grpo_std_norm}} changes grpo's advantages; the advantage "
+                              f"estimator is {self.advantage_estimator}: drop the flag or use "
+                              "{advantage_estimator} grpo")
         if self.loss_agg not in LOSS_AGGREGATIONS:
             raise ConfigError(f"unknown {{loss_agg}} {self.loss_agg!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")
         if self.filter_groups and self.rollout_n < 2:
@@ -127,6 +141,14 @@ class PPOConfig:
         if self.overlong_buffer < 0 or self.overlong_penalty < 0:
             raise ConfigError(f"{{overlong_buffer}} {self.overlong_buffer} and {{overlong_penalty}} "
                               f"{self.overlong_penalty} must be >= 0")
+
+    def check_generation(self, max_new_tokens: int) -> None:
+        """Raise a ConfigError unless the overlong buffer fits the response-length limit."""
+        if self.overlong_buffer > max_new_tokens:
+            raise ConfigError(
+                f"{{overlong_buffer}} {self.overlong_buffer} exceeds {{max_new_tokens}} "
+                f"{max_new_tokens}: the penalty would start before the first token and punish "
+                "every response; use a buffer of at most the length limit")
 
     @property
     def clip_low(self) -> float:

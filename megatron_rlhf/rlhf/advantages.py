@@ -4,9 +4,10 @@ Entry point: :func:`estimate`, by the name in ``--advantage-estimator`` (:data:`
 Shapes: ``B`` samples, ``T`` response positions (right-padded); ``mask`` is ``[B, T]``, 1 at
 response tokens. Every ``[B, T]`` output is 0 at padding.
 """
-# gae uses a critic, grpo group-relative scores, rloo leave-one-out baselines, reinforce++
-# whitened discounted returns. token_rewards shapes the reward with the KL penalty (gae,
-# rloo, reinforce++). Whitening over a data-parallel group equals whitening the whole batch.
+# gae uses a critic, grpo group-relative scores (Dr. GRPO: not divided by the group's std,
+# --no-grpo-std-norm), rloo leave-one-out baselines, reinforce++ whitened discounted
+# returns. token_rewards shapes the reward with the KL penalty (gae, rloo, reinforce++).
+# Whitening over a data-parallel group equals whitening the whole batch.
 
 from __future__ import annotations
 
@@ -98,9 +99,10 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
 
 def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 1e-6,
                     scale_by_std: bool = True) -> Tensor:
-    """GRPO: ``(score - group mean) / (group std + eps)`` (unbiased std; without it when not
-    ``scale_by_std``) of ``scores`` [B] in consecutive groups of ``group_size``, broadcast
-    over ``mask`` [B, T]. Returns [B, T], 0 at padding; raises ValueError for a bad group."""
+    """GRPO: ``(score - group mean) / (group std + eps)`` (the unbiased std and eps 1e-6, as
+    verl; Dr. GRPO's ``score - group mean`` when not ``scale_by_std``) of ``scores`` [B] in
+    consecutive groups of ``group_size``, broadcast over ``mask`` [B, T]. Returns [B, T], 0
+    at padding; raises ValueError for a bad group."""
     B = scores.shape[0]
     if group_size < 1 or B % group_size != 0:
         raise ValueError(f"batch size {B} must be a multiple of the group size {group_size}")
@@ -160,7 +162,8 @@ def _gae_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, Tensor]:
 
 
 def _grpo_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, None]:
-    return grpo_advantages(exp.scores, cfg.rollout_n, exp.response_mask), None
+    return grpo_advantages(exp.scores, cfg.rollout_n, exp.response_mask,
+                           scale_by_std=cfg.grpo_std_norm), None
 
 
 def _rloo_of(exp: Experience, cfg: PPOConfig, group) -> tuple[Tensor, None]:

@@ -4,7 +4,8 @@ Entry point: :meth:`ExperienceMaker.make`. Every log-prob is under the sampling 
 (:mod:`.policy`), which the :class:`Experience` records for the update.
 """
 # A batch goes pack (.batch) -> inference calls (here, or on their own layouts: .placement)
-# -> KL (.kl) -> rewards (ExperienceMaker.score) -> advantages (.advantages). Each
+# -> KL (.kl) -> scores (ExperienceMaker.score) -> rewards (the scores shaped by the
+# overlong penalty, ExperienceMaker.shaped) -> advantages (.advantages). Each
 # data-parallel rank makes its own samples' experience; the only collectives are TP
 # all-reduces, the DP-global whitening and the all-reduce that stops all ranks on a reward error.
 
@@ -109,6 +110,11 @@ class ExperienceMaker:
             self.recompute = actor is not None and recomputes(cfg, next(actor.parameters()).dtype, gen)
         if self.recompute and actor is None:
             raise ValueError("recompute_logprobs needs the actor")
+        if cfg.overlong_buffer:
+            if gen is None:
+                raise ValueError(f"overlong_buffer {cfg.overlong_buffer} counts back from the "
+                                 "response-length limit: give the generation settings (gen)")
+            cfg.check_generation(gen.max_new_tokens)
         self.reward = reward or RewardConfig()
         self.scorer = None if reward_fn is None else _scorer(reward_fn, self.reward)
         # samples given 0 for a crash or a timeout since take_reward_stats()
@@ -122,8 +128,9 @@ class ExperienceMaker:
              first_index: int = 0, metas: list[dict] | None = None,
              scores: torch.Tensor | None = None) -> Experience:
         """The :class:`Experience` of ``rollout``. ``prompts``, ``prompt_texts``, ``metas``: per
-        sample; ``first_index``: this rank's first global sample; ``scores``: ``[B]`` rewards
-        when already computed (:meth:`score`), else computed here."""
+        sample; ``first_index``: this rank's first global sample; ``scores``: ``[B]`` the
+        samples' :meth:`score` when already computed, else computed here. The rewards
+        (``exp.scores``) are the scores :meth:`shaped`."""
         cfg = self.cfg
         responses = rollout.responses()
         dev = runtime.device()
@@ -142,7 +149,7 @@ class ExperienceMaker:
             exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
         if scores is None:
             scores = self.score(prompts, prompt_texts, rollout, first_index, metas, exp)
-        exp.scores = scores.to(dev)
+        exp.scores = self.shaped(scores.to(dev), mask.sum(1))
         if cfg.use_critic:
             exp.values = self._placed_rows("critic", exp, sample_ids)
         advantages.estimate(exp, cfg, group=self.dp_group)
@@ -213,20 +220,24 @@ class ExperienceMaker:
         out, self.reward_stats = self.reward_stats, dict.fromkeys(self.reward_stats, 0)
         return out
 
-    def score(self, prompts, prompt_texts, rollout, first_index: int = 0, metas=None, exp=None,
-              penalties: bool = True) -> torch.Tensor:
-        """``[B]`` rewards of a rollout's samples; collective over the world."""
-        # A reward model needs the packed ``exp``. The soft overlong penalty is added when
-        # ``penalties`` and configured. Every rank stops together on a reward error.
+    def score(self, prompts, prompt_texts, rollout, first_index: int = 0, metas=None,
+              exp=None) -> torch.Tensor:
+        """``[B]`` scores of a rollout's samples by the reward function or model, before any
+        shaping (what --filter-groups judges and evaluation reports); collective over the world."""
+        # A reward model needs the packed ``exp``. Every rank stops together on a reward error.
         responses = rollout.responses()
         if exp is None and self.reward_model is not None:
             exp = self._batch(prompts, responses)
-        scores = self._scores(exp, prompts, prompt_texts, responses, rollout, first_index,
-                              metas or [{}] * len(prompts))
-        if penalties and self.cfg.overlong_buffer and self.gen is not None:
-            scores = scores + overlong_penalty(rollout.lengths.to(scores.device), self.gen.max_new_tokens,
-                                               self.cfg.overlong_buffer, self.cfg.overlong_penalty)
-        return scores
+        return self._scores(exp, prompts, prompt_texts, responses, rollout, first_index,
+                            metas or [{}] * len(prompts))
+
+    def shaped(self, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``[B]`` the rewards the advantages see: ``scores`` [B] plus the soft overlong
+        penalty of the responses' ``lengths`` [B] when ``overlong_buffer`` is set."""
+        if not self.cfg.overlong_buffer:
+            return scores
+        return scores + overlong_penalty(lengths.to(scores.device), self.gen.max_new_tokens,
+                                         self.cfg.overlong_buffer, self.cfg.overlong_penalty)
 
     def _scores(self, exp, prompts, prompt_texts, responses, rollout, first_index, metas):
         error, failed = None, 0
@@ -267,8 +278,8 @@ def _scorer(name: str, cfg: RewardConfig):
 
 
 def overlong_penalty(lengths: torch.Tensor, limit: int, buffer: int, penalty: float) -> torch.Tensor:
-    """DAPO's soft overlong punishment, ``[B]``: 0 up to ``limit - buffer`` response tokens,
-    then falling linearly to ``-penalty`` at ``limit``."""
+    """DAPO's soft overlong punishment, ``[B]`` and <= 0, to add to the scores: 0 up to
+    ``limit - buffer`` response tokens, then falling linearly to ``-penalty`` at ``limit``."""
     over = (lengths.float() - (limit - buffer)).clamp(min=0)
     return -penalty * (over / buffer).clamp(max=1)
 

@@ -13,6 +13,9 @@ from megatron_rlhf.config import KL_ESTIMATORS  # one list, also validated by PP
 # log-ratios are clamped to +-this before exp (k3, the PPO ratio): a token whose
 # probability moved by e^20 would overflow the loss, not inform it
 RATIO_LOG_CLAMP = 20.0
+# k3 itself is clamped to at most this (verl's bound): past it a token adds a constant, no
+# gradient; without it one token at the log-ratio clamp adds e^20 - 21 = 4.85e8 to the loss
+K3_CLAMP = 10.0
 
 
 def check_kl_estimator(name: str) -> None:
@@ -25,7 +28,7 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tenso
     """[B, T] estimate of KL(pi || pi_ref) from ``logprobs`` and ``ref_logprobs`` [B, T] of
     tokens sampled from pi; ValueError for an unknown ``estimator``."""
     # Schulman, "Approximating KL divergence": k1 unbiased and noisy; k2 = (k1^2)/2;
-    # k3 = exp(-k1) + k1 - 1, unbiased, low variance and >= 0; abs = |k1|
+    # k3 = exp(-k1) + k1 - 1, unbiased, low variance and >= 0 (clamped to K3_CLAMP); abs = |k1|
     check_kl_estimator(estimator)
     diff = logprobs - ref_logprobs  # [B, T] log(pi / pi_ref)
     if estimator == "k1":
@@ -35,4 +38,4 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tenso
     if estimator == "abs":
         return diff.abs()
     log_ratio = (-diff).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)  # log(pi_ref / pi)
-    return torch.exp(log_ratio) - log_ratio - 1
+    return (torch.exp(log_ratio) - log_ratio - 1).clamp(max=K3_CLAMP)

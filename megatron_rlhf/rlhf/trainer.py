@@ -228,8 +228,7 @@ class RLHFTrainer:
         gen = replace(self.gen, temperature=h.cfg.eval_temperature)
         generated = self._generate(ids, sids, gen, iteration_seed(self.loop.seed, 0) ^ 0x5EED)
         scores = self.maker.score(ids, [h.records[i].prompt for i in mine for _ in range(k)], generated,
-                                  sids[0] if sids else 0, [h.records[i].meta for i in mine for _ in range(k)],
-                                  penalties=False)
+                                  sids[0] if sids else 0, [h.records[i].meta for i in mine for _ in range(k)])
         out = eval_metrics(scores, generated.lengths, k, h.cfg.eval_threshold, dp)
         out.update({f"eval/{name}": float(v) for name, v in self.maker.take_reward_stats().items()})
         out["eval/time_s"] = time.perf_counter() - start

@@ -59,6 +59,8 @@ def loss_weights(mask: torch.Tensor, agg: str, group, horizon: int | None = None
                                             device=mask.device), group=group).clamp(min=1).float()
     if agg == "seq-mean-token-mean":
         return mask / (mask.sum(-1, keepdim=True).clamp(min=1) * seqs)
+    if agg == "seq-mean-token-sum":  # verl's: a response's token sum, mean over responses on all ranks
+        return mask / seqs
     if agg == "seq-mean-token-sum-norm":
         if not horizon:
             raise ValueError("seq-mean-token-sum-norm needs the response-length limit (horizon)")

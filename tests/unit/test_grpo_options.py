@@ -41,12 +41,37 @@ def test_bad_options_are_refused():
                     (dict(clip_eps_high=0.0), "--clip-eps-high must be > 0"),
                     (dict(loss_agg="sum"), "unknown --loss-agg 'sum'"),
                     (dict(filter_groups=True, rollout_n=1), "--filter-groups .* --rollout-n >= 2"),
-                    (dict(overlong_buffer=-1), "--overlong-buffer -1")]:
+                    (dict(overlong_buffer=-1), "--overlong-buffer -1"),
+                    (dict(grpo_std_norm=False), "--no-grpo-std-norm changes grpo's advantages; the "
+                     "advantage estimator is gae: drop the flag or use --advantage-estimator grpo")]:
         with pytest.raises(ValueError) as e:  # the message names fields; the CLI's, flags
             PPOConfig(**kw)
         assert re.search(msg, cli_message(e.value)), cli_message(e.value)
     with pytest.raises(ValueError, match="greedy responses would all be the same"):
         EvalConfig(eval_samples=4)
+
+
+def test_an_overlong_buffer_past_the_length_limit_is_refused():
+    """A buffer longer than --max-new-tokens starts the penalty before the first token: every
+    response would be punished. Refused by the config check the plan runs, and by the
+    experience maker; a buffer of the whole limit is allowed (verl's bound)."""
+    from megatron_rlhf.config import GenerationConfig, RewardConfig
+    from megatron_rlhf.flags import cli_message
+    from megatron_rlhf.rlhf.experience import ExperienceMaker
+
+    cfg = PPOConfig(overlong_buffer=40)
+    with pytest.raises(ValueError) as e:
+        cfg.check_generation(32)
+    assert cli_message(e.value).startswith(
+        "--overlong-buffer 40 exceeds --max-new-tokens 32: the penalty would start before the first token")
+    cfg.check_generation(40)
+    reward = RewardConfig(reward_workers=0)
+    with pytest.raises(ValueError, match="overlong_buffer 40 exceeds max_new_tokens 32"):
+        ExperienceMaker(cfg, None, reward_fn="token_parity", reward=reward,
+                        gen=GenerationConfig(max_new_tokens=32))
+    with pytest.raises(ValueError, match="give the generation settings"):
+        ExperienceMaker(cfg, None, reward_fn="token_parity", reward=reward)
+    ExperienceMaker(cfg, None, reward_fn="token_parity", reward=reward, gen=GenerationConfig(max_new_tokens=40))
 
 
 # ------------------------------------------------------------------------- ratio safety
@@ -63,15 +88,16 @@ def test_clip_higher_bounds_the_ratio_asymmetrically():
 
 
 def test_dual_clip_caps_negative_advantages():
-    logp = torch.log(torch.tensor([[10.0, 10.0, 2.0]]))
-    old = torch.zeros(1, 3)
-    adv = torch.tensor([[-1.0, 1.0, -1.0]])
+    logp = torch.log(torch.tensor([[10.0, 10.0, 2.0, 10.0]]))
+    old = torch.zeros(1, 4)
+    adv = torch.tensor([[-2.0, 1.5, -0.5, -0.5]])
     loss, clipped = policy_loss(logp, old, adv, 0.2, dual_clip=3.0)
-    # ratio 10 with A = -1: max(10, 1.2) = 10, capped at 3; with A > 0 untouched (-1.2); ratio 2: 2 < 3
-    assert torch.allclose(loss, torch.tensor([[3.0, -1.2, 2.0]]))
-    assert clipped.tolist() == [[True, True, False]]
+    # ratio 10 with A = -2: max(20, 2.4) = 20, capped at -A C = 6 (not C = 3); with A > 0
+    # untouched (-1.5 x 1.2); ratio 2 < C: 1.0 stays; ratio 10 with A = -0.5: 5 capped at 1.5
+    assert torch.allclose(loss, torch.tensor([[6.0, -1.8, 1.0, 1.5]]))
+    assert clipped.tolist() == [[True, True, False, True]]
     plain, _ = policy_loss(logp, old, adv, 0.2)
-    assert plain[0, 0] == 10.0  # the cap is what changed it
+    assert plain[0, 0] == 20.0 and plain[0, 3] == 5.0  # the cap is what changed them
 
 
 def test_log_ratio_is_clamped_before_exp():
@@ -96,6 +122,7 @@ def test_loss_aggregations_match_their_definitions():
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 7.0, 99.0, 99.0], [6.0, 99.0, 99.0, 99.0]])
     assert _aggregate(x, "token-mean") == pytest.approx((1 + 2 + 3 + 4 + 5 + 7 + 6) / 7)
     assert _aggregate(x, "seq-mean-token-mean") == pytest.approx((2.5 + 6.0 + 6.0) / 3)
+    assert _aggregate(x, "seq-mean-token-sum") == pytest.approx((10 + 12 + 6) / 3)
     assert _aggregate(x, "seq-mean-token-sum-norm", horizon=8) == pytest.approx((10 + 12 + 6) / 8 / 3)
     with pytest.raises(ValueError, match="horizon"):
         loss_weights(MASK, "seq-mean-token-sum-norm", None)

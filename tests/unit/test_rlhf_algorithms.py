@@ -272,7 +272,7 @@ def _kl_ref(lp: float, ref: float, estimator: str) -> float:
     if estimator == "abs":
         return abs(d)
     lr = min(max(ref - lp, -20.0), 20.0)
-    return math.exp(lr) - lr - 1.0
+    return min(math.exp(lr) - lr - 1.0, 10.0)  # k3 clamped to 10, as verl
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -288,12 +288,19 @@ def test_kl_estimate(seed, estimator):
         assert (out >= 0).all()
 
 
-def test_k3_clamps_log_ratio():
-    out = K.kl_estimate(torch.tensor([[-1000.0, 0.0]], dtype=torch.float64),
-                             torch.tensor([[0.0, -1000.0]], dtype=torch.float64), "k3")
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out[0, 0].item(), math.exp(20.0) - 21.0, **TOL)
-    torch.testing.assert_close(out[0, 1].item(), math.exp(-20.0) + 19.0, **TOL)
+def test_k3_clamps_log_ratio_and_value():
+    """The log-ratio is clamped to +-20 before exp, and k3 to at most 10 (verl's bounds): one
+    token at log(pi_ref/pi) = 30 would otherwise add e^20 - 21 = 4.85e8 to the loss."""
+    lp = torch.tensor([[-1000.0, 0.0, -30.0, -2.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[0.0, -1000.0, 0.0, 0.0, -9.0]], dtype=torch.float64)
+    out = K.kl_estimate(lp, ref, "k3")
+    assert K.K3_CLAMP == 10.0
+    # log(ref/pi) = 1000, -1000, 30: past the bound; 2: exp(2) - 3 = 4.39 inside; -9: 9 - 1 + e^-9
+    torch.testing.assert_close(out[0].tolist(), [10.0, 10.0, 10.0, math.exp(2.0) - 3.0,
+                                                 math.exp(-9.0) + 8.0], **TOL)
+    out.sum().backward()
+    assert lp.grad[0, :3].tolist() == [0.0, 0.0, 0.0]  # clamped: a constant
+    torch.testing.assert_close(lp.grad[0, 3].item(), 1.0 - math.exp(2.0), **TOL)  # d/dlp of e^(ref-lp) + lp - ref - 1
 
 
 def test_kl_estimator_names():

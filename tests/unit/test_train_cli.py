@@ -123,6 +123,12 @@ CASES = [
     ("filter_groups_with_a_gen_layout",
      dict(advantage_estimator="grpo", filter_groups=True, train_layout="2x1x1", gen_layout="1x2"), 2,
      "--filter-groups keeps each group on the rank that generated it"),
+    ("overlong_buffer_past_the_limit",
+     dict(advantage_estimator="grpo", overlong_buffer=7), 1,
+     "--overlong-buffer 7 exceeds --max-new-tokens 6: the penalty would start before the first token"),
+    ("dr_grpo_needs_grpo",
+     dict(no_grpo_std_norm=True), 1,
+     "--no-grpo-std-norm changes grpo's advantages; the advantage estimator is gae"),
     ("eval_needs_a_reward_fn",
      lambda f: dict(eval_prompts=f["prompts"], reward_fn=None, reward_load=f["actor"]), 1,
      "--eval-prompts scores the held-out responses with the run's reward function"),
@@ -144,6 +150,8 @@ CASES = [
                                         advantage_estimator="grpo", filter_groups=True,
                                         clip_eps_high=0.28, dual_clip=3.0, overlong_buffer=2,
                                         loss_agg="seq-mean-token-sum-norm"), 2, None),
+    ("valid_dr_grpo", dict(advantage_estimator="grpo", no_grpo_std_norm=True, overlong_buffer=6,
+                           loss_agg="seq-mean-token-sum"), 2, None),
 ]
 
 
