@@ -11,11 +11,11 @@ from megatron_rlhf import arguments, runtime
 from megatron_rlhf.runtime import devices
 
 # /proc/cpuinfo excerpts (two processors each, as the file lists every one)
-ZEN4 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n\n"
-        "processor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n")
-SAPPHIRE_RAPIDS = ("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n\n"
-                   "processor\t: 1\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
-SKYLAKE = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n\nprocessor\t: 1\nflags\t\t: fpu avx2 avx512f avx512bw\n"
+AVX512_BF16 = ("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n\n"
+               "processor\t: 1\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n")
+AMX = ("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n\n"
+       "processor\t: 1\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+AVX512_ONLY = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n\nprocessor\t: 1\nflags\t\t: fpu avx2 avx512f avx512bw\n"
 ARM = "processor\t: 0\nFeatures\t: fp asimd bf16\n"  # no x86 flags line
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -23,18 +23,18 @@ NO_BF16 = "the CPU has no bf16 instructions (no amx_bf16 or avx512_bf16 flag)"
 
 
 def test_cpu_flags_are_the_first_processors():
-    assert devices.cpu_flags(ZEN4) == {"fpu", "sse2", "avx2", "avx512f", "avx512_bf16", "avx512_vnni"}
+    assert devices.cpu_flags(AVX512_BF16) == {"fpu", "sse2", "avx2", "avx512f", "avx512_bf16", "avx512_vnni"}
     assert devices.cpu_flags(ARM) == frozenset() and devices.cpu_flags("") == frozenset()
     assert isinstance(devices.cpu_flags(), frozenset)  # this machine's, whatever they are
 
 
 @pytest.mark.parametrize("cpuinfo,want", [
-    (ZEN4, (BF16, "the CPU reports avx512_bf16")),
-    (SAPPHIRE_RAPIDS, (BF16, "the CPU reports amx_bf16 and avx512_bf16")),
-    (SKYLAKE, (FP32, NO_BF16)),
+    (AVX512_BF16, (BF16, "the CPU reports avx512_bf16")),
+    (AMX, (BF16, "the CPU reports amx_bf16 and avx512_bf16")),
+    (AVX512_ONLY, (FP32, NO_BF16)),
     (ARM, (FP32, NO_BF16)),
     ("", (FP32, NO_BF16)),  # no /proc/cpuinfo
-], ids=["zen4", "sapphire-rapids", "skylake", "arm", "none"])
+], ids=["avx512_bf16", "amx", "avx512-no-bf16", "arm", "none"])
 def test_auto_is_bf16_where_the_cpu_has_bf16_instructions(cpuinfo, want):
     flags = devices.cpu_flags(cpuinfo)
     assert devices.choose_dtype(None, cuda=False, flags=flags) == want
@@ -50,7 +50,7 @@ def _cli(*extra) -> argparse.Namespace:
     return train.parse_args(["--actor-load", "A", "--reward-fn", "concise", *extra])
 
 
-@pytest.mark.parametrize("cpuinfo,want", [(ZEN4, BF16), (SKYLAKE, FP32)], ids=["bf16-cpu", "fp32-cpu"])
+@pytest.mark.parametrize("cpuinfo,want", [(AVX512_BF16, BF16), (AVX512_ONLY, FP32)], ids=["bf16-cpu", "fp32-cpu"])
 def test_the_cli_default_reads_this_cpu(monkeypatch, cpuinfo, want):
     """Neither flag: the choice follows the CPU's flags (faked as another CPU's); a flag
     overrides it either way."""
@@ -82,7 +82,7 @@ def test_a_resumed_run_keeps_its_precision(world1, tmp_path, monkeypatch, saved)
     save_checkpoint(ckpt, 0, build_model(preset("tiny"), "actor", world1, dtype=saved, seed=1), world1)
     assert stored_dtype(ckpt) == saved
     assert stored_dtype(tmp_path / "nothing") is None  # (the checks that load it say why)
-    other, cpu = (FP32, SKYLAKE) if saved == BF16 else (BF16, ZEN4)  # a CPU that would choose otherwise
+    other, cpu = (FP32, AVX512_ONLY) if saved == BF16 else (BF16, AVX512_BF16)  # a CPU that would choose otherwise
     real = devices.cpu_flags
     monkeypatch.setattr(devices, "has_cuda", lambda: False)
     monkeypatch.setattr(devices, "cpu_flags", lambda text=None: real(cpu if text is None else text))
