@@ -1,8 +1,9 @@
 """What every benchmark shares: the torchrun launch, a run's ``metrics.jsonl``, the machine
 header, the JSON lines and the tables that go to stderr.
 
-Imports only the standard library: the TRL worker of ``benchmarks.peer`` runs it in a venv
-without torch or megatron_rlhf.
+Imports only the standard library at import: the TRL worker of ``benchmarks.peer`` runs it in
+a venv without megatron_rlhf's dependencies (:func:`cpu_flags` imports the package's reader
+when called).
 """
 
 from __future__ import annotations
@@ -78,12 +79,12 @@ def cpu_model() -> str:
 
 
 def cpu_flags() -> list[str]:
-    """Which of the CPU features that decide bf16 and fp32 speed the CPU has."""
-    for line in _cpuinfo():
-        if line.startswith("flags"):
-            have = set(line.split(":", 1)[1].split())
-            return [f for f in BF16_FLAGS if f in have]
-    return []
+    """Which of the CPU features that decide bf16 and fp32 speed the CPU has (read as the
+    runs' automatic precision reads them: :func:`megatron_rlhf.runtime.cpu_flags`)."""
+    from megatron_rlhf.runtime.devices import cpu_flags as flags
+
+    have = flags()
+    return [f for f in BF16_FLAGS if f in have]
 
 
 def _cpuinfo() -> list[str]:

@@ -15,7 +15,7 @@ SMOLLM2_CKPT = BENCH_DIR / "smollm2"  # the GGUF converted once
 LAYOUT_MODEL = BENCH_DIR / "layout_model"
 LAYOUT_TOKENIZER = SMOLLM2_CKPT / "iter_0000000" / "tokenizer"
 TASK_FLAGS = {  # examples/cpu_demo.sh
-    "ppo": ["--reward-fn", "concise", "--global-batch-size", "8", "--rollout-n", "2",
+    "ppo": ["--fp32", "--reward-fn", "concise", "--global-batch-size", "8", "--rollout-n", "2",
             "--micro-batch-size", "8", "--max-new-tokens", "40", "--temperature", "1.0",
             "--lr", "1e-5", "--critic-lr", "2e-5", "--lr-warmup-iters", "2", "--kl-coef", "0.01",
             "--clip-grad", "1.0"],

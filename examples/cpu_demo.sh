@@ -51,7 +51,7 @@ if [[ "${LOAD:-0}" == 1 && -f "$RUN/latest_checkpointed_iteration.txt" ]]; then
 fi
 if [[ "$DEMO" == ppo ]]; then
   echo "== [${SECONDS}s] PPO on $NPROC CPU ranks, $ITERS iterations (progress bar below)"
-  torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train \
+  torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train --fp32 \
     --actor-load "$CKPT" --draft-load "$DRAFT" --draft-distill \
     --reward-fn concise --global-batch-size 8 --rollout-n 2 --micro-batch-size 8 \
     --max-new-tokens 40 --temperature 1.0 \

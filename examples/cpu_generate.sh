@@ -18,6 +18,6 @@ if [[ ! -f "$CKPT/latest_checkpointed_iteration.txt" ]]; then
 fi
 echo "== generating at TP=$NPROC on $NPROC CPU ranks"
 echo "prompt: $PROMPT"
-torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.generate \
+torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.generate --fp32 \
   --load "$CKPT" --tensor-model-parallel-size "$NPROC" \
   --prompt "$PROMPT" --chat --max-new-tokens 48 --temperature 0

@@ -6,8 +6,9 @@
 #      a concise reply over the same reply padded with hedges and filler), from the SFT
 #      model's trunk, with held-out pairwise accuracy;
 #   4. PPO of the SFT model against the trained reward model (--reward-load).
-# Each stage writes an ordinary checkpoint that the next one loads. Budget: under 20
-# minutes on 2 cores. ITERS_SFT, ITERS_RM, ITERS_PPO shorten or lengthen the stages.
+# Each stage writes an ordinary checkpoint that the next one loads. In fp32 (--fp32), as its
+# recorded runs. Budget: under 20 minutes on 2 cores. ITERS_SFT, ITERS_RM, ITERS_PPO shorten
+# or lengthen the stages.
 set -euo pipefail
 NPROC=${NPROC:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -25,19 +26,19 @@ if [[ ! -f "$BASE/latest_checkpointed_iteration.txt" ]]; then
   python tools/convert_checkpoint.py hf-to-mcore --input "$GGUF" --output "$BASE"
 fi
 echo "== [${SECONDS}s] SFT, $ITERS_SFT steps"
-torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train_sft \
+torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train_sft --fp32 \
   --load-model "$BASE" --data "$DATA/sft.jsonl" --pack --seq-length 256 \
   --global-batch-size 16 --micro-batch-size 4 --lr 1e-5 --lr-warmup-iters 3 \
   --train-iters "$ITERS_SFT" --eval-interval 8 --save "$OUT/sft" --log-dir "$OUT/sft"
 SFT="$OUT/sft/iter_$(printf %07d "$ITERS_SFT")/actor"
 echo "== [${SECONDS}s] reward model, $ITERS_RM steps"
-torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train_rm \
+torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train_rm --fp32 \
   --load-model "$SFT" --data "$DATA/preferences.jsonl" --seq-length 256 \
   --global-batch-size 16 --micro-batch-size 4 --lr 2e-5 --lr-warmup-iters 3 \
   --train-iters "$ITERS_RM" --eval-interval 6 --save "$OUT/rm" --log-dir "$OUT/rm"
 RM="$OUT/rm/iter_$(printf %07d "$ITERS_RM")/reward"
 echo "== [${SECONDS}s] PPO against the reward model, $ITERS_PPO iterations"
-torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train \
+torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train --fp32 \
   --actor-load "$SFT" --reward-load "$RM" --global-batch-size 8 --rollout-n 2 \
   --micro-batch-size 8 --max-new-tokens 40 --temperature 1.0 \
   --lr 1e-5 --critic-lr 2e-5 --lr-warmup-iters 2 --kl-coef 0.01 --clip-grad 1.0 \

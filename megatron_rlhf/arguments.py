@@ -168,10 +168,48 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     return dataclass_from_namespace(ParallelConfig, args)
 
 
-def dtype_from_args(args: argparse.Namespace) -> torch.dtype:
-    from megatron_rlhf.runtime import default_dtype
+def precision_from_args(args: argparse.Namespace, resumed: str | os.PathLike | None = None
+                        ) -> tuple[torch.dtype, str]:
+    """The run's dtype and why: ``--bf16``/``--fp32``; else, resuming, the precision the
+    resumed run's weights (checkpoint ``resumed``) were saved in; else
+    :func:`~megatron_rlhf.runtime.choose_dtype`'s automatic choice."""
+    from megatron_rlhf.runtime import choose_dtype
 
-    return default_dtype(args.bf16)
+    if args.bf16 is None and resumed is not None:
+        from megatron_rlhf.models.checkpoint import stored_dtype
+
+        stored = stored_dtype(resumed)
+        if stored in (torch.bfloat16, torch.float32):
+            return stored, f"the resumed run's, as its checkpoint {resumed} holds"
+    return choose_dtype(args.bf16)
+
+
+def dtype_from_args(args: argparse.Namespace) -> torch.dtype:
+    return precision_from_args(args)[0]
+
+
+def announce_precision(dtype: torch.dtype, why: str) -> bool:
+    """After ``init_distributed``: the first rank prints the run's precision and why (the run
+    header). False, an error printed, where ranks chose differently (the automatic choice on
+    nodes whose CPUs differ): the run must not start."""
+    import torch.distributed as dist
+
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (name, why))
+    first = dist.get_rank() == 0
+    if len({n for n, _ in everyone}) > 1:
+        if first:
+            chose = {}
+            for rank, (n, w) in enumerate(everyone):
+                chose.setdefault(n, (rank, w, []))[2].append(rank)
+            parts = [f"{n} on {len(ranks)} ranks (rank {r}: {w})" for n, (r, w, ranks) in chose.items()]
+            print(f"error: the ranks chose different precisions, {'; '.join(parts)}: give --bf16 "
+                  "or --fp32", file=sys.stderr, flush=True)
+        return False
+    if first:
+        print(f"precision: {name} ({why})", file=sys.stderr, flush=True)
+    return True
 
 
 def launch_world_size() -> int:

@@ -99,7 +99,10 @@ def main(argv=None) -> int:
     rank, world = runtime.init_distributed(seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
     layout = Layout.for_world(world, tp=tp)
     pg = build_process_groups(layout)
-    dtype = arguments.dtype_from_args(args)
+    dtype, why = arguments.precision_from_args(args)
+    if not arguments.announce_precision(dtype, why):
+        runtime.shutdown()
+        return 2
     models = []
     for info in infos:
         m = build_model(info.config, info.role, pg, dtype=dtype, seed=args.seed)

@@ -41,6 +41,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def precision(args: argparse.Namespace):
+    """``(dtype, why)`` of the run (:func:`~megatron_rlhf.arguments.precision_from_args`;
+    resuming without ``--bf16``/``--fp32``: the resumed actor's)."""
+    resumed = None
+    if args.load and args.bf16 is None:
+        from megatron_rlhf.rlhf.state import find_training_checkpoint
+
+        resumed = find_training_checkpoint(args.load) / "actor"
+    return arguments.precision_from_args(args, resumed)
+
+
 def validate(args: argparse.Namespace):
     """Flags -> a validated :class:`~megatron_rlhf.rlhf.train_plan.TrainPlan`; no collectives."""
     from megatron_rlhf.rlhf.train_plan import CheckpointPaths, make_plan
@@ -56,7 +67,7 @@ def validate(args: argparse.Namespace):
         spec=dataclass_from_namespace(SpecConfig, args),
         migration=dataclass_from_namespace(MigrationConfig, args),
         par=arguments.parallel_config_from_args(args),
-        dtype=arguments.dtype_from_args(args),
+        dtype=precision(args)[0],
         paths=paths, reward_fn=args.reward_fn, world_size=arguments.launch_world_size(),
         prompts_file=args.prompts, save_dir=args.save, log_dir=args.log_dir,
         reward=dataclass_from_namespace(RewardConfig, args),
@@ -79,6 +90,9 @@ def main(argv=None) -> int:
 
     rank, world = runtime.init_distributed(seed=plan.loop.seed,
                                             timeout_minutes=args.distributed_timeout_minutes)
+    if not arguments.announce_precision(plan.dtype, precision(args)[1]):
+        runtime.shutdown()
+        return 2
     train_layout, gen_layout = plan.par.layouts(world)
     pg = build_process_groups(train_layout)
     gen_pg = pg if one_layout(train_layout, gen_layout) else build_process_groups(gen_layout)

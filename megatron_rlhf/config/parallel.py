@@ -155,4 +155,7 @@ class PrecisionConfig:
     """Parameter and compute dtype."""
 
     bf16: bool | None = field(default=None, metadata={"off": "--fp32"})
-    """bf16 parameters and compute (None: bf16 on GPU, fp32 on CPU)."""
+    """bf16 weights and activations with fp32 master weights and Adam states (--fp32: fp32
+    throughout). Default: a resumed run's own; else bf16 on a GPU and on a CPU that reports
+    amx_bf16 or avx512_bf16, fp32 on other CPUs. The run header (``precision: ...``) says which
+    and why."""

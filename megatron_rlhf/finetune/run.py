@@ -37,6 +37,8 @@ class FinetunePlan:
     log_dir: str | None
     resume_dir: Path | None
     resume_state: dict
+    precision: str = ""
+    """Why ``dtype`` (the run header's reason)."""
 
     @property
     def name(self) -> str:
@@ -89,8 +91,9 @@ def validate(args: argparse.Namespace) -> FinetunePlan:
     if len(train) < cfg.global_batch_size:
         raise ValueError(f"{len(train)} training records are fewer than --global-batch-size "
                          f"{cfg.global_batch_size}")
-    return FinetunePlan(cfg, optim, arguments.dtype_from_args(args), info, ref_info, tokenizer,
-                        train, held_out, tp, world, args.save, args.log_dir, resume, state)
+    dtype, why = arguments.precision_from_args(args, resume / name if resume else None)
+    return FinetunePlan(cfg, optim, dtype, info, ref_info, tokenizer, train, held_out, tp, world,
+                        args.save, args.log_dir, resume, state, precision=why)
 
 
 def run(plan: FinetunePlan, timeout_minutes: float = 30) -> list[dict]:
@@ -107,6 +110,9 @@ def run(plan: FinetunePlan, timeout_minutes: float = 30) -> list[dict]:
 
     cfg = plan.cfg
     runtime.init_distributed(seed=cfg.seed, timeout_minutes=timeout_minutes)
+    if not arguments.announce_precision(plan.dtype, plan.precision):
+        runtime.shutdown()
+        raise SystemExit(2)
     pg = build_process_groups(Layout(tp=plan.tp, dp=plan.world_size // plan.tp))
     role = "reward" if plan.name == "reward" else "actor"
     model = build_model(plan.info.config, role, pg, dtype=plan.dtype, seed=cfg.seed)

@@ -314,6 +314,20 @@ def check_shapes(model, pg_collection, info: CheckpointInfo, skip: tuple[str, ..
             )
 
 
+def stored_dtype(path: str | os.PathLike):
+    """The torch dtype the weights of checkpoint ``path`` were written in (a run's own
+    precision: weights are saved as the model holds them); None where the files do not say.
+    Reads the index only, no collectives."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        stored = FileSystemReader(str(resolve_checkpoint(path))).read_metadata().state_dict_metadata
+    except Exception:  # unreadable here: the checks that load it report why
+        return None
+    dtypes = [getattr(getattr(m, "properties", None), "dtype", None) for m in stored.values()]
+    return next((d for d in dtypes if d is not None and d.is_floating_point), None)
+
+
 def load_elsewhere(path: str | os.PathLike) -> None:
     """This rank's part in a load of ``path`` into a model it does not hold."""
     from megatron.core import dist_checkpointing

@@ -1,10 +1,15 @@
-"""The device a rank computes on, its default dtype, and CPU thread tuning for gloo."""
+"""The device a rank computes on, its dtype (:func:`choose_dtype`: bf16 on a GPU and on a CPU
+with bf16 instructions, else fp32, unless a flag says), and CPU thread tuning for gloo."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+"""The /proc/cpuinfo flags of x86 bf16 instructions (AMX tiles, AVX-512 dot products)."""
+
 
 def has_cuda() -> bool:
     return torch.cuda.is_available()
@@ -17,13 +22,39 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The feature flags of the first CPU in ``cpuinfo`` (default: /proc/cpuinfo); empty where
+    there is none (not Linux, or not x86)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def choose_dtype(bf16: bool | None = None, cuda: bool | None = None,
+                 flags: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
+    """The compute dtype and why: ``bf16`` True/False (``--bf16``/``--fp32``) decides; None
+    (auto) is bf16 on a GPU (``cuda``, default: this machine has one) and on a CPU whose
+    ``flags`` (default: :func:`cpu_flags`) include one of :data:`CPU_BF16_FLAGS`, else fp32."""
+    if bf16 is not None:
+        return (torch.bfloat16, "--bf16") if bf16 else (torch.float32, "--fp32")
+    if has_cuda() if cuda is None else cuda:
+        return torch.bfloat16, "the default on a GPU"
+    have = [f for f in CPU_BF16_FLAGS if f in (cpu_flags() if flags is None else flags)]
+    if have:
+        return torch.bfloat16, f"the CPU reports {' and '.join(have)}"
+    return torch.float32, f"the CPU has no bf16 instructions (no {' or '.join(CPU_BF16_FLAGS)} flag)"
+
+
 def default_dtype(bf16: bool | None = None) -> torch.dtype:
-    """bf16 on GPU and fp32 on CPU unless asked otherwise (``bf16=True/False``)."""
-    if bf16 is None:
-        bf16 = has_cuda()
-    return torch.bfloat16 if bf16 else torch.float32
-
-
+    """:func:`choose_dtype`'s dtype."""
+    return choose_dtype(bf16)[0]
 
 
 def serial_helper_threads() -> bool:

@@ -64,7 +64,7 @@ def _iterations(rows):
 
 def test_resume_repeats_the_uninterrupted_run(tiny, tmp_path, uninterrupted):
     args = F.train_args(tiny.actor, tiny.prompts, tmp_path, train_iters=None, **RESUME)
-    F.check_ok(F.run_train(args + ["--train-iters", "2"]))
+    assert "precision: fp32 (--fp32)" in F.check_ok(F.run_train(args + ["--train-iters", "2"])).stderr
     save = tmp_path / "save"
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     for part in ("actor", "critic", "trainer"):
@@ -86,7 +86,10 @@ def test_resume_repeats_the_uninterrupted_run(tiny, tmp_path, uninterrupted):
         "optim_actor", "optim_critic", "rng_00000.pt", "state.json"]
     assert (trainer / "optim_actor" / "metadata.json").is_file()
 
-    F.check_ok(F.run_train(args + ["--train-iters", "4", "--load", str(save)]))
+    # resumed without --fp32: the run's own precision (fp32), whatever this CPU would choose
+    resume = [a for a in args if a != "--fp32"] + ["--train-iters", "4", "--load", str(save)]
+    r = F.check_ok(F.run_train(resume))
+    assert f"precision: fp32 (the resumed run's, as its checkpoint {save / 'iter_0000002' / 'actor'} holds)" in r.stderr
     rows = F.read_metrics(tmp_path / "log")
     assert _iterations(rows) == [1, 2, 3, 4]
     for m in rows:

@@ -155,7 +155,7 @@ def test_tp3_speculative_equals_tp1_plain(world1, smol, smol_draft):
     greedy continuation (greedy speculation equals plain: the test above)."""
     ckpt, _, ids = smol
     args = ["-m", "megatron_rlhf.generate", "--load", str(ckpt), "--prompt", PROMPT, "--chat",
-            "--max-new-tokens", str(NEW), "--temperature", "0", "--json",
+            "--max-new-tokens", str(NEW), "--temperature", "0", "--json", "--fp32",
             "--draft-load", str(smol_draft), "--num-draft-tokens", "3"]
     r = torchrun(3, args + ["--tensor-model-parallel-size", "3"])
     tp3 = json.loads(r.stdout.strip().splitlines()[-1])

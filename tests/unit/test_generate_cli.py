@@ -99,7 +99,7 @@ def _generate_json(ckpt, prompts, nproc, *extra):
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     r = subprocess.run([sys.executable, *launcher, "-m", "megatron_rlhf.generate", "--load", str(ckpt),
                         "--prompts", str(prompts), "--max-new-tokens", "6", "--temperature", "1",
-                        "--batch-size", "3", "--seed", "5", "--json", *extra],
+                        "--batch-size", "3", "--seed", "5", "--json", "--fp32", *extra],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]

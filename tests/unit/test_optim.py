@@ -76,6 +76,36 @@ def test_megatron_optimizer_steps_fp32_masters_of_a_bf16_model(world1, distribut
     assert any(not torch.equal(m.detach(), p.float()) for m, p in zip(masters, params))
 
 
+@pytest.mark.parametrize("distributed", [True, False])
+def test_a_bf16_model_is_the_bf16_copy_of_fp32_masters_after_a_step(world1, distributed):
+    """With bf16 weights the optimizer holds an fp32 master of every trained weight and fp32
+    Adam states; after a step each bf16 weight is its master rounded to bf16, and the masters
+    hold more than bf16 does (they are not bf16 values widened)."""
+    from megatron_rlhf.rlhf.optim import chained, inner_optimizers
+
+    model = _tiny(world1, torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    t = build_trainee(model, world1, OptimConfig(lr=1e-3, use_distributed_optimizer=distributed), 1e-3)
+    _random_step(t, params, 0)
+    pairs = []
+    for opt in chained(t.optimizer):
+        if distributed:  # at DP=1 each shard is its whole (flattened) parameter
+            groups = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups)
+        else:
+            groups = zip(opt.float16_groups, opt.fp32_from_float16_groups)
+        pairs += [(p, m) for model_group, masters in groups for p, m in zip(model_group, masters)]
+    assert {id(p) for p, _ in pairs} == {id(p) for p in params}  # every trained weight has a master
+    for p, m in pairs:
+        assert p.dtype == torch.bfloat16 and m.dtype == torch.float32
+        assert torch.equal(p.detach().reshape(-1), m.detach().reshape(-1).to(torch.bfloat16))
+    assert any(not torch.equal(m.detach(), m.detach().to(torch.bfloat16).float()) for _, m in pairs)
+    stepped = [q for inner in inner_optimizers(t.optimizer) for g in inner.param_groups for q in g["params"]]
+    assert stepped and all(q.dtype == torch.float32 for q in stepped)  # Adam steps the masters
+    states = [v for inner in inner_optimizers(t.optimizer) for st in inner.state.values()
+              for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert len(states) == 2 * len(params) and all(v.dtype == torch.float32 for v in states)
+
+
 def test_learning_rate_follows_the_schedule(world1):
     cfg = OptimConfig(lr=1e-3)
     t = build_trainee(_tiny(world1, torch.float32), world1, cfg, 1e-3, (1e-4, 2, 6))
