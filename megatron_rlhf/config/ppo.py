@@ -69,6 +69,10 @@ class PPOConfig:
     """Per-token KL estimate (None: k3 where the KL is a loss, grpo; k1 in the reward)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the policy loss."""
+    skip_zero_advantage: bool = True
+    """Leave out of the actor's forward and backward the responses whose advantages are all 0."""
+    # Only where nothing else gives them a loss (no entropy bonus, no KL loss term): then
+    # they add exact zeros, and the updated weights are bitwise those of the full step.
     # token-mean: over the mini-batch's response tokens on all ranks; seq-mean-token-mean:
     # each response's token mean, averaged; seq-mean-token-sum: each response's token sum,
     # averaged; seq-mean-token-sum-norm (Dr. GRPO): each response's token sum over the

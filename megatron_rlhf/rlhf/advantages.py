@@ -113,6 +113,7 @@ def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 
         adv = grouped - grouped.mean(dim=1, keepdim=True)
         if scale_by_std:
             adv = adv / (grouped.std(dim=1, keepdim=True) + eps)
+        adv = adv.masked_fill(_all_equal(grouped), 0.0)
     return adv.reshape(B, 1) * mask.to(scores.dtype)  # [B, T]
 
 
@@ -136,7 +137,13 @@ def leave_one_out(scores: Tensor, group_size: int) -> Tensor:
                          f"({B} samples, groups of {group_size})")
     g = scores.view(B // group_size, group_size)
     baseline = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
-    return (g - baseline).reshape(B)
+    return (g - baseline).masked_fill(_all_equal(g), 0.0).reshape(B)
+
+
+def _all_equal(grouped: Tensor) -> Tensor:
+    """``[G, 1]`` True where a group's scores are all equal: exactly 0 advantage, no signal."""
+    # Their float mean can be an ulp off (3 x 0.1), which std + eps = eps would blow up to ~1e-2.
+    return (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
 
 
 def rloo_advantages(scores: Tensor, kl: Tensor, mask: Tensor, group_size: int,

@@ -74,14 +74,20 @@ class Experience:
             fields[f.name] = v
         return Experience(**fields)
 
-    def micro_batches(self, size: int, one_width: bool = False) -> tuple[list["Experience"], Tensor]:
+    def micro_batches(self, size: int, one_width: bool = False,
+                      last: Tensor | None = None) -> tuple[list["Experience"], Tensor]:
         """``(micro-batches, order)``: chunks of ``size`` rows, longest responses first, each cut
         to the columns its rows use (``one_width``: those any row uses, one shape for pipeline
-        schedules); ``order[i]``: the row of ``self`` that is the ``i``-th over the chunks."""
+        schedules); ``order[i]``: the row of ``self`` that is the ``i``-th over the chunks.
+        ``last``: ``[B]`` bool, rows that come after all the others (each kind longest first),
+        so that they fill the trailing chunks."""
         p = self.prompt_len
-        lengths = torch.stack([self.attention_mask[:, :p].sum(1), self.response_mask.sum(1).long()], 1)
-        lengths = lengths.tolist()
-        rows = sorted(range(self.batch_size), key=lambda i: (-lengths[i][1], -lengths[i][0], i))
+        stats = [self.attention_mask[:, :p].sum(1), self.response_mask.sum(1).long()]
+        if last is not None:
+            stats.append(last.to(stats[0].device).long())
+        lengths = torch.stack(stats, 1).tolist()  # [B, 2 or 3] (prompt, response, late), one host read
+        rows = sorted(range(self.batch_size),
+                      key=lambda i: (lengths[i][2:], -lengths[i][1], -lengths[i][0], i))
         chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
 
         def extent(idx):  # (prompt, response) columns the rows use; one prompt column at least

@@ -6,12 +6,15 @@ Entry points: :func:`train_actor`, :func:`train_critic`, :func:`train_draft`.
 # step each) of accumulated micro-batches. Per-token losses are weighted over the mini-batch's
 # tokens on *all* data-parallel ranks, so the update equals one rank holding the whole batch.
 # The actor trains as the policy its samples were drawn from (exp.policy, .policy).
+# Rows whose advantages are all exactly 0, with no other loss term, add exact zeros to the
+# gradients: their micro-batches are left out, the weights' normalisers still count them.
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from megatron_rlhf import runtime
 from megatron_rlhf.config import PPOConfig
@@ -26,20 +29,26 @@ from megatron_rlhf.rlhf.optim import Trainee
 
 @dataclass
 class _Sums:
-    """Token-weighted sums of per-token metrics, reduced over DP at the end."""
+    """Token-weighted sums of per-token metrics and their token counts, reduced over DP at
+    the end."""
 
-    values: dict = field(default_factory=dict)
+    values: dict = field(default_factory=dict)  # name -> sum
+    counts: dict = field(default_factory=dict)  # name -> tokens (or rows) summed over
 
     def add(self, name: str, per_token: torch.Tensor, mask: torch.Tensor) -> None:
-        v = (per_token.detach().double() * mask).sum()  # stays on the device: no sync per micro-batch
-        self.values[name] = v + self.values[name] if name in self.values else v
+        # stays on the device: no sync per micro-batch
+        self.add_total(name, (per_token.detach().double() * mask).sum(), mask.sum())
 
-    def means(self, tokens: torch.Tensor, group) -> dict:
+    def add_total(self, name: str, total: torch.Tensor, count: torch.Tensor) -> None:
+        for d, v in ((self.values, total.double()), (self.counts, count.double())):
+            d[name] = v + d[name] if name in d else v
+
+    def means(self, group) -> dict:
         names = sorted(self.values)
-        t = torch.stack([self.values[n].to(tokens.device) for n in names] + [tokens.double()])
-        t = runtime.all_reduce(t, group=group)
-        t = (t[:-1] / t[-1].clamp(min=1)).tolist()
-        return dict(zip(names, t))
+        dev = self.values[names[0]].device
+        t = torch.stack([torch.stack([self.values[n], self.counts[n]]).to(dev) for n in names])
+        t = runtime.all_reduce(t, group=group)  # [metrics, 2]
+        return dict(zip(names, (t[:, 0] / t[:, 1].clamp(min=1)).tolist()))
 
 
 def _global_tokens(mask: torch.Tensor, group) -> torch.Tensor:
@@ -77,27 +86,81 @@ def _mini_batches(exp: Experience, cfg: PPOConfig, epoch: int, seed: int | None)
 
 
 def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_loss,
-                agg: str = "token-mean", horizon: int | None = None, seed: int | None = None) -> dict:
+                agg: str = "token-mean", horizon: int | None = None, seed: int | None = None,
+                skip: bool | None = None) -> dict:
     """PPO epochs x mini-batches x micro-batches; returns token-mean metrics over all ranks.
 
     ``micro_loss(output, mb, sums)``: a micro-batch's per-token loss ``[b, T]`` (weighted by
-    :func:`loss_weights` of ``agg``), adding its metrics to ``sums``."""
+    :func:`loss_weights` of ``agg``), adding its metrics to ``sums``. ``skip`` (the actor's
+    :func:`zero_advantage_skip`; None: rows are not told apart): whether the micro-batches of
+    zero-advantage rows only are left out; then ``skipped_fraction`` is reported."""
     # One optimizer step per mini-batch; micro-batches accumulate, pipelined where the model
     # is a pipeline stage.
     t.model.train()
-    sums, norms, all_tokens = _Sums(), [], torch.zeros((), dtype=torch.float64, device=exp.response_mask.device)
+    sums, norms = _Sums(), []
     for epoch in range(cfg.ppo_epochs):
         for mini in _mini_batches(exp, cfg, epoch, seed):
+            # the weights' normalisers count every row, skipped or not
             mini.loss_weights = loss_weights(mini.response_mask, agg, t.pg.dp, horizon)
-            forward_backward(t.model, mini.micro_batches(cfg.micro_batch_size, pipelined(t.model))[0],
-                             lambda out, mb: (micro_loss(out, mb, sums) * mb.loss_weights).sum(),
+            run, left_out = _micro_batches(mini, cfg.micro_batch_size, pipelined(t.model), skip,
+                                           t.pg.mp)
+            forward_backward(t.model, run, lambda out, mb: (micro_loss(out, mb, sums) * mb.loss_weights).sum(),
                              t.accumulating)
             norms.append(t.step())
-            all_tokens += mini.response_mask.sum()
-    sums.values = from_last_stage(t.model, sums.values)
-    out = sums.means(all_tokens, t.pg.dp)
+            zero = mini.response_mask.new_zeros(())
+            for mb in left_out:  # metrics exactly 0 on a zero-advantage row count its tokens
+                for metric in _ZERO_WHEN_SKIPPED:
+                    sums.add_total(metric, zero, mb.response_mask.sum())
+            if skip is not None:
+                rows = torch.tensor([sum(mb.batch_size for mb in left_out), mini.batch_size],
+                                    device=zero.device)
+                sums.add_total("skipped_fraction", rows[0], rows[1])
+    sums.values, sums.counts = from_last_stage(t.model, [sums.values, sums.counts])
+    out = sums.means(t.pg.dp)
     out[f"{name}_grad_norm"] = sum(norms) / len(norms)
     return out
+
+
+# The policy metrics that are exactly 0 on a row of zero advantages (no ratio term, no clip);
+# with the skip they count the skipped rows' tokens, the others (entropy, approx_kl) only
+# those computed.
+_ZERO_WHEN_SKIPPED = ("policy_loss", "clip_frac")
+
+
+def zero_advantage_skip(cfg: PPOConfig) -> bool | None:
+    """Whether the actor's update leaves out the rows whose advantages are all exactly 0
+    (``cfg.skip_zero_advantage``); None where such a row has a loss anyway (an entropy bonus,
+    a KL loss term)."""
+    # With A = 0 at every token the clipped surrogate is exactly 0 and so is its gradient:
+    # max(-0 r, -0 clip(r)), and dual clip's cap (-0 C) is only taken for A < 0.
+    if cfg.entropy_coef or (cfg.kl_in_loss and cfg.kl_coef):
+        return None
+    return cfg.skip_zero_advantage
+
+
+def _micro_batches(mini: Experience, size: int, one_width: bool, skip: bool | None,
+                   mp_group) -> tuple[list[Experience], list[Experience]]:
+    """``(to run, left out)``: ``mini``'s micro-batches; with ``skip`` not None the rows of
+    zero advantage come last, and with ``skip`` the micro-batches of those rows only are left
+    out (but one: every rank runs a backward, which reduces the gradients over DP)."""
+    # Bitwise exact: the rows run in the same micro-batches (same widths, same order) skip on
+    # or off, and a micro-batch left out would have added exact zeros to the fp32 gradients.
+    # A boundary micro-batch of both kinds runs whole: at most size - 1 rows computed for nothing.
+    if skip is None:
+        return mini.micro_batches(size, one_width)[0], []
+    zero = ((mini.advantages == 0) | (mini.response_mask == 0)).all(-1)  # [b]
+    # every stage and TP rank of this DP rank must run the same micro-batches
+    zero = runtime.all_reduce(zero.int(), op=dist.ReduceOp.MIN, group=mp_group) > 0
+    parts = mini.micro_batches(size, one_width, last=zero)[0]
+    if not skip:
+        return parts, []
+    keep, rest = len(parts), int(zero.sum())  # the zero rows: the last `rest` over the parts
+    while keep and parts[keep - 1].batch_size <= rest:
+        keep -= 1
+        rest -= parts[keep].batch_size
+    if not keep:  # all zero: the shortest runs
+        return parts[-1:], parts[:-1]
+    return parts[:keep], parts[keep:]
 
 
 def policy_from_output(actor, output, mb: Experience,
@@ -151,7 +214,7 @@ def train_actor(t: Trainee, exp: Experience, cfg: PPOConfig, horizon: int | None
     """PPO epochs over ``exp`` for the actor; token-mean metrics over all ranks. ``horizon``:
     the response-length limit (seq-mean-token-sum-norm); ``seed``: the mini-batches' order."""
     out = _ppo_passes(t, exp, cfg, "actor", lambda out, mb, sums: _policy_loss(t.model, out, mb, cfg, sums),
-                      agg=cfg.loss_agg, horizon=horizon, seed=seed)
+                      agg=cfg.loss_agg, horizon=horizon, seed=seed, skip=zero_advantage_skip(cfg))
     out["actor_lr"] = t.scheduler.current_lr
     return out
 

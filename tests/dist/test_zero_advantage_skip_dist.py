@@ -1,0 +1,15 @@
+"""The actor update's zero-advantage skip at DP=2 with overlapped gradient reduction, the
+ranks running different numbers of micro-batches (tests/dist/scripts/zero_advantage_skip.py)."""
+
+import pytest
+
+from launch import torchrun
+
+pytestmark = pytest.mark.dist
+
+
+def test_zero_advantage_skip_at_dp2_keeps_the_weights():
+    # a rank left without a micro-batch hangs its peer in the gradient reduction: a timeout
+    # well above the run's time turns that into a failure
+    r = torchrun(2, ["zero_advantage_skip.py"], timeout=180)
+    assert "OK" in r.stdout
