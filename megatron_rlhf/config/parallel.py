@@ -52,6 +52,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """With TP > 1, split sequences over TP ranks outside attention and MLP in training."""
     # The train layout's activations divide by TP; generation runs whole sequences.
+    head_chunk_tokens: int = 1024
+    """Tokens per chunk of the LM head in the actor's and reference's log-prob forwards (training and experience); 0: all tokens' logits at once."""
+    # Chunked, no [tokens, vocab] logits exist: each chunk's are made, used and dropped, and
+    # remade in the backward (rlhf.chunked_head).
     release_train_copy: bool | None = None
     """With a gen_layout, keep the actor's training copy in pinned host memory during generation."""
     # None: on GPU.
@@ -91,6 +95,9 @@ class ParallelConfig:
             raise ConfigError(f"{{draft_train_layout}} {self.draft_train_layout!r}: use gen or train")
         if self.park_optimizer not in ("auto", "on", "off"):
             raise ConfigError(f"{{park_optimizer}} {self.park_optimizer!r}: use auto, on or off")
+        if not isinstance(self.head_chunk_tokens, int) or self.head_chunk_tokens < 0:
+            raise ConfigError(f"{{head_chunk_tokens}} {self.head_chunk_tokens!r}: a number of tokens "
+                              "per chunk, or 0 for the whole logits at once")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(f"{{recompute_granularity}} {self.recompute_granularity!r}: "
                               "use full or selective")

@@ -4,8 +4,8 @@ Entry points: :func:`map_micro_batches` (no gradients) and :func:`forward_backwa
 Invariant: callers see the same results at any PP size.
 """
 # At PP > 1 megatron-core's schedules run (1F1B, or forward only). ``output`` is the model's
-# raw output on the last stage: [b, s, V] LM logits (vocabulary padding included) or
-# [b, s, 1] values.
+# raw output on the last stage: [b, s, V] LM logits (vocabulary padding included), the head's
+# input [b, s, h] of a chunked LM head, or [b, s, 1] values.
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_rlhf import runtime
 from megatron_rlhf.models import sequence_parallel
-from megatron_rlhf.models.forward import masked_forward
+from megatron_rlhf.models.forward import head_chunk, masked_forward
 
 LM_ROLES = ("actor", "reference", "draft")  # output vocabulary logits; the others a value
 
@@ -28,10 +28,12 @@ def pipelined(model) -> bool:
 
 def model_output(model, mb) -> torch.Tensor:
     """The model's raw output for a micro-batch (one stage's, under PP). An LM's logits start at
-    the column before the first response token (read by ``rlhf.batch.response_slice``)."""
+    the column before the first response token (read by ``rlhf.batch.response_slice``); where
+    its head is chunked (``forward.head_chunk``) its head's input ``[b, s, h]`` instead."""
     # The prompt's other columns predict nothing that is scored.
     lm = getattr(model, "mrlhf_role", None) in LM_ROLES
-    return masked_forward(model, mb.input_ids, mb.attention_mask, output_from=mb.prompt_len - 1 if lm else 0)
+    return masked_forward(model, mb.input_ids, mb.attention_mask, output_from=mb.prompt_len - 1 if lm else 0,
+                          hidden=lm and head_chunk(model) > 0)
 
 
 def map_micro_batches(model, micro_batches: list, fn) -> list:

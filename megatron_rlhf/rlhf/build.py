@@ -21,6 +21,10 @@ def _model(plan: TrainPlan, name: str, role: str, pg, skip: tuple[str, ...] = ()
                         recompute=plan.par.recompute_granularity if trains else None,
                         sequence_parallel=plan.par.sequence_parallel and whole_sequences)
     load_checkpoint(model, pg, info.path, skip=skip)
+    if role in ("actor", "reference") and whole_sequences:  # the log-prob forwards
+        from megatron_rlhf.models.forward import set_head_chunk
+
+        set_head_chunk(model, plan.par.head_chunk_tokens)
     return model
 
 
