@@ -3,8 +3,9 @@
 Entry point: :class:`StepGraphs`, one per model: a KV cache store, RoPE table and buffers at
 fixed addresses; a graph per batch bucket, length bucket and tokens fed, with no host read
 inside and one packed copy to the host outside. A step attends over its length bucket, which
-the caller derives from a bound on the rows' lengths that it keeps on the host. ``capture=False`` runs the same code eagerly (the CPU's
-check), as does a failed capture. A store refuses a model whose weights moved.
+the caller derives from a bound on the rows' lengths that it keeps on the host.
+``capture=False`` runs the same code eagerly (the CPU's check), as does a failed capture
+(:mod:`~megatron_rlhf.generation.capture`). A store refuses a model whose weights moved.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from megatron_rlhf.generation import rng
 from megatron_rlhf.generation.attention import default_backend
+from megatron_rlhf.generation.capture import CaptureError, Captured, Eager, Fetch, describe
 from megatron_rlhf.generation.cpu_numerics import ATTEND_ALIGN
 from megatron_rlhf.generation.incremental import RopeTable, forward_cached, plain_layers
 from megatron_rlhf.generation.kv_cache import KVCache
@@ -30,9 +32,6 @@ MAX_TOKENS = 8  # most tokens per sample one graph feeds (a verification of up t
 # but each row's last); also the widest catch-up a draft round's graph feeds, and the
 # positions a draft's cache holds beyond the request's.
 CATCH_UP_MAX = 32
-# Eager runs before a capture, on a side stream: lazy initialisation (cuBLAS workspaces)
-# must not happen during capture.
-WARMUP = 1
 
 
 def bucket(rows: int) -> int:
@@ -71,77 +70,6 @@ def graphable(model) -> bool:
 
 def _weights(model) -> tuple:
     return tuple(p.data_ptr() for p in model.parameters())
-
-
-class _Eager:
-    """The static step run without capture (CPU, tests)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def run(self):
-        return self.fn()
-
-
-class CaptureError(RuntimeError):
-    """A capture failed; the message names the first op that failed inside it."""
-
-
-def describe(error: BaseException) -> str:
-    """``error`` and where it was raised: its innermost frame, and the innermost in
-    megatron_rlhf or megatron-core when that is another (the op our code called)."""
-    import traceback
-
-    frames = traceback.extract_tb(error.__traceback__)
-    where = [f for f in frames if "megatron" in f.filename]
-    shown = [frames[-1]] if frames else []
-    if where and where[-1] is not shown[-1]:
-        shown.insert(0, where[-1])
-    at = " <- ".join(f"{f.filename}:{f.lineno} in {f.name} ({(f.line or '').strip()})"
-                     for f in reversed(shown))
-    return f"{type(error).__name__}: {error}" + (f" at {at}" if at else "")
-
-
-def record(fn, capture):
-    """``fn()`` inside the ``capture`` context; returns its result. A failure raises
-    :class:`CaptureError` naming the first op that failed inside the capture: when an op
-    breaks a capture, leaving the context (``capture_end()``) raises an error of its own
-    that would otherwise hide it."""
-    first = None
-    try:
-        with capture:
-            try:
-                return fn()
-            except Exception as e:  # noqa: BLE001 (kept: the context's exit may raise another)
-                first = e
-                raise
-    except Exception as e:  # noqa: BLE001
-        cause = first or e
-        raise CaptureError(describe(cause)) from cause
-
-
-class _Captured:
-    def __init__(self, fn, pool, state: tuple[torch.Tensor, ...]):
-        """``state``: tensors the step advances in place, restored after warm-up and capture."""
-        saved = [t.clone() for t in state]
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP):  # writes keys/values past each row's length: garbage there anyway
-                    fn()
-                    for t, v in zip(state, saved):
-                        t.copy_(v)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            self.out = record(fn, torch.cuda.graph(self.graph, pool=pool))
-        finally:  # a capture records without running: the state is as saved either way
-            for t, v in zip(state, saved):
-                t.copy_(v)
-
-    def run(self):
-        self.graph.replay()
-        return self.out
 
 
 class StepGraphs:
@@ -450,14 +378,14 @@ class StepGraphs:
     def _graph(self, step, state: tuple[torch.Tensor, ...] = ()):
         """``step`` captured, or run eagerly (no capture, or a failed one: logged once per store)."""
         if not self.capture:
-            return _Eager(step)
+            return Eager(step)
         try:
-            return _Captured(step, self.pool, (self.cache.store_lengths, *state))
+            return Captured(step, self.pool, (self.cache.store_lengths, *state))
         except Exception as e:  # noqa: BLE001 (any capture failure: decode eagerly instead)
             self.capture, self.failed = False, str(e) if isinstance(e, CaptureError) else describe(e)
             log.warning("CUDA graph capture failed (%s); decoding runs eagerly from here on "
                         "(--no-cuda-graphs skips capture)", self.failed)
-            return _Eager(step)
+            return Eager(step)
 
     def _rows(self, b: int) -> KVCache:
         """The store's first ``b`` rows as a cache, lengths included (a graph advances them)."""
@@ -468,20 +396,6 @@ class StepGraphs:
         view.values = [v[:b] for v in self.cache.store_values]
         view.lengths = self.cache.store_lengths[:b]
         return view
-
-
-class Fetch:
-    """A step's packed result on its way to the host (a pinned buffer, and on a GPU the event
-    after its copy)."""
-
-    def __init__(self, host: torch.Tensor, event):
-        self.host, self.event = host, event
-
-    def result(self) -> list[list[float]]:
-        """The rows, once the copy has landed (waits for it; the one host sync of a step)."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
 
 
 @torch.inference_mode()

@@ -68,7 +68,7 @@ def sampled_step(call: Call, runner, rows: Rows, return_features: bool = False) 
 
 def launch_sampled(call: Call, runner, rows: Rows, return_features: bool = False):
     """Launch a plain step's graph for ``rows``; returns its :class:`~megatron_rlhf.generation.
-    graphs.Fetch` (read by :func:`read_sampled`). Reads nothing from the device."""
+    capture.Fetch` (read by :func:`read_sampled`). Reads nothing from the device."""
     runner.bind(rows, call.key)
     out = call.out
     eos = call.gen.eos if out.stop_on_eos else None

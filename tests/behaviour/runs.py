@@ -150,7 +150,10 @@ def run(fix: Path, out: Path) -> dict:
                      str(fix / "prompts.jsonl"), "--batch-size", "8", "--max-new-tokens", "16",
                      "--temperature", "1.0", "--seed", "3", "--sample-migration", "on", "--json",
                      "--fp32")
-    gen = sorted(x for x in text.splitlines() if x.startswith("{"))
+    # the tokens, not the log-probs: migration moves samples between ranks by timing, and a
+    # sample's log-probs may differ in the last bits with the batch it ran in
+    gen = sorted(json.dumps({k: v for k, v in json.loads(x).items() if k != "logprobs"}, sort_keys=True)
+                 for x in text.splitlines() if x.startswith("{"))
     result["generate"] = {"samples": _digest(gen), "n_samples": len(gen)}
     (out / "fingerprint.json").write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     (out / "metrics.json").write_text(json.dumps({"grpo": grpo, "ppo": ppo}, indent=1, sort_keys=True))

@@ -108,7 +108,7 @@ def test_finished_rows_are_dropped_only_when_the_batch_bucket_shrinks(actor, mon
 
 
 def test_plain_decoding_launches_a_step_before_reading_the_last(actor, monkeypatch):
-    events, real_run, real_result = [], graphs._Eager.run, graphs.Fetch.result
+    events, real_run, real_result = [], graphs.Eager.run, graphs.Fetch.result
 
     def run(self):
         events.append("run")
@@ -118,7 +118,7 @@ def test_plain_decoding_launches_a_step_before_reading_the_last(actor, monkeypat
         events.append("read")
         return real_result(self)
 
-    monkeypatch.setattr(graphs._Eager, "run", run)
+    monkeypatch.setattr(graphs.Eager, "run", run)
     monkeypatch.setattr(graphs.Fetch, "result", result)
     out = Generator(actor, graphs="eager").generate(PROMPTS * 3, SAMPLED, seed=5)
     reads = [i for i, e in enumerate(events) if e == "read"]

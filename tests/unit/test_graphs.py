@@ -148,12 +148,13 @@ def test_a_graphs_capture_is_not_a_rounds_cost(pair, monkeypatch):
     """The selector learns round costs from the rounds it times; the first round at a new
     bucket or width also captures a graph (seconds on a GPU, against a step's
     milliseconds). That time is not the round's: otherwise one capture would price a draft
-    length out for good. Captures made slow here (0.3 s each) never reach the selector."""
+    length out for good. Captures made slow here (0.6 s each: well above a loaded CPU's slowest
+    round) never reach the selector."""
     actor, _ = pair
     real = graphs.StepGraphs._graph
 
     def slow(self, *a, **k):
-        time.sleep(0.3)
+        time.sleep(0.6)
         return real(self, *a, **k)
 
     class Timed(RandomSelector):
@@ -167,9 +168,9 @@ def test_a_graphs_capture_is_not_a_rounds_cost(pair, monkeypatch):
     prompts = [p for p in PROMPTS for _ in range(3)]
     captured = sum(gen.generate(prompts, SAMPLED, SpecConfig("auto", max_draft_tokens=3, draft_source="history"),
                                 seed=3).stats.graph_capture_s for _ in range(2))
-    assert captured >= 0.3 * len(gen._steps["actor"].graphs) >= 0.9
+    assert captured >= 0.6 * len(gen._steps["actor"].graphs) >= 1.8
     assert {n for n, _ in sel.seen} >= {0, 1}
-    assert max(seconds for _, seconds in sel.seen) < 0.3, sel.seen
+    assert max(seconds for _, seconds in sel.seen) < 0.6, sel.seen
 
 
 @pytest.mark.parametrize("feature", [False, True], ids=["draft", "feature-draft"])
@@ -282,7 +283,7 @@ def _raise_capture_forbidden():
 
 
 def test_a_failed_capture_names_the_op_that_broke_it_not_capture_end():
-    from megatron_rlhf.generation.graphs import CaptureError, record
+    from megatron_rlhf.generation.capture import CaptureError, record
 
     with pytest.raises(CaptureError) as e:
         record(_host_sync_in_capture, _FakeCapture())

@@ -109,7 +109,7 @@ def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=Non
     rec.host_buffers.extend(gen._steps["actor"].hosts)
     if history:  # drafts from the prompts and the siblings only: rounds of every kind
         gen.history = HistoryDrafter()
-    real_run, real_rollout, real_select = graphs._Eager.run, Generator._rollout, Rows.select
+    real_run, real_rollout, real_select = graphs.Eager.run, Generator._rollout, Rows.select
     real_tolist = torch.Tensor.tolist
 
     def tolist(self):
@@ -141,7 +141,7 @@ def trace(actor, cfg, monkeypatch, prompts=PROMPTS * 3, history=False, draft=Non
         rec.compactions.append((rec.step, len(self), len(keep)))
         return real_select(self, keep, filled)
 
-    monkeypatch.setattr(graphs._Eager, "run", run)
+    monkeypatch.setattr(graphs.Eager, "run", run)
     monkeypatch.setattr(*first, step)
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     monkeypatch.setattr(Generator, "_rollout", rollout)
