@@ -59,7 +59,8 @@ def validate(args: argparse.Namespace):
     paths = CheckpointPaths(actor=args.actor_load, reference=args.ref_load,
                             critic=args.critic_load, reward=args.reward_load,
                             draft=args.draft_load, resume=args.load)
-    return make_plan(
+    dtype, why = precision(args)
+    plan = make_plan(
         ppo=dataclass_from_namespace(PPOConfig, args),
         optim=dataclass_from_namespace(OptimConfig, args),
         loop=dataclass_from_namespace(LoopConfig, args),
@@ -67,12 +68,14 @@ def validate(args: argparse.Namespace):
         spec=dataclass_from_namespace(SpecConfig, args),
         migration=dataclass_from_namespace(MigrationConfig, args),
         par=arguments.parallel_config_from_args(args),
-        dtype=precision(args)[0],
+        dtype=dtype,
         paths=paths, reward_fn=args.reward_fn, world_size=arguments.launch_world_size(),
         prompts_file=args.prompts, save_dir=args.save, log_dir=args.log_dir,
         reward=dataclass_from_namespace(RewardConfig, args),
         eval_prompts=args.eval_prompts, evaluation=dataclass_from_namespace(EvalConfig, args),
     )
+    plan.precision = why
+    return plan
 
 
 def main(argv=None) -> int:
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
 
     rank, world = runtime.init_distributed(seed=plan.loop.seed,
                                             timeout_minutes=args.distributed_timeout_minutes)
-    if not arguments.announce_precision(plan.dtype, precision(args)[1]):
+    if not arguments.announce_precision(plan.dtype, plan.precision):
         runtime.shutdown()
         return 2
     train_layout, gen_layout = plan.par.layouts(world)

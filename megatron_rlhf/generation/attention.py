@@ -84,12 +84,10 @@ def group_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Ten
     return bias.repeat(1, 1, groups, 1)
 
 
-def fold(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [B, H, n, d]`` as ``[B, KV, g*n, d]`` (a KV group's query heads stacked as rows) and
-    ``mask [B, 1, n, L]`` repeated for them."""
+def fold(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``q [B, H, n, d]`` as ``[B, KV, g*n, d]``: a KV group's query heads stacked as rows."""
     b, h, n, d = q.shape
-    g = h // k.shape[1]
-    return q.reshape(b, k.shape[1], g * n, d), mask.repeat(1, 1, g, 1)
+    return q.reshape(b, k.shape[1], h // k.shape[1] * n, d)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, backend: str,
@@ -104,12 +102,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         return cpu_numerics.matmul_attention(q, k, v, mask, bias)
     b, h, n, d = q.shape
     # folded rows: with grouped heads and a mask torch's SDPA has only its math kernel,
-    # as plain multi-head attention the memory-efficient kernel takes it
+    # as plain multi-head attention the memory-efficient kernel takes it. The mask goes in
+    # additive, the form SDPA would convert a bool mask to at every call.
     if bias is None:
-        qg, bias = fold(q, k, mask)
-    else:  # the additive form SDPA would convert a bool mask to at every call
-        qg = q.reshape(b, k.shape[1], -1, d)
-    return F.scaled_dot_product_attention(qg, k, v, attn_mask=bias).reshape(b, h, n, d)
+        bias = group_bias(mask, h // k.shape[1], q.dtype)
+    return F.scaled_dot_product_attention(fold(q, k), k, v, attn_mask=bias).reshape(b, h, n, d)
 
 
 def sdpa_kernel_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> str:
@@ -117,7 +114,7 @@ def sdpa_kernel_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     (``flash``, ``efficient``, ``cudnn``, ``math``; ``none``), each tried alone in torch's order."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    qg, _ = fold(q, k, mask[:, :, :0])
+    qg = fold(q, k)
     mask_rows = group_bias(mask, q.shape[1] // k.shape[1], q.dtype)  # as the forward passes it
     for name, kernel in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
                          ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):

@@ -135,7 +135,6 @@ class Generator:
         if call.drafting:
             call.d_rope = RopeTable(self.draft, max_len + CATCH_UP_MAX)
         rows = self._prefill(call, prompts, sids, max_len, dev)
-        call.high = max((len(p) for p in prompts), default=0)
         call.stats.prefill_s = time.perf_counter() - t0
         self._decode(call, rows, migrator)
         if migrator is not None:
@@ -162,7 +161,7 @@ class Generator:
         if migrator is not None:
             migrator.start()
         live = None  # rows alive, when the host knows it without reading the device
-        graphed = call.runner("actor") is not None
+        graphed = runner is not None
         while True:
             if migrator is not None and migrator.poll(rows, call.out, stats):
                 break

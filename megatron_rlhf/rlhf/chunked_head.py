@@ -1,7 +1,8 @@
 """The trained policy's log-probs and entropy from an LM's head input, the head's logits made a
 chunk of tokens at a time: no ``[tokens, V]`` tensor in training or in the experience.
 
-Entry point: :func:`policy_from_hidden` (on the output of a model whose head is chunked:
+Entry points: :func:`policy_of_output` (a log-prob forward's output, chunked head or not),
+:func:`policy_from_hidden` (on the output of a model whose head is chunked:
 ``models.forward.set_head_chunk``).
 Invariants: the values and gradients are :mod:`.policy`'s on the whole logits, up to the
 rounding of the head's matmuls over other shapes; at most one chunk's ``[chunk, V]`` logits
@@ -21,8 +22,24 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from megatron_rlhf.config import GenerationConfig
-from megatron_rlhf.models.forward import head_chunk, head_weight
+from megatron_rlhf.models.forward import head_chunk, head_weight, logits_of
+from megatron_rlhf.rlhf.batch import Experience, response_slice
 from megatron_rlhf.rlhf.policy import policy_logprobs, policy_logprobs_and_entropy
+
+
+def policy_of_output(model, output: Tensor, mb: Experience, entropy: bool = True,
+                     entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+    """``(log pi(a_t | s_t), entropy or None)``, both ``[b, T]``, of an LM's raw output over
+    micro-batch ``mb`` under ``mb.policy``: from its head's input where the head is chunked
+    (0 at padding), else from its logits. ``entropy``, ``entropy_grad`` as in
+    :func:`policy_from_hidden`."""
+    if head_chunk(model):
+        return policy_from_hidden(model, response_slice(output, mb), mb.response_ids, mb.response_mask,
+                                  mb.policy, entropy, entropy_grad)
+    logits = response_slice(logits_of(model, output), mb)
+    if not entropy:
+        return policy_logprobs(logits, mb.response_ids, mb.policy), None
+    return policy_logprobs_and_entropy(logits, mb.response_ids, mb.policy, entropy_grad)
 
 
 def policy_from_hidden(model, hidden: Tensor, tokens: Tensor, mask: Tensor,

@@ -17,13 +17,13 @@ import torch.distributed as dist
 from megatron_rlhf import runtime
 from megatron_rlhf.data.padding import padded
 from megatron_rlhf.config import GenerationConfig, PPOConfig, RewardConfig
-from megatron_rlhf.models.forward import head_chunk, logits_of, values_of
+from megatron_rlhf.models.forward import values_of
 from megatron_rlhf.models.pipeline import map_micro_batches, pipelined
 from megatron_rlhf.rlhf import advantages, placement
 from megatron_rlhf.rlhf.batch import Experience, in_row_order, last_token_index, pack, response_slice
-from megatron_rlhf.rlhf.chunked_head import policy_from_hidden
+from megatron_rlhf.rlhf.chunked_head import policy_of_output
 from megatron_rlhf.rlhf.kl import kl_estimate
-from megatron_rlhf.rlhf.policy import policy_logprobs, reshapes_policy
+from megatron_rlhf.rlhf.policy import reshapes_policy
 from megatron_rlhf.rlhf.rewards import RewardError, RewardInput
 
 
@@ -39,11 +39,7 @@ def per_row(model, exp: Experience, micro_batch_size: int, fn, per_token: bool =
 def response_logprobs(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
     """``[B, T]`` log-probs of the response tokens under ``exp.policy``, 0 at padding."""
     def fn(output, mb):
-        if head_chunk(model):  # the output is the head's input: logits a chunk of tokens at a time
-            return policy_from_hidden(model, response_slice(output, mb), mb.response_ids, mb.response_mask,
-                                      exp.policy, entropy=False)[0]
-        logits = response_slice(logits_of(model, output), mb)
-        return policy_logprobs(logits, mb.response_ids, exp.policy) * mb.response_mask
+        return policy_of_output(model, output, mb, entropy=False)[0] * mb.response_mask
     return per_row(model, exp, micro_batch_size, fn)
 
 

@@ -74,6 +74,8 @@ class TrainPlan:
     reward: RewardConfig = field(default_factory=RewardConfig)
     heldout: HeldOut | None = None
     """The held-out records and how they are evaluated (None: no evaluation)."""
+    precision: str = ""
+    """Why ``dtype`` (the run header's reason)."""
 
 
 def _infos(paths: CheckpointPaths, ppo: PPOConfig, resume: Path | None) -> dict[str, CheckpointInfo]:

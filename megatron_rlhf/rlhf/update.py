@@ -18,13 +18,12 @@ import torch.distributed as dist
 
 from megatron_rlhf import runtime
 from megatron_rlhf.config import PPOConfig
-from megatron_rlhf.models.forward import head_chunk, logits_of, values_of
+from megatron_rlhf.models.forward import values_of
 from megatron_rlhf.models.pipeline import forward_backward, from_last_stage, model_output, pipelined
 from megatron_rlhf.rlhf.batch import Experience, response_slice
-from megatron_rlhf.rlhf.chunked_head import policy_from_hidden
+from megatron_rlhf.rlhf.chunked_head import policy_of_output
 from megatron_rlhf.rlhf.kl import kl_estimate
 from megatron_rlhf.rlhf.losses import policy_loss, value_loss
-from megatron_rlhf.rlhf.policy import policy_logprobs_and_entropy
 from megatron_rlhf.rlhf.optim import Trainee
 
 
@@ -168,11 +167,7 @@ def policy_from_output(actor, output, mb: Experience,
                        with_entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log pi(a_t | s_t), entropy)``, both ``[b, T]``, of the actor's raw output under
     ``mb.policy``; the entropy outside autograd unless ``with_entropy_grad``."""
-    if head_chunk(actor):  # the output is the head's input: logits a chunk of tokens at a time
-        return policy_from_hidden(actor, response_slice(output, mb), mb.response_ids, mb.response_mask,
-                                  mb.policy, entropy_grad=with_entropy_grad)
-    logits = response_slice(logits_of(actor, output), mb)
-    return policy_logprobs_and_entropy(logits, mb.response_ids, mb.policy, with_entropy_grad)
+    return policy_of_output(actor, output, mb, entropy_grad=with_entropy_grad)
 
 
 def policy_forward(actor, mb: Experience) -> tuple[torch.Tensor, torch.Tensor]:
