@@ -29,6 +29,12 @@ class PPOConfig:
     """Responses sampled per prompt (a GRPO group)."""
     micro_batch_size: int = 4
     """Sequences per forward/backward pass (gradients accumulate over micro-batches)."""
+    max_tokens_per_micro_batch: int | None = None
+    """Tokens per packed micro-batch of the experience and training forwards: rows concatenated
+    without padding, as many as fit (None: micro_batch_size x the batch's longest sequence; 0:
+    no packing, micro_batch_size padded rows)."""
+    # verl's dynamic batch size with remove-padding. A packed row attends within itself and its
+    # RoPE positions restart; only models with the SDPA attention of the local spec pack.
     num_mini_batches: int = 1
     """Optimizer steps per PPO epoch: the iteration's samples are split into this many."""
     ppo_epochs: int = 1
@@ -142,12 +148,22 @@ class PPOConfig:
         if self.filter_groups and self.rollout_n < 2:
             raise ConfigError("{filter_groups} drops groups whose rewards are all equal: it needs "
                               "{rollout_n} >= 2")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"{{max_tokens_per_micro_batch}} {self.max_tokens_per_micro_batch} must be "
+                              ">= 0 (0: padded micro-batches)")
         if self.overlong_buffer < 0 or self.overlong_penalty < 0:
             raise ConfigError(f"{{overlong_buffer}} {self.overlong_buffer} and {{overlong_penalty}} "
                               f"{self.overlong_penalty} must be >= 0")
 
-    def check_generation(self, max_new_tokens: int) -> None:
-        """Raise a ConfigError unless the overlong buffer fits the response-length limit."""
+    def check_generation(self, max_new_tokens: int, max_prompt_length: int | None = None) -> None:
+        """Raise a ConfigError unless the overlong buffer fits the response-length limit and a
+        packed micro-batch holds the longest prompt + response."""
+        budget = self.max_tokens_per_micro_batch
+        if budget and max_prompt_length is not None and budget < max_prompt_length + max_new_tokens:
+            raise ConfigError(
+                f"{{max_tokens_per_micro_batch}} {budget} is less than the longest sequence, "
+                f"{{max_prompt_length}} {max_prompt_length} + {{max_new_tokens}} {max_new_tokens}: "
+                "raise it, or lower those limits")
         if self.overlong_buffer > max_new_tokens:
             raise ConfigError(
                 f"{{overlong_buffer}} {self.overlong_buffer} exceeds {{max_new_tokens}} "

@@ -8,6 +8,7 @@ which ``rlhf.chunked_head`` multiplies by :func:`head_weight` a chunk of tokens 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -52,9 +53,6 @@ def masked_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     length = input_ids.shape[1]
     input_ids, attention_mask = sequence_parallel.pad(model, input_ids, attention_mask)
     hooks = []
-    head = model.output_layer if hidden and model.post_process else None
-    if head is not None:  # (an instance attribute: it shadows the class's forward until deleted)
-        head.forward = functools.partial(head_input, head)
     if output_from > 0 and model.post_process and not sequence_parallel.enabled(model):
         # the output layer gets the kept columns batch-first ([s, b, h] -> [b, s', h]: its
         # matmul and TP gather act on the last dim only) and hands back a seq-first view of
@@ -66,15 +64,28 @@ def masked_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                  layer.register_forward_hook(
                      lambda _layer, _args, out: (out[0].transpose(0, 1), *out[1:]))]
     try:
-        out = model(input_ids, position_ids(attention_mask), causal_padding_mask(attention_mask), **kw)
+        with head_as_output(model, hidden):
+            out = model(input_ids, position_ids(attention_mask), causal_padding_mask(attention_mask), **kw)
     finally:
         for h in hooks:
             h.remove()
-        if head is not None:
-            del head.forward
     if hooks:
         return out
     return out[:, :length] if model.post_process and out.shape[1] != length else out
+
+
+@contextlib.contextmanager
+def head_as_output(model, on: bool = True):
+    """Within the block (where ``on``) an LM's forward returns its head's input
+    (:func:`head_input`), not its logits."""
+    head = model.output_layer if on and model.post_process else None
+    if head is not None:  # (an instance attribute: it shadows the class's forward until deleted)
+        head.forward = functools.partial(head_input, head)
+    try:
+        yield
+    finally:
+        if head is not None:
+            del head.forward
 
 
 def lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from megatron_rlhf import runtime
 from megatron_rlhf.models import sequence_parallel
-from megatron_rlhf.models.forward import head_chunk, masked_forward
+from megatron_rlhf.models.forward import head_as_output, head_chunk, masked_forward
+from megatron_rlhf.models.packed import packed_forward
 
 LM_ROLES = ("actor", "reference", "draft")  # output vocabulary logits; the others a value
 
@@ -30,10 +31,14 @@ def model_output(model, mb) -> torch.Tensor:
     """The model's raw output for a micro-batch (one stage's, under PP). An LM's logits start at
     the column before the first response token (read by ``rlhf.batch.response_slice``); where
     its head is chunked (``forward.head_chunk``) its head's input ``[b, s, h]`` instead."""
-    # The prompt's other columns predict nothing that is scored.
+    # The prompt's other columns predict nothing that is scored. A packed micro-batch's output
+    # comes back in its padded columns (models.packed).
     lm = getattr(model, "mrlhf_role", None) in LM_ROLES
-    return masked_forward(model, mb.input_ids, mb.attention_mask, output_from=mb.prompt_len - 1 if lm else 0,
-                          hidden=lm and head_chunk(model) > 0)
+    output_from, hidden = (mb.prompt_len - 1 if lm else 0), lm and head_chunk(model) > 0
+    if getattr(mb, "packed", None) is not None:
+        with head_as_output(model, hidden):
+            return packed_forward(model, mb.packed, output_from)
+    return masked_forward(model, mb.input_ids, mb.attention_mask, output_from=output_from, hidden=hidden)
 
 
 def map_micro_batches(model, micro_batches: list, fn) -> list:
@@ -94,11 +99,14 @@ def _schedule(model, micro_batches: list, loss_func, forward_only: bool) -> list
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     pg, config = model.pg_collection, model.config
-    shapes = {tuple(mb.input_ids.shape) for mb in micro_batches}
+    # (what the first stage is fed: a packed micro-batch's tokens, else the padded rows, which
+    # masked_forward pads to a multiple of TP under sequence parallelism)
+    shapes = {tuple(_feed(mb).shape)
+              for mb in micro_batches}
     if len(shapes) != 1:
         raise ValueError(f"pipelined micro-batches must share one shape [b, s], got {sorted(shapes)}")
     b, s = shapes.pop()
-    s = sequence_parallel.padded_length(model, s)  # (what masked_forward feeds; split over TP)
+    s = sequence_parallel.padded_length(model, s)
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
@@ -110,6 +118,11 @@ def _schedule(model, micro_batches: list, loss_func, forward_only: bool) -> list
                    num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
                    forward_only=forward_only, p2p_communicator=P2PCommunicator(pg.pp, config),
                    pg_collection=pg)
+
+
+def _feed(mb) -> torch.Tensor:
+    packed = getattr(mb, "packed", None)
+    return mb.input_ids if packed is None else packed.input_ids
 
 
 def _object_device():

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from megatron_rlhf.data.padding import padded
 from megatron_rlhf.config import GenerationConfig
+from megatron_rlhf.models.packed import Packed, pack_rows
 
 
 @dataclass
@@ -33,6 +34,9 @@ class Experience:
     # The sampling settings that define the policy every log-prob here is under and PPO
     # trains (policy.policy_logits); None: the model's own distribution at temperature 1.
     policy: GenerationConfig | None = None
+    # A packed micro-batch's forward input (micro_batches(packed=True)); the rows above stay
+    # padded for everything else. Not carried over by select or columns.
+    packed: Packed | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -54,6 +58,7 @@ class Experience:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             fields[f.name] = v[idx] if isinstance(v, Tensor) else v
+        fields["packed"] = None
         return Experience(**fields)
 
     def split(self, size: int) -> list["Experience"]:
@@ -72,15 +77,22 @@ class Experience:
             elif isinstance(v, Tensor) and v.dim() == 2:
                 v = v[:, :response]
             fields[f.name] = v
+        fields["packed"] = None
         return Experience(**fields)
 
-    def micro_batches(self, size: int, one_width: bool = False,
-                      last: Tensor | None = None) -> tuple[list["Experience"], Tensor]:
+    def micro_batches(self, size: int, one_width: bool = False, last: Tensor | None = None,
+                      packed: bool = False, max_tokens: int | None = None,
+                      multiple: int = 1) -> tuple[list["Experience"], Tensor]:
         """``(micro-batches, order)``: chunks of ``size`` rows, longest responses first, each cut
         to the columns its rows use (``one_width``: those any row uses, one shape for pipeline
         schedules); ``order[i]``: the row of ``self`` that is the ``i``-th over the chunks.
         ``last``: ``[B]`` bool, rows that come after all the others (each kind longest first),
-        so that they fill the trailing chunks."""
+        in chunks of their own.
+
+        ``packed``: chunks of as many rows as fit ``max_tokens`` real tokens (None: ``size`` x
+        the longest row), each with its :class:`~megatron_rlhf.models.packed.Packed` forward
+        input, ``multiple`` tokens a multiple of (``one_width``: ``max_tokens`` each);
+        ValueError for a row longer than ``max_tokens``."""
         p = self.prompt_len
         stats = [self.attention_mask[:, :p].sum(1), self.response_mask.sum(1).long()]
         if last is not None:
@@ -88,7 +100,13 @@ class Experience:
         lengths = torch.stack(stats, 1).tolist()  # [B, 2 or 3] (prompt, response, late), one host read
         rows = sorted(range(self.batch_size),
                       key=lambda i: (lengths[i][2:], -lengths[i][1], -lengths[i][0], i))
-        chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
+        tokens = [lengths[i][0] + lengths[i][1] for i in range(self.batch_size)]
+        kinds = [lengths[i][2:] for i in rows]
+        if packed:
+            max_tokens = max_tokens or size * max(tokens)
+            chunks = _fill(rows, [tokens[i] for i in rows], max_tokens, kinds)
+        else:
+            chunks = _fill(rows, [1] * len(rows), size, kinds)
 
         def extent(idx):  # (prompt, response) columns the rows use; one prompt column at least
             return (max(1, max(lengths[i][0] for i in idx)), max(1, max(lengths[i][1] for i in idx)))
@@ -101,11 +119,46 @@ class Experience:
         order = torch.tensor(rows, dtype=torch.long, device=dev)
         parts = [self.select(torch.tensor(idx, dtype=torch.long, device=dev)).columns(*w)
                  for idx, w in zip(chunks, widths)]
+        if packed:
+            for part, idx in zip(parts, chunks):
+                part.packed = pack_rows(part.input_ids, part.attention_mask, [tokens[i] for i in idx],
+                                        max_tokens if one_width else None, multiple)
         return parts, order
+
+
+def _fill(rows: list[int], sizes: list[int], budget: int, kinds: list) -> list[list[int]]:
+    """``rows`` in order, cut into runs of at most ``budget`` in ``sizes`` (each row's), and
+    where their ``kinds`` change (so that the rows to come last fill chunks of their own)."""
+    chunks, used, previous = [], budget, None
+    for i, size, kind in zip(rows, sizes, kinds):
+        if size > budget:
+            raise ValueError(f"a sequence of {size} tokens exceeds the packed micro-batch's "
+                             f"{budget}: raise --max-tokens-per-micro-batch to at least the longest "
+                             "prompt + response")
+        if used + size > budget or kind != previous:
+            chunks.append([])
+            used, previous = 0, kind
+        chunks[-1].append(i)
+        used += size
+    return chunks
 
 
 # the Experience fields over prompt and response columns (the other 2-D ones are per response token)
 SEQUENCE_FIELDS = ("input_ids", "attention_mask")
+
+
+def model_micro_batches(model, exp: Experience, size: int, max_tokens: int | None = None,
+                        last: Tensor | None = None) -> tuple[list[Experience], Tensor]:
+    """:meth:`Experience.micro_batches` as ``model`` runs them: one width under pipeline
+    parallelism, packed where its attention takes packed rows (``max_tokens`` as there; 0: not
+    packed), a multiple of TP tokens under sequence parallelism."""
+    from megatron_rlhf.models import sequence_parallel
+    from megatron_rlhf.models.packed import supports_packing
+    from megatron_rlhf.models.pipeline import pipelined
+
+    packed = max_tokens != 0 and supports_packing(model)
+    return exp.micro_batches(size, pipelined(model), last, packed=packed, max_tokens=max_tokens,
+                             multiple=sequence_parallel.padded_length(model, 1))
 
 
 def in_row_order(parts: list[Tensor], order: Tensor, width: int | None = None) -> Tensor:

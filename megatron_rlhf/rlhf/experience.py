@@ -18,29 +18,33 @@ from megatron_rlhf import runtime
 from megatron_rlhf.data.padding import padded
 from megatron_rlhf.config import GenerationConfig, PPOConfig, RewardConfig
 from megatron_rlhf.models.forward import values_of
-from megatron_rlhf.models.pipeline import map_micro_batches, pipelined
+from megatron_rlhf.models.pipeline import map_micro_batches
 from megatron_rlhf.rlhf import advantages, placement
-from megatron_rlhf.rlhf.batch import Experience, in_row_order, last_token_index, pack, response_slice
+from megatron_rlhf.rlhf.batch import (Experience, in_row_order, last_token_index, model_micro_batches, pack,
+                                      response_slice)
 from megatron_rlhf.rlhf.chunked_head import policy_of_output
 from megatron_rlhf.rlhf.kl import kl_estimate
 from megatron_rlhf.rlhf.policy import reshapes_policy
 from megatron_rlhf.rlhf.rewards import RewardError, RewardInput
 
 
-def per_row(model, exp: Experience, micro_batch_size: int, fn, per_token: bool = True) -> torch.Tensor:
+def per_row(model, exp: Experience, micro_batch_size: int, fn, per_token: bool = True,
+            max_tokens: int | None = None) -> torch.Tensor:
     """``fn(output, mb)`` of every micro-batch of ``exp``, back in its rows: ``[B, T]`` when
-    ``per_token``, else ``[B]``."""
-    parts, order = exp.micro_batches(micro_batch_size, one_width=pipelined(model))
+    ``per_token``, else ``[B]``. ``max_tokens``: tokens per packed micro-batch
+    (:func:`~.batch.model_micro_batches`; None: ``micro_batch_size`` rows' worth, 0: padded)."""
+    parts, order = model_micro_batches(model, exp, micro_batch_size, max_tokens)
     outs = map_micro_batches(model, parts, fn)
     return in_row_order(outs, order, exp.response_mask.shape[1] if per_token else None)
 
 
 @torch.no_grad()
-def response_logprobs(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
+def response_logprobs(model, exp: Experience, micro_batch_size: int,
+                      max_tokens: int | None = None) -> torch.Tensor:
     """``[B, T]`` log-probs of the response tokens under ``exp.policy``, 0 at padding."""
     def fn(output, mb):
         return policy_of_output(model, output, mb, entropy=False)[0] * mb.response_mask
-    return per_row(model, exp, micro_batch_size, fn)
+    return per_row(model, exp, micro_batch_size, fn, max_tokens=max_tokens)
 
 
 def recompute_by_default(dtype: torch.dtype, policy: GenerationConfig | None) -> bool:
@@ -65,19 +69,21 @@ def generation_logprobs(rollout, policy: GenerationConfig | None) -> torch.Tenso
 
 
 @torch.no_grad()
-def response_values(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
+def response_values(model, exp: Experience, micro_batch_size: int,
+                    max_tokens: int | None = None) -> torch.Tensor:
     """``[B, T]`` critic values ``V(s_t)`` of the states before each response token."""
     def fn(output, mb):
         return response_slice(values_of(output), mb).float() * mb.response_mask
-    return per_row(model, exp, micro_batch_size, fn)
+    return per_row(model, exp, micro_batch_size, fn, max_tokens=max_tokens)
 
 
 @torch.no_grad()
-def reward_model_scores(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
+def reward_model_scores(model, exp: Experience, micro_batch_size: int,
+                        max_tokens: int | None = None) -> torch.Tensor:
     """``[B]`` a reward model's value at each response's last token."""
     def fn(output, mb):
         return values_of(output).float().gather(1, last_token_index(mb)[:, None])[:, 0]
-    return per_row(model, exp, micro_batch_size, fn, per_token=False)
+    return per_row(model, exp, micro_batch_size, fn, per_token=False, max_tokens=max_tokens)
 
 
 # the per-token fields each training call reads besides the tokens
@@ -175,7 +181,7 @@ class ExperienceMaker:
             model, compute = models[name]
             theirs = [self._tokens[s] for s in share.sample_ids]
             out = compute(model, self._batch([p for p, _ in theirs], [r for _, r in theirs]),
-                          self.cfg.micro_batch_size)
+                          self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
             host = out.detach().cpu()  # one copy to the host; rows cloned (a pickled view carries its storage)
             mine[name] = (share.sample_ids, [(host[i, : len(r)] if host.dim() == 2 else host[i]).clone()
                                              for i, (_, r) in enumerate(theirs)])
@@ -192,7 +198,7 @@ class ExperienceMaker:
         brought back by :meth:`_placed_tables`)."""
         if name not in self.placed:
             model, compute = self._inference_calls()[name]
-            return compute(model, exp, self.cfg.micro_batch_size)
+            return compute(model, exp, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
         mine = [self._tables[name][s] for s in sample_ids]
         if mine[0].dim() == 0:
             return torch.stack(mine).to(exp.response_mask.device)

@@ -117,7 +117,7 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
                          "function: it needs --reward-fn (a reward model is not evaluated)")
     if reward_fn is not None:
         get_reward_fn(reward_fn)
-    ppo.check_generation(gen.max_new_tokens)
+    ppo.check_generation(gen.max_new_tokens, loop.max_prompt_length)
     spec.check_sources(bool(paths.draft))
     if not spec.auto and spec.num_draft_tokens and not paths.draft and not spec.uses_history:
         raise ValueError("--num-draft-tokens > 0 needs a draft: --draft-load, or --draft-source history")

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from megatron_rlhf import runtime
 from megatron_rlhf.config import PPOConfig
 from megatron_rlhf.models.forward import values_of
-from megatron_rlhf.models.pipeline import forward_backward, from_last_stage, model_output, pipelined
-from megatron_rlhf.rlhf.batch import Experience, response_slice
+from megatron_rlhf.models.pipeline import forward_backward, from_last_stage, model_output
+from megatron_rlhf.rlhf.batch import Experience, model_micro_batches, response_slice
 from megatron_rlhf.rlhf.chunked_head import policy_of_output
 from megatron_rlhf.rlhf.kl import kl_estimate
 from megatron_rlhf.rlhf.losses import policy_loss, value_loss
@@ -102,8 +102,7 @@ def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_lo
         for mini in _mini_batches(exp, cfg, epoch, seed):
             # the weights' normalisers count every row, skipped or not
             mini.loss_weights = loss_weights(mini.response_mask, agg, t.pg.dp, horizon)
-            run, left_out = _micro_batches(mini, cfg.micro_batch_size, pipelined(t.model), skip,
-                                           t.pg.mp)
+            run, left_out = _micro_batches(t.model, mini, cfg, skip, t.pg.mp)
             forward_backward(t.model, run, lambda out, mb: (micro_loss(out, mb, sums) * mb.loss_weights).sum(),
                              t.accumulating)
             norms.append(t.step())
@@ -138,20 +137,23 @@ def zero_advantage_skip(cfg: PPOConfig) -> bool | None:
     return cfg.skip_zero_advantage
 
 
-def _micro_batches(mini: Experience, size: int, one_width: bool, skip: bool | None,
+def _micro_batches(model, mini: Experience, cfg: PPOConfig, skip: bool | None,
                    mp_group) -> tuple[list[Experience], list[Experience]]:
-    """``(to run, left out)``: ``mini``'s micro-batches; with ``skip`` not None the rows of
+    """``(to run, left out)``: ``mini``'s micro-batches (:func:`~.batch.model_micro_batches`
+    of ``cfg``'s size and token budget); with ``skip`` not None the rows of
     zero advantage come last, and with ``skip`` the micro-batches of those rows only are left
     out (but one: every rank runs a backward, which reduces the gradients over DP)."""
     # Bitwise exact: the rows run in the same micro-batches (same widths, same order) skip on
     # or off, and a micro-batch left out would have added exact zeros to the fp32 gradients.
-    # A boundary micro-batch of both kinds runs whole: at most size - 1 rows computed for nothing.
+    # The zero rows fill micro-batches of their own (one more micro-batch at most, where the
+    # kinds meet), so that all of them can be left out.
+    size, budget = cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
     if skip is None:
-        return mini.micro_batches(size, one_width)[0], []
+        return model_micro_batches(model, mini, size, budget)[0], []
     zero = ((mini.advantages == 0) | (mini.response_mask == 0)).all(-1)  # [b]
     # every stage and TP rank of this DP rank must run the same micro-batches
     zero = runtime.all_reduce(zero.int(), op=dist.ReduceOp.MIN, group=mp_group) > 0
-    parts = mini.micro_batches(size, one_width, last=zero)[0]
+    parts = model_micro_batches(model, mini, size, budget, last=zero)[0]
     if not skip:
         return parts, []
     keep, rest = len(parts), int(zero.sum())  # the zero rows: the last `rest` over the parts

@@ -14,6 +14,7 @@ from megatron_rlhf.generation.engine import Generator
 from megatron_rlhf.generation.sampling import probs_for_sampling
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.rlhf import policy as P
+from megatron_rlhf.rlhf.batch import model_micro_batches
 from megatron_rlhf.rlhf.experience import ExperienceMaker
 from megatron_rlhf.rlhf.update import _policy_micro, _Sums, policy_forward
 from rlhf_fixtures import POSITIONS, PROMPTS, VOCAB
@@ -134,7 +135,8 @@ def test_first_ratio_is_exactly_one(sampled):
     slp = sampled[3].sampling_logprobs[:, :mask.shape[1]]
     assert (exp.old_logprobs - slp)[mask].abs().max() < 1e-4
     actor.train()
-    for mb in exp.micro_batches(cfg.micro_batch_size)[0]:  # the first mini-batch's, cut as training cuts them
+    # the first mini-batch's, packed as training packs them
+    for mb in model_micro_batches(actor, exp, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)[0]:
         logp, _ = policy_forward(actor, mb)
         ratio = torch.exp(logp - mb.old_logprobs)
         assert torch.equal(ratio[mb.response_mask.bool()], torch.ones(int(mb.response_mask.sum())))
@@ -166,9 +168,9 @@ def test_without_recompute_old_logprobs_are_the_sampling_logprobs(sampled):
 
 def _policy_grads(actor, exp, cfg):
     """The actor's gradients of the masked sum of the PPO loss over ``exp``'s micro-batches
-    (cut as training cuts them)."""
+    (packed as training packs them)."""
     actor.zero_grad(set_to_none=True)
-    for mb in exp.micro_batches(cfg.micro_batch_size)[0]:
+    for mb in model_micro_batches(actor, exp, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)[0]:
         (_policy_micro(actor, mb, cfg, _Sums()) * mb.response_mask).sum().backward()
     grads = [p.grad.clone() for p in actor.parameters() if p.grad is not None]
     actor.zero_grad(set_to_none=True)

@@ -9,7 +9,8 @@
   happens in a backward) and changes nothing either;
 - the skip applies only without an entropy bonus or a KL loss term.
 
-Tiny model (vocabulary 32) in one process.
+Each with padded micro-batches of 2 rows and packed ones (``max_tokens_per_micro_batch`` 0 and
+unset). Tiny model (vocabulary 32) in one process.
 """
 
 from __future__ import annotations
@@ -71,28 +72,30 @@ def _train(pg, cfg: PPOConfig, scores=SCORES) -> tuple[dict, dict]:
     return {n: p.detach().clone() for n, p in actor.named_parameters()}, metrics
 
 
-def _cfg(agg: str, skip: bool, **kw) -> PPOConfig:
+def _cfg(agg: str, skip: bool, budget: int | None = 0, **kw) -> PPOConfig:
     return PPOConfig(advantage_estimator="grpo", kl_coef=0.0, global_batch_size=4, rollout_n=2,
                      micro_batch_size=2, ppo_epochs=2, dual_clip=3.0, loss_agg=agg,
-                     skip_zero_advantage=skip, **kw)
+                     skip_zero_advantage=skip, max_tokens_per_micro_batch=budget, **kw)
 
 
 def _differing(a: dict, b: dict) -> list[str]:
     return [n for n in a if not torch.equal(a[n], b[n])]
 
 
+@pytest.mark.parametrize("budget", [0, None], ids=["padded", "packed"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_skipping_zero_advantage_groups_changes_no_weight(world1, agg, monkeypatch):
+def test_skipping_zero_advantage_groups_changes_no_weight(world1, agg, budget, monkeypatch):
     start = {n: p.detach().clone() for n, p in _actor(world1).named_parameters()}
     exp = _experience(_actor(world1), SCORES)
     zero = ((exp.advantages == 0) | (exp.response_mask == 0)).all(-1)
     assert zero.tolist() == ZERO_ROWS.tolist()  # GRPO gives the equal-reward groups exact zeros
 
-    off, m_off = _train(world1, _cfg(agg, skip=False))
-    on, m_on = _train(world1, _cfg(agg, skip=True))
+    off, m_off = _train(world1, _cfg(agg, skip=False, budget=budget))
+    on, m_on = _train(world1, _cfg(agg, skip=True, budget=budget))
     assert _differing(start, off), "the step must move the weights"
     assert not _differing(on, off), f"{agg}: skipping changed {_differing(on, off)}"
-    # 4 micro-batches of 2; the 4 zero rows fill the last two, which are left out
+    # the 4 zero rows fill the last micro-batches (padded: two of 2 rows; packed: their own),
+    # which are left out
     assert m_on["skipped_fraction"] == 0.5 and m_off["skipped_fraction"] == 0.0
     for name in ("policy_loss", "clip_frac", "actor_grad_norm"):  # (they count the skipped tokens)
         assert m_on[name] == m_off[name], name
@@ -107,21 +110,27 @@ def test_skipping_zero_advantage_groups_changes_no_weight(world1, agg, monkeypat
         return w
 
     monkeypatch.setattr(update, "loss_weights", without_skipped)
-    wrong, m_wrong = _train(world1, _cfg(agg, skip=True))
+    wrong, m_wrong = _train(world1, _cfg(agg, skip=True, budget=budget))
     assert _differing(wrong, off), f"{agg}: dropping the skipped rows from the normaliser went unseen"
     assert m_wrong["actor_grad_norm"] > m_off["actor_grad_norm"] * 1.2
 
 
-def test_a_mini_batch_of_zero_advantages_only_runs_one_micro_batch(world1, monkeypatch):
+@pytest.mark.parametrize("budget", [0, None], ids=["padded", "packed"])
+def test_a_mini_batch_of_zero_advantages_only_runs_one_micro_batch(world1, budget, monkeypatch):
+    from megatron_rlhf.rlhf.batch import model_micro_batches
+
+    actor = _actor(world1)
+    parts = model_micro_batches(actor, _experience(actor, [0.5] * 8), 2, budget)[0]
+    assert len(parts) == 4 if budget == 0 else 1 < len(parts) < 4  # (packed: fewer, not one)
     runs = []
     forward_backward = update.forward_backward
     monkeypatch.setattr(update, "forward_backward",
                         lambda model, mbs, *a: runs.append(len(mbs)) or forward_backward(model, mbs, *a))
-    off, _ = _train(world1, _cfg("token-mean", skip=False), scores=[0.5] * 8)
-    on, m_on = _train(world1, _cfg("token-mean", skip=True), scores=[0.5] * 8)
-    assert runs == [4, 4, 1, 1]  # two epochs, skip off then on
+    off, _ = _train(world1, _cfg("token-mean", skip=False, budget=budget), scores=[0.5] * 8)
+    on, m_on = _train(world1, _cfg("token-mean", skip=True, budget=budget), scores=[0.5] * 8)
+    assert runs == [len(parts)] * 2 + [1, 1]  # two epochs, skip off then on
     assert not _differing(on, off)
-    assert m_on["skipped_fraction"] == 0.75
+    assert m_on["skipped_fraction"] == 1 - parts[-1].batch_size / 8  # the shortest runs
 
 
 def test_micro_batches_put_the_rows_flagged_last_each_longest_first(world1):
