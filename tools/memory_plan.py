@@ -235,7 +235,8 @@ def measure(args) -> int:
         Cluster(nodes=1, gpus_per_node=2, gpu_memory_gb=1000.0),
         StageLayouts(train=Layout.parse("1x1x2"), gen=Layout.parse("1x2", pipeline=False)),
         Workload.from_configs(ppo, loop, gen, spec, has_draft=False),
-        MemoryOptions(recompute=ns.recompute_granularity or "none", park_on_host=False))  # (a CPU run)
+        MemoryOptions(recompute=ns.recompute_granularity or "none", park_on_host=False,
+                      head_chunk_tokens=ns.head_chunk_tokens))  # (a CPU run)
     gib = 2**30 / GB
     rows = []
     for st in est.stages:

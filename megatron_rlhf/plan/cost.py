@@ -356,7 +356,8 @@ class Estimator:
             elif call.kind == "infer":
                 total += mem.forward_working_bytes(cfg, call.seq_len, self.opt.micro_batch_size, layout.tp, o.param_bytes)
                 if call.model in mem.LM_ROLES:
-                    total += mem.logits_bytes(cfg, call.seq_len * self.opt.micro_batch_size, layout.tp, o)
+                    total += mem.logits_bytes(cfg, call.seq_len * self.opt.micro_batch_size, layout.tp, o,
+                                              call.model)
             else:
                 params = mem.stage_params(cfg, call.model, layout.pp, stage).per_gpu(layout.tp)
                 total += params * (4 if o.fp32_grads else 2)

@@ -243,7 +243,7 @@ def inference_parts(models: dict[str, ModelConfig], infer: Layout, gen: Layout, 
             cfg = models[role]
             w = forward_working_bytes(cfg, s, b, infer.tp, o.param_bytes)
             if stage == infer.pp - 1 and role in LM_ROLES:
-                w += logits_bytes(cfg, s * b, infer.tp, o)
+                w += logits_bytes(cfg, s * b, infer.tp, o, role)
             work.append(w)
     parts["activations"] = max(work)
     return parts

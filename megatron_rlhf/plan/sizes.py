@@ -15,6 +15,7 @@ VALUE_ROLES = ("critic", "reward")
 # Whole-sequence logits: the head's bf16 output, its fp32 copy, and the fp32 log-softmax
 # (the softmax saved for backward, or the gradient, in training).
 LOGIT_BYTES_PER_ENTRY = 2 + 4 + 4
+CHUNKED_HEAD_ROLES = ("actor", "reference")  # (a draft's head is its own: never chunked)
 
 
 @dataclass(frozen=True)
@@ -110,11 +111,14 @@ def layer_activation_bytes(cfg: ModelConfig, seq: int, batch: int, tp: int = 1,
     return int(scale * s * b * h * per_sbh)
 
 
-def logits_bytes(cfg: ModelConfig, tokens: int, tp: int, options: MemoryOptions) -> int:
-    """Bytes of whole-sequence logits of ``tokens`` positions on the last stage."""
+def logits_bytes(cfg: ModelConfig, tokens: int, tp: int, options: MemoryOptions, role: str = "actor") -> int:
+    """Bytes of ``role``'s logits over ``tokens`` positions on the last stage: a chunk's where
+    its head is chunked (``options.head_chunk_tokens``), else the whole sequence's."""
     # LOGIT_BYTES_PER_ENTRY: bf16 output, fp32 copy, fp32 log-softmax. The vocabulary splits
-    # over TP unless options.vocab_parallel_logits is False.
+    # over TP unless options.vocab_parallel_logits is False; a chunk's is gathered over TP.
     vocab = cfg.head_vocab_size or cfg.padded_vocab_size
+    if options.head_chunk_tokens and role in CHUNKED_HEAD_ROLES:
+        return min(tokens, options.head_chunk_tokens) * vocab * LOGIT_BYTES_PER_ENTRY
     if options.vocab_parallel_logits:
         vocab //= tp
     return tokens * vocab * LOGIT_BYTES_PER_ENTRY
@@ -133,7 +137,7 @@ def training_activation_bytes(cfg: ModelConfig, role: str, workload: Workload, l
     if options.recompute == "full":  # the layer being recomputed holds its full set
         stored += layer_activation_bytes(cfg, s, b, recompute="none", **kw)
     if stage == layout.pp - 1 and role in LM_ROLES:
-        stored += logits_bytes(cfg, s * b, layout.tp, options)
+        stored += logits_bytes(cfg, s * b, layout.tp, options, role)
     return stored
 
 

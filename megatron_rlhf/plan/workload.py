@@ -107,6 +107,10 @@ class MemoryOptions:
     # The loss reads each TP rank's vocabulary shard of the logits (megatron's vocab-parallel
     # cross entropy); False: logits gathered over TP, as ``models.forward.lm_logits`` does today.
     vocab_parallel_logits: bool = True
+    # The actor's and reference's log-prob forwards apply the LM head this many tokens at a time
+    # (--head-chunk-tokens; rlhf.chunked_head): a chunk's logits, gathered over TP, at most; 0:
+    # the whole sequence's.
+    head_chunk_tokens: int = 1024
     # GB per GPU kept free; None: ``DEFAULT_RESERVE_FRACTION`` of the GPU's memory.
     reserve_gb: float | None = None
     # Between training stages the trainees' gradient buffers and optimizer states wait in
@@ -119,6 +123,8 @@ class MemoryOptions:
             raise ValueError(f"param_bytes must be 2 (bf16) or 4 (fp32), got {self.param_bytes!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.head_chunk_tokens < 0:
+            raise ValueError(f"head_chunk_tokens must be >= 0 (0: off), got {self.head_chunk_tokens}")
         if self.reserve_gb is not None and self.reserve_gb < 0:
             raise ValueError(f"reserve_gb must be >= 0, got {self.reserve_gb}")
 

@@ -253,6 +253,7 @@ def memory_estimate(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int,
                           distributed_optimizer=plan.optim.use_distributed_optimizer,
                           recompute=plan.par.recompute_granularity or "none",
                           sequence_parallel=plan.par.sequence_parallel,
+                          head_chunk_tokens=plan.par.head_chunk_tokens,
                           release_train_copy=plan.par.release_train_copy is not False,
                           park_on_host=park_on_host))
 

@@ -298,3 +298,22 @@ def test_the_warning_keeps_the_optimizer_on_the_device_under_park_optimizer_off(
         run = dataclasses.replace(plan, par=dataclasses.replace(plan.par, park_optimizer=mode))
         warning = memory_warning(run, gpu_memory_gb=1e-4, gpus_per_node=8)
         assert bool(re.search(resident, warning)) == kept, (mode, warning)
+
+
+def test_a_chunked_head_holds_one_chunk_of_logits():
+    from megatron_rlhf.plan.sizes import LOGIT_BYTES_PER_ENTRY, logits_bytes
+
+    cfg, tokens = preset("smollm2-135m"), 32 * 128
+    whole = MemoryOptions(head_chunk_tokens=0)
+    assert logits_bytes(cfg, tokens, 2, whole) == tokens * cfg.padded_vocab_size // 2 * LOGIT_BYTES_PER_ENTRY
+    # a chunk's logits are gathered over TP: the whole vocabulary, 1024 tokens
+    chunked = MemoryOptions(head_chunk_tokens=1024)
+    assert logits_bytes(cfg, tokens, 2, chunked) == 1024 * cfg.padded_vocab_size * LOGIT_BYTES_PER_ENTRY
+    assert logits_bytes(cfg, 100, 1, chunked) == logits_bytes(cfg, 100, 1, whole)  # fewer tokens than a chunk
+    assert logits_bytes(cfg, tokens, 1, chunked, "draft") == logits_bytes(cfg, tokens, 1, whole, "draft")
+    lay = Layout.parse("1x1x1")
+    w = Workload(rollout_batch=32, max_prompt_length=64, max_new_tokens=64, micro_batch_size=32)
+    assert (training_activation_bytes(cfg, "actor", w, lay, 0, whole)
+            > training_activation_bytes(cfg, "actor", w, lay, 0, chunked))
+    with pytest.raises(ValueError, match="head_chunk_tokens"):
+        MemoryOptions(head_chunk_tokens=-1)
