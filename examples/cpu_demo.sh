@@ -26,6 +26,7 @@ NPROC=${NPROC:-2}
 DEMO=${DEMO:-grpo}
 ITERS=${ITERS:-16}
 EVAL_EVERY=${EVAL_EVERY:-8}
+SEED=${SEED:-1234}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per rank on 2 cores
 OUT=${OUT:-out/demo}
 GGUF=$(python -m megatron_rlhf.models.smollm2)
@@ -66,7 +67,8 @@ else
     --max-new-tokens 128 --temperature 0.8 --filter-groups --filter-max-tries 3 \
     --lr 5e-5 --lr-warmup-iters 1 --kl-coef 0.0 --clip-grad 1.0 --recompute-granularity full \
     --eval-prompts "$DATA/math_heldout.jsonl" --eval-interval "$EVAL_EVERY" \
-    --train-iters "$ITERS" --save "$RUN" --save-interval 8 --keep-last-checkpoints 1 --log-dir "$RUN" "${RESUME[@]}"
+    --train-iters "$ITERS" --seed "$SEED" --save "$RUN" --save-interval 8 --keep-last-checkpoints 1 \
+    --log-dir "$RUN" "${RESUME[@]}"
   python - "$RUN/metrics.jsonl" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]

@@ -101,8 +101,7 @@ def _schedule(model, micro_batches: list, loss_func, forward_only: bool) -> list
     pg, config = model.pg_collection, model.config
     # (what the first stage is fed: a packed micro-batch's tokens, else the padded rows, which
     # masked_forward pads to a multiple of TP under sequence parallelism)
-    shapes = {tuple(_feed(mb).shape)
-              for mb in micro_batches}
+    shapes = {tuple(_feed(mb).shape) for mb in micro_batches}
     if len(shapes) != 1:
         raise ValueError(f"pipelined micro-batches must share one shape [b, s], got {sorted(shapes)}")
     b, s = shapes.pop()

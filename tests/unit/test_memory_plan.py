@@ -241,7 +241,7 @@ def test_measure_runs_the_demos_workload():
     assert {k: v for k, v in ours.items() if k not in own} == \
         {k: v for k, v in theirs.items() if k not in own | {"--actor-load", "--draft-load", "--eval-prompts",
                                                            "--eval-interval", "--save", "--save-interval",
-                                                           "--keep-last-checkpoints", "--log-dir"}}
+                                                           "--keep-last-checkpoints", "--log-dir", "--seed"}}
 
 
 def test_a_cpu_run_keeps_the_trainee_state_in_every_stage():
