@@ -170,3 +170,25 @@ def draft_variant(text: str) -> tuple[int | str, bool]:
     if n < 1:
         raise argparse.ArgumentTypeError(f"variant {text!r}: N must be >= 1")
     return n, bool(suffix)
+
+
+# ---------------------------------------------------------------------------- models
+def one_rank_actor(preset_name: str, dtype: str, recompute: str | None, head_chunk: int):
+    """``(model, process groups)``: a random ``preset_name`` actor (``dtype`` fp32 or bf16) in a
+    one-process world, its LM head chunked ``head_chunk`` tokens at a time (0: off)."""
+    import torch
+
+    from megatron_rlhf import runtime
+    from megatron_rlhf.config import preset
+    from megatron_rlhf.models.builder import build_model
+    from megatron_rlhf.models.forward import set_head_chunk
+    from megatron_rlhf.parallel.groups import build_process_groups
+    from megatron_rlhf.parallel.layout import Layout
+
+    runtime.quiet_third_party_warnings()
+    runtime.init_distributed()
+    pg = build_process_groups(Layout())
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = build_model(preset(preset_name), "actor", pg, dtype=torch_dtype, seed=0, recompute=recompute)
+    set_head_chunk(model, head_chunk)
+    return model, pg

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.harness import ROOT, machine, rank_env
+from benchmarks.harness import ROOT, machine, one_rank_actor, rank_env
 
 
 def _step(args) -> dict:
@@ -27,21 +27,12 @@ def _step(args) -> dict:
 
     from megatron_rlhf import runtime
     from megatron_rlhf.config import GenerationConfig, PPOConfig, preset
-    from megatron_rlhf.models.builder import build_model
-    from megatron_rlhf.models.forward import set_head_chunk
-    from megatron_rlhf.parallel.groups import build_process_groups
-    from megatron_rlhf.parallel.layout import Layout
     from megatron_rlhf.rlhf.batch import Experience, pack
     from megatron_rlhf.rlhf.update import _policy_micro, _Sums
 
-    runtime.quiet_third_party_warnings()
-    runtime.init_distributed()
-    pg = build_process_groups(Layout())
-    cfg = preset(args.preset)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = build_model(cfg, "actor", pg, dtype=dtype, seed=0, recompute=args.recompute)
+    model, _ = one_rank_actor(args.preset, args.dtype, args.recompute, args.one)
     model.train()
-    set_head_chunk(model, args.one)
+    cfg = preset(args.preset)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt + args.response), generator=g)
     ids, att, mask = pack(ids[:, :args.prompt].tolist(), ids[:, args.prompt:].tolist(), 0, runtime.device())

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.harness import ROOT, machine, rank_env
+from benchmarks.harness import ROOT, machine, one_rank_actor, rank_env
 
 VARIANTS = {"base": (0, False, 0), "pack": (None, False, 0), "skip": (0, True, 0),
             "head": (0, False, 1024), "all": (None, True, 1024)}  # (token budget, skip, head chunk)
@@ -63,25 +63,14 @@ def _experience(args, cfg, device):
 
 
 def _run(args) -> dict:
-    import torch
-
     from megatron_rlhf import runtime
     from megatron_rlhf.config import OptimConfig, PPOConfig, preset
-    from megatron_rlhf.models.builder import build_model
-    from megatron_rlhf.models.forward import set_head_chunk
-    from megatron_rlhf.parallel.groups import build_process_groups
-    from megatron_rlhf.parallel.layout import Layout
     from megatron_rlhf.rlhf.optim import build_trainee
     from megatron_rlhf.rlhf.update import train_actor
 
     budget, skip, chunk = VARIANTS[args.one]
-    runtime.quiet_third_party_warnings()
-    runtime.init_distributed()
-    pg = build_process_groups(Layout())
+    model, pg = one_rank_actor(args.preset, args.dtype, args.recompute, chunk)
     cfg = preset(args.preset)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = build_model(cfg, "actor", pg, dtype=dtype, seed=0, recompute=args.recompute)
-    set_head_chunk(model, chunk)
     t = build_trainee(model, pg, OptimConfig(lr=1e-6, clip_grad=1.0, use_distributed_optimizer=False), 1e-6)
     exp = _experience(args, cfg, runtime.device())
     ppo = PPOConfig(advantage_estimator="grpo", kl_coef=0.0, global_batch_size=args.rows // args.group,

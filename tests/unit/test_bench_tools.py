@@ -177,3 +177,23 @@ def test_bench_history_argmax_answers_are_the_greedy_continuations(world1):
     argmax = hist.greedy_answers(actor, prompts, changed, pad=0)
     assert all(g[:4] == c[:3] + [a[3]] for g, c, a in zip(argmax, changed, greedy))
     assert torch.tensor([g[3] != c[3] for g, c in zip(argmax, changed)]).all()
+
+
+def test_train_step_bench_skips_the_zero_groups_and_compares_to_base(capsys):
+    """``benchmarks.train_step`` on a tiny model: the variants with the skip leave out the
+    zero-advantage groups' share, the padded ones pad, and a ratio line compares each to base."""
+    import json
+
+    from benchmarks import train_step
+
+    assert train_step.main(["--preset", "tiny", "--rows", "8", "--group", "2", "--zero-groups", "0.5",
+                            "--repeats", "1", "--variants", "base,all", "--dtype", "fp32"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    rows = {x["variant"]: x for x in lines if x["kind"] == "variant"}
+    assert rows["base"]["skipped_fraction"] == 0 and rows["all"]["skipped_fraction"] == 0.5
+    assert rows["base"]["padded_tokens"] > rows["base"]["real_tokens"]
+    ratio = [x for x in lines if x["kind"] == "ratio"]
+    assert [x["variant"] for x in ratio] == ["all"]
+    assert ratio[0]["faster_than_base"] == round(rows["base"]["s"] / rows["all"]["s"], 2)
+    with pytest.raises(SystemExit):
+        train_step.main(["--variants", "base,nope"])
