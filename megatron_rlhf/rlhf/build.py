@@ -183,7 +183,7 @@ def build_trainer(plan: TrainPlan, pg, gen_pg=None):
     maker = ExperienceMaker(plan.ppo, reference, actor=here(actor, "actor"),
                             critic=critic, reward_model=reward_model, reward_fn=plan.reward_fn,
                             tokenizer=tok, pad_id=pad, eos_id=eos, dp_group=anchor.dp, gen=plan.gen,
-                            reward=plan.reward, recompute=recompute)
+                            reward=plan.reward, recompute=recompute, mp_group=anchor.mp)
     run_info = {"tp": train_layout.tp, "seed": plan.loop.seed,
                 "train_layout": mem.layout_text(train_layout),
                 "gen_layout": mem.layout_text(gen_layout, pipeline=False),

@@ -19,7 +19,7 @@ from megatron_rlhf.data.padding import padded
 from megatron_rlhf.config import GenerationConfig, PPOConfig, RewardConfig
 from megatron_rlhf.models.forward import values_of
 from megatron_rlhf.models.pipeline import map_micro_batches
-from megatron_rlhf.rlhf import advantages, placement
+from megatron_rlhf.rlhf import advantages, placement, update
 from megatron_rlhf.rlhf.batch import (Experience, in_row_order, last_token_index, model_micro_batches, pack,
                                       response_slice)
 from megatron_rlhf.rlhf.chunked_head import policy_of_output
@@ -97,19 +97,20 @@ class ExperienceMaker:
     ``gen``: the sampling settings, the policy of every log-prob (None: temperature 1).
     ``actor``: recomputes old log-probs (``recompute``: None decides by :func:`recomputes`).
     ``reference``: None when no KL term reads it; ``ref_logprobs`` and ``kl`` then stay 0.
+    ``mp_group``: this rank's model-parallel group (TP x PP), whose ranks must run the same rows.
     """
 
     def __init__(self, cfg: PPOConfig, reference, critic=None, reward_model=None,
                  reward_fn: str | None = None, tokenizer=None, pad_id: int = 0,
                  eos_id: int | None = None, dp_group=None, actor=None,
                  gen: GenerationConfig | None = None, reward: RewardConfig | None = None,
-                 recompute: bool | None = None):
+                 recompute: bool | None = None, mp_group=None):
         if (reward_model is None) == (reward_fn is None):
             raise ValueError("give exactly one of a reward model and a reward function")
         self.cfg, self.reference, self.critic = cfg, reference, critic
         self.reward_model, self.reward_fn, self.tokenizer = reward_model, reward_fn, tokenizer
         self.pad_id, self.eos_id = pad_id, eos_id
-        self.dp_group = dp_group
+        self.dp_group, self.mp_group = dp_group, mp_group
         self.actor, self.gen = actor, gen
         self.recompute = cfg.recompute_logprobs if recompute is None else recompute
         if self.recompute is None:
@@ -146,10 +147,12 @@ class ExperienceMaker:
         sample_ids = list(range(first_index, first_index + len(prompts)))
         self._tokens = placement.gather_rows(sample_ids, list(zip(prompts, responses))) if self.placed else {}
         self._tables = self._placed_tables()
-        if self.recompute:
-            exp.old_logprobs = self._placed_rows("actor", exp, sample_ids)
         if self.reference is None and cfg.uses_reference:
             raise ValueError(f"kl_coef {cfg.kl_coef} reads a reference model: give one")
+        # advantages from the scores alone: log pi_old is then needed only where the update runs
+        late_old = self.recompute and self._skips_old_logprobs()
+        if self.recompute and not late_old:
+            exp.old_logprobs = self._placed_rows("actor", exp, sample_ids)
         if self.reference is not None:  # else no KL term reads it: ref_logprobs and kl stay 0
             exp.ref_logprobs = self._placed_rows("reference", exp, sample_ids)
             exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
@@ -159,7 +162,30 @@ class ExperienceMaker:
         if cfg.use_critic:
             exp.values = self._placed_rows("critic", exp, sample_ids)
         advantages.estimate(exp, cfg, group=self.dp_group)
+        if late_old:
+            self._old_logprobs_where_trained(exp)
         return exp
+
+    def _skips_old_logprobs(self) -> bool:
+        """Whether the old log-prob forward leaves out the rows the update skips: the actor's
+        forward is here (not on a layout of its own), the update skips zero-advantage rows
+        and the advantages read neither log pi_old (no KL, no critic) nor anything else."""
+        cfg = self.cfg
+        return ("actor" not in self.placed and update.zero_advantage_skip(cfg) is True
+                and self.reference is None and not cfg.use_critic)
+
+    def _old_logprobs_where_trained(self, exp: Experience) -> None:
+        """log pi_old of the rows with a non-zero advantage; the others keep the rollout's,
+        which nothing reads (the update leaves their micro-batches out)."""
+        train = ~update.zero_rows(exp, self.mp_group)
+        if bool(train.all()):
+            exp.old_logprobs = self._placed_rows("actor", exp, None)
+        elif bool(train.any()):
+            rows = train.nonzero().flatten()
+            part = exp.select(rows)
+            old = self._placed_rows("actor", part, None)
+            exp.old_logprobs = exp.old_logprobs.clone()
+            exp.old_logprobs[rows, : old.shape[1]] = old
 
     def _batch(self, prompts: list[list[int]], responses: list[list[int]]) -> Experience:
         """An Experience of token lists, every per-token field zero."""

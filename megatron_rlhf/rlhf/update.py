@@ -137,6 +137,13 @@ def zero_advantage_skip(cfg: PPOConfig) -> bool | None:
     return cfg.skip_zero_advantage
 
 
+def zero_rows(exp: Experience, mp_group) -> torch.Tensor:
+    """``[b]`` bool: the rows whose advantages are all exactly 0, agreed over ``mp_group``."""
+    zero = ((exp.advantages == 0) | (exp.response_mask == 0)).all(-1)
+    # every stage and TP rank of this DP rank must run the same micro-batches
+    return runtime.all_reduce(zero.int(), op=dist.ReduceOp.MIN, group=mp_group) > 0
+
+
 def _micro_batches(model, mini: Experience, cfg: PPOConfig, skip: bool | None,
                    mp_group) -> tuple[list[Experience], list[Experience]]:
     """``(to run, left out)``: ``mini``'s micro-batches (:func:`~.batch.model_micro_batches`
@@ -150,9 +157,7 @@ def _micro_batches(model, mini: Experience, cfg: PPOConfig, skip: bool | None,
     size, budget = cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
     if skip is None:
         return model_micro_batches(model, mini, size, budget)[0], []
-    zero = ((mini.advantages == 0) | (mini.response_mask == 0)).all(-1)  # [b]
-    # every stage and TP rank of this DP rank must run the same micro-batches
-    zero = runtime.all_reduce(zero.int(), op=dist.ReduceOp.MIN, group=mp_group) > 0
+    zero = zero_rows(mini, mp_group)
     parts = model_micro_batches(model, mini, size, budget, last=zero)[0]
     if not skip:
         return parts, []

@@ -7,7 +7,8 @@
   changes them;
 - a mini-batch of zero advantages only still runs one micro-batch (the DP gradient reduction
   happens in a backward) and changes nothing either;
-- the skip applies only without an entropy bonus or a KL loss term.
+- the skip applies only without an entropy bonus or a KL loss term;
+- the experience's log pi_old forward leaves out the rows the update skips.
 
 Each with padded micro-batches of 2 rows and packed ones (``max_tokens_per_micro_batch`` 0 and
 unset). Tiny model (vocabulary 32) in one process.
@@ -170,3 +171,43 @@ def test_the_skip_applies_only_where_nothing_else_is_in_the_loss():
     assert skip(PPOConfig(advantage_estimator="grpo", kl_coef=0.0, entropy_coef=0.01)) is None
     for estimator in ("rloo", "reinforce++", "gae"):  # the KL is in the reward, so in the advantages
         assert skip(PPOConfig(advantage_estimator=estimator, kl_coef=0.05)) is True
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_old_logprobs_are_computed_only_for_the_rows_the_update_runs(world1, skip, monkeypatch):
+    """GRPO without KL: the experience's actor forward for log pi_old leaves out the
+    zero-advantage rows (which the update leaves out too); the rows it runs get the log-probs
+    of the whole batch's forward, within fp32 reduction order (rtol 1e-5, atol 1e-6)."""
+    from megatron_rlhf.rlhf import experience
+    from megatron_rlhf.rlhf.experience import ExperienceMaker
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    responses = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in RESPONSE_LENS]
+    width = max(RESPONSE_LENS)
+
+    class Rollout:
+        def responses(self):
+            return responses
+        response_logprobs = sampling_logprobs = torch.full((8, width), -7.0)
+
+    actor = _actor(world1)
+    rows_run = []
+    real = experience.response_logprobs
+    monkeypatch.setattr(experience, "response_logprobs", lambda model, exp, *a: rows_run.append(exp.batch_size)
+                        or real(model, exp, *a))
+    cfg = _cfg("token-mean", skip=skip, budget=None, recompute_logprobs=True)
+    maker = ExperienceMaker(cfg, None, reward_fn="concise", actor=actor)
+    exp = maker.make(prompts, [""] * 8, Rollout(), scores=torch.tensor(SCORES))
+    mask = exp.response_mask.bool()
+    full = real(actor, exp, 2)  # every row's log pi_old, one forward
+    assert rows_run == ([4] if skip else [8])
+    torch.testing.assert_close(exp.old_logprobs[~ZERO_ROWS], full[~ZERO_ROWS], rtol=1e-5, atol=1e-6)
+    # the skipped rows keep the rollout's log-probs (read by nothing)
+    assert bool((exp.old_logprobs[ZERO_ROWS][mask[ZERO_ROWS]] == -7.0).all()) == skip
+    # with an entropy bonus the update runs every row, and so does the forward
+    rows_run.clear()
+    ExperienceMaker(_cfg("token-mean", skip=skip, budget=None, recompute_logprobs=True, entropy_coef=0.01),
+                    None, reward_fn="concise", actor=actor).make(prompts, [""] * 8, Rollout(),
+                                                                 scores=torch.tensor(SCORES))
+    assert rows_run == [8]
