@@ -76,7 +76,7 @@ def read_hf_dir(path: Path) -> HFCheckpoint:
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json: is it a Hugging Face model directory?")
     config = json.loads(cfg_file.read_text())
-    config_from_hf(config)  # an unsupported architecture is named before anything else
+    config_from_hf(config, str(cfg_file))  # an unsupported architecture or a missing field, named first
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(

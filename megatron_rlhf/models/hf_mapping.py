@@ -20,12 +20,21 @@ class ShapeMismatch(ValueError):
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    """ModelConfig from a HF config dict (``config.json``) of a Llama, Mistral or Qwen2."""
+# the fields config_from_hf has no default for
+REQUIRED_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
+    """ModelConfig from a HF config dict (``config.json``) of a Llama, Mistral or Qwen2;
+    ``source`` names the file in errors."""
     family = hf.get("model_type") or "llama"
     if family not in FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported; supported model types: "
                          f"{', '.join(FAMILIES)}")
+    missing = [k for k in REQUIRED_FIELDS if hf.get(k) is None]
+    if missing:
+        raise ValueError(f"{source} lacks {', '.join(missing)}, which a {family} model needs: "
+                         "add them (transformers' config of the model lists them)")
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"

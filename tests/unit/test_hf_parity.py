@@ -77,6 +77,18 @@ def test_unknown_model_type_and_sliding_windows_are_refused(tmp_path):
     preset("tiny-mistral").check_attention_span(128)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_a_partial_config_names_the_missing_fields_and_the_file(tmp_path, family):
+    import json
+
+    partial = {"model_type": family, "num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(partial))
+    with pytest.raises(ValueError) as e:
+        convert.hf_to_mcore(tmp_path, tmp_path / "out")
+    assert str(e.value).startswith(f"{tmp_path / 'config.json'} lacks intermediate_size, num_attention_heads, "
+                                   f"which a {family} model needs")
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny-untied", "tiny-llama3", "tiny-qwen2", "tiny-mistral"])
 def test_roundtrip_is_exact_and_loads_in_transformers(world1, tmp_path, name):
     from transformers import AutoModelForCausalLM
