@@ -30,7 +30,7 @@ def hf_to_mcore(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.flo
     """Convert a HF Llama directory or ``.gguf`` file to a megatron_rlhf checkpoint; returns
     its directory. A critic or reward comes from a one-label ``*ForSequenceClassification``."""
     ckpt = read_hf(src)
-    cfg = hf_mapping.config_from_hf(ckpt.config)
+    cfg = hf_mapping.config_from_hf(ckpt.config, str(src))
     if role in hf_mapping.VALUE_ROLES and ckpt.config.get("num_labels", 1) != 1:
         raise ValueError(f"{src} scores {ckpt.config['num_labels']} labels; a {role} model has one")
     tensors = hf_mapping.hf_to_mcore(ckpt.tensors, cfg, role)  # validates shapes, names mismatches
