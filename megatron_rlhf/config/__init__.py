@@ -26,6 +26,7 @@ from megatron_rlhf.config.generation import (
 from megatron_rlhf.config.loop import EvalConfig, LoopConfig, OptimConfig, RewardConfig
 from megatron_rlhf.config.model import (
     FAMILIES,
+    MOE_FAMILIES,
     PRESETS,
     ROLES,
     ROPE_SCALING_KEYS,
@@ -59,6 +60,6 @@ __all__ = [
     "SpecConfig", "MigrationConfig", "PPOConfig", "OptimConfig", "LoopConfig", "RewardConfig",
     "EvalConfig", "FinetuneConfig", "PreferenceConfig", "FinetuneOptimConfig", "FINETUNE_LOSSES",
     "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "SPEC_VERIFY", "DRAFT_SOURCES",
-    "HISTORY_LONG_BOOST", "MODEL_LAYOUTS", "SUBSET_MODELS", "FAMILIES", "PRESETS", "ROLES",
+    "HISTORY_LONG_BOOST", "MODEL_LAYOUTS", "SUBSET_MODELS", "FAMILIES", "MOE_FAMILIES", "PRESETS", "ROLES",
     "ROPE_SCALING_KEYS", "VOCAB_PAD_MULTIPLE", "preset", "check_role", "dataclass_from_namespace",
 ]

@@ -16,13 +16,16 @@ VOCAB_PAD_MULTIPLE = 128
 
 
 # Hugging Face architectures a ModelConfig maps onto (``model_type``).
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# the families whose MLPs are mixtures of experts
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
 class ModelConfig:
-    """A Llama-family decoder: RoPE, RMSNorm, SwiGLU, grouped-query attention."""
+    """A Llama-family decoder: RoPE, RMSNorm, SwiGLU, grouped-query attention; with
+    ``num_experts`` each layer's MLP is a mixture of SwiGLU experts (megatron's MoE layer)."""
 
     num_layers: int
     """Number of transformer layers."""
@@ -69,6 +72,18 @@ class ModelConfig:
     sliding_window: int | None = None
     """Each token attends to at most this many tokens (Mistral v0.1)."""
     # Not implemented: runs whose sequences are longer are refused (check_attention_span).
+    qk_layernorm: bool = False
+    """An RMSNorm over each query and key head before RoPE (Qwen3; megatron's ``qk_layernorm``)."""
+    num_experts: int | None = None
+    """Experts per layer (None: a dense MLP in every layer)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's SwiGLU inner width (HF Qwen3-MoE ``moe_intermediate_size``; Mixtral's
+    experts are ``ffn_hidden_size`` wide, the default)."""
+    moe_norm_topk: bool = True
+    """The top-k routing weights renormalised to sum to 1 (Mixtral always; Qwen3-MoE's
+    ``norm_topk_prob``); False: the softmax over all experts, top-k of it kept as is."""
 
     def __post_init__(self) -> None:
         finite(self)
@@ -105,6 +120,21 @@ class ModelConfig:
                 raise ValueError(f"rope_scaling lacks {missing}: give {', '.join(ROPE_SCALING_KEYS)}")
         if self.sliding_window is not None:
             positive("sliding_window", self.sliding_window)
+        if self.num_experts is not None:
+            positive("num_experts", self.num_experts)
+            if self.family not in MOE_FAMILIES:
+                raise ConfigError(f"{{num_experts}} is set, so {{family}} must be one with experts "
+                                  f"({', '.join(MOE_FAMILIES)}), not {self.family!r}")
+            if self.family == "mixtral" and not self.moe_norm_topk:
+                raise ConfigError("Mixtral renormalises its top-k routing weights: set {moe_norm_topk}")
+            if self.moe_ffn_hidden_size is None:
+                self.moe_ffn_hidden_size = self.ffn_hidden_size
+            positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+            if not 0 < self.moe_router_topk <= self.num_experts:
+                raise ConfigError(f"{{moe_router_topk}} ({self.moe_router_topk}) must be between 1 and "
+                                  f"{{num_experts}} ({self.num_experts})")
+        elif self.family in MOE_FAMILIES:
+            raise ConfigError(f"a {self.family} model has experts: set {{num_experts}}")
 
     def check_attention_span(self, tokens: int) -> None:
         """Refuse sequences of ``tokens`` tokens that a sliding window would cut."""
@@ -123,19 +153,22 @@ class ModelConfig:
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise a message naming the problem when ``tp`` cannot shard this model."""
         positive("tensor parallel size", tp)
-        for what, n in (
-            ("attention heads", self.num_attention_heads),
-            ("KV heads", self.num_query_groups),
-            ("ffn hidden size", self.ffn_hidden_size),
-            ("padded vocabulary", self.padded_vocab_size),
-            ("LM head tokens", self.head_vocab_size or self.padded_vocab_size),
-        ):
+        for what, n in self._tp_sharded():
             if n % tp:
                 valid = [d for d in range(1, n + 1) if self._tp_ok(d)][:8]
                 raise ValueError(
                     f"tensor parallel size {tp} must divide {n} {what}; "
                     f"sizes that work for this model: {valid}"
                 )
+
+    def _tp_sharded(self) -> list[tuple[str, int]]:
+        """The sizes TP shards, by name (experts are sharded over TP too)."""
+        sizes = [("attention heads", self.num_attention_heads), ("KV heads", self.num_query_groups),
+                 ("ffn hidden size", self.ffn_hidden_size), ("padded vocabulary", self.padded_vocab_size),
+                 ("LM head tokens", self.head_vocab_size or self.padded_vocab_size)]
+        if self.num_experts is not None:
+            sizes.append(("expert ffn hidden size", self.moe_ffn_hidden_size))
+        return sizes
 
     def check_pipeline_parallel(self, pp: int) -> None:
         """Raise a message naming the fix when ``pp`` stages cannot split the layers evenly."""
@@ -148,11 +181,7 @@ class ModelConfig:
             raise ValueError("a feature draft runs unpipelined (PP=1): it serves generation")
 
     def _tp_ok(self, tp: int) -> bool:
-        return all(
-            n % tp == 0
-            for n in (self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size,
-                      self.padded_vocab_size, self.head_vocab_size or self.padded_vocab_size)
-        )
+        return all(n % tp == 0 for _, n in self._tp_sharded())
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -224,6 +253,24 @@ PRESETS: dict[str, ModelConfig] = {
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
         num_query_groups=2, vocab_size=256, max_position_embeddings=256, eos_token_id=1,
         family="mistral", sliding_window=128,
+    ),
+    # Qwen3's q/k norms with a head dim apart from hidden / heads; Qwen3-MoE's narrow experts
+    # with unnormalised top-k weights; Mixtral's full-width experts
+    "tiny-qwen3": ModelConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        num_query_groups=2, vocab_size=256, max_position_embeddings=256, rotary_base=1e6,
+        norm_epsilon=1e-6, eos_token_id=1, family="qwen3", qk_layernorm=True, kv_channels=32,
+    ),
+    "tiny-qwen3-moe": ModelConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        num_query_groups=2, vocab_size=256, max_position_embeddings=256, rotary_base=1e6,
+        norm_epsilon=1e-6, eos_token_id=1, family="qwen3_moe", qk_layernorm=True, num_experts=4,
+        moe_router_topk=2, moe_ffn_hidden_size=32, moe_norm_topk=False,
+    ),
+    "tiny-mixtral": ModelConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=64, num_attention_heads=4,
+        num_query_groups=2, vocab_size=256, max_position_embeddings=256, rotary_base=1e6,
+        eos_token_id=1, family="mixtral", num_experts=4, moe_router_topk=2,
     ),
 }
 

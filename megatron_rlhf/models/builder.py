@@ -86,6 +86,28 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 
         recompute_granularity=recompute,
         recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
+        qk_layernorm=cfg.qk_layernorm,
+        **moe_fields(cfg),
+    )
+
+
+def moe_fields(cfg: ModelConfig) -> dict:
+    """``TransformerConfig`` fields of ``cfg``'s experts (none for a dense model)."""
+    if cfg.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        # top-k of the logits then a softmax over them is the renormalised top-k of the full
+        # softmax (Mixtral; Qwen3-MoE with norm_topk_prob); pre-softmax keeps the full
+        # softmax's top-k weights as they are
+        moe_router_pre_softmax=not cfg.moe_norm_topk,
+        # every expert sees its tokens (no capacity, nothing dropped), as transformers runs them
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
     )
 
 
@@ -95,25 +117,41 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 
 MASK_HONOURING = ("arbitrary",)
 
 
-def layer_spec(use_te: bool | None = None):
+def layer_spec(use_te: bool | None = None, cfg: ModelConfig | None = None):
     """Transformer-Engine spec when available (or requested), else the local spec with
-    :class:`~megatron_rlhf.models.attention.SDPAttention`; self-attention masks ``arbitrary``."""
+    :class:`~megatron_rlhf.models.attention.SDPAttention`; self-attention masks ``arbitrary``.
+    ``cfg``: its q/k norms and experts (None: a dense Llama layer)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.enums import AttnMaskType
 
     if use_te is None:
         use_te = transformer_engine_available()
+    shape = {}
+    if cfg is not None:
+        # experts one by one (SequentialMLP): grouped GEMM needs TE or a CUDA kernel
+        shape = dict(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm)
+        if cfg.num_experts is not None:
+            _shim_moe_without_te()
     if use_te:
-        spec = specs.get_gpt_layer_with_transformer_engine_spec()
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(**shape)
     else:
         from megatron_rlhf.models.attention import SDPAttention
 
-        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", **shape)
         # torch SDPA in place of the local spec's materialised scores (models/attention.py)
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     # Whole-sequence forwards pass a mask combining causality and padding: every backend honours it.
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
     return spec
+
+
+def _shim_moe_without_te() -> None:
+    """megatron-core's router gating reads ``te_general_gemm``, a module global defined only
+    when Transformer Engine imports (a NameError without it): None takes its torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def check_mask_honoured(model) -> None:
@@ -165,7 +203,7 @@ def build_model(
     if use_te is None:
         use_te = transformer_engine_available()
     config = transformer_config(cfg, tp, dtype, pp, recompute, sequence_parallel)
-    spec = layer_spec(use_te)
+    spec = layer_spec(use_te, cfg)
     if config.sequence_parallel and not use_te:  # (TE's norms handle it themselves)
         from megatron_rlhf.models.sequence_parallel import block_spec
 

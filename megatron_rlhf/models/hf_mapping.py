@@ -1,4 +1,5 @@
-"""Hugging Face Llama (and Mistral, Qwen2) <-> megatron-core tensor and config mapping.
+"""Hugging Face Llama (Mistral, Qwen2, Qwen3; Qwen3-MoE and Mixtral with experts) <->
+megatron-core tensor and config mapping.
 
 Entry points: :func:`config_from_hf`, :func:`hf_to_mcore`, :func:`mcore_to_hf`. Tensors are
 full (TP=1, one process).
@@ -17,21 +18,36 @@ class ShapeMismatch(ValueError):
     """A tensor whose shape does not match the model config; the message names it."""
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
 
 
-# the fields config_from_hf has no default for
+# the fields config_from_hf has no default for, and each MoE family's own
 REQUIRED_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+MOE_FIELDS = {"qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+              "mixtral": ("num_local_experts", "num_experts_per_tok")}
+# another name a field is saved under (transformers 5 writes Qwen3-MoE's num_experts as
+# num_local_experts; the published checkpoints say num_experts)
+ALIASES = {"num_experts": "num_local_experts"}
+
+
+def _field(hf: dict, name: str):
+    value = hf.get(name)
+    return hf.get(ALIASES[name]) if value is None and name in ALIASES else value
+# families with a norm over each query and key head, and those whose window is opt-in
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+OPT_IN_WINDOW = ("qwen2", "qwen3", "qwen3_moe")
 
 
 def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
-    """ModelConfig from a HF config dict (``config.json``) of a Llama, Mistral or Qwen2;
-    ``source`` names the file in errors."""
+    """ModelConfig from a HF config dict (``config.json``) of a supported family
+    (:data:`ARCHITECTURES`); ``source`` names the file in errors."""
     family = hf.get("model_type") or "llama"
     if family not in FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported; supported model types: "
                          f"{', '.join(FAMILIES)}")
-    missing = [k for k in REQUIRED_FIELDS if hf.get(k) is None]
+    missing = [k for k in REQUIRED_FIELDS + MOE_FIELDS.get(family, ()) if _field(hf, k) is None]
     if missing:
         raise ValueError(f"{source} lacks {', '.join(missing)}, which a {family} model needs: "
                          "add them (transformers' config of the model lists them)")
@@ -50,7 +66,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; Llama uses silu")
     window = hf.get("sliding_window")
-    if family == "qwen2" and not hf.get("use_sliding_window", False):
+    if family in OPT_IN_WINDOW and not hf.get("use_sliding_window", False):
         window = None
     heads = hf["num_attention_heads"]
     eos = hf.get("eos_token_id")
@@ -75,7 +91,27 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         rope_scaling=rope_scaling,
         qkv_bias=family == "qwen2",
         sliding_window=window if window and window < positions else None,
+        qk_layernorm=family in QK_NORM_FAMILIES,
+        **_experts_from_hf(hf, family, source),
     )
+
+
+def _experts_from_hf(hf: dict, family: str, source: str) -> dict:
+    """ModelConfig's expert fields from a Qwen3-MoE or Mixtral config (none for a dense one)."""
+    if family == "mixtral":
+        return dict(num_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"],
+                    moe_ffn_hidden_size=hf["intermediate_size"], moe_norm_topk=True)
+    if family != "qwen3_moe":
+        return {}
+    dense = hf.get("mlp_only_layers") or []
+    if dense or hf.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"{source} has dense MLP layers among the expert layers (mlp_only_layers "
+                         f"{dense}, decoder_sparse_step {hf.get('decoder_sparse_step', 1)}), which is "
+                         "not supported: every layer must have experts (mlp_only_layers [], "
+                         "decoder_sparse_step 1)")
+    return dict(num_experts=_field(hf, "num_experts"), moe_router_topk=hf["num_experts_per_tok"],
+                moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                moe_norm_topk=bool(hf.get("norm_topk_prob", False)))
 
 
 VALUE_ROLES = ("critic", "reward")
@@ -115,10 +151,19 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32, role: s
                    pad_token_id=cfg.eos_token_id)
     if cfg.family == "llama":
         out.update(attention_bias=False, mlp_bias=False)
-    elif cfg.family == "mistral":
+    elif cfg.family in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window
     else:
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
+    if cfg.family in QK_NORM_FAMILIES:
+        out.update(attention_bias=False, max_window_layers=cfg.num_layers)
+    if cfg.family == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                   intermediate_size=cfg.moe_ffn_hidden_size, router_jitter_noise=0.0)
+    elif cfg.family == "qwen3_moe":
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                   moe_intermediate_size=cfg.moe_ffn_hidden_size, norm_topk_prob=cfg.moe_norm_topk,
+                   decoder_sparse_step=1, mlp_only_layers=[])
     return out
 
 
@@ -136,21 +181,70 @@ def _take(sd: dict, name: str, shape: tuple) -> torch.Tensor:
     return _expect(name, sd[name], shape)
 
 
+def _hf_router(cfg: ModelConfig, i: int) -> str:
+    return f"model.layers.{i}.block_sparse_moe.gate.weight" if cfg.family == "mixtral" else \
+        f"model.layers.{i}.mlp.gate.weight"
+
+
+def _mlp_names(cfg: ModelConfig, i: int):
+    """Layer ``i``'s MLP as ``(megatron name, (HF gate, up, down, width))`` pairs: one for a
+    dense MLP, the router (``None``) then one per expert for a mixture."""
+    # megatron's SwiGLU linear_fc1 is [gate; up]. Experts: Mixtral's w1, w3, w2 under
+    # block_sparse_moe; Qwen3-MoE's gate/up/down_proj under mlp.
+    m = f"model.layers.{i}.mlp."
+    if cfg.num_experts is None:
+        return [("mlp.", (m + "gate_proj.weight", m + "up_proj.weight", m + "down_proj.weight",
+                          cfg.ffn_hidden_size))]
+    names = [("mlp.router.weight", None)]
+    for j in range(cfg.num_experts):
+        if cfg.family == "mixtral":
+            e = f"model.layers.{i}.block_sparse_moe.experts.{j}."
+            hf = (e + "w1.weight", e + "w3.weight", e + "w2.weight")
+        else:
+            e = f"{m}experts.{j}."
+            hf = (e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight")
+        names.append((f"mlp.experts.local_experts.{j}.", (*hf, cfg.moe_ffn_hidden_size)))
+    return names
+
+
+def _experts_one_by_one(sd: dict, cfg: ModelConfig) -> dict:
+    """``sd`` with transformers 5's in-memory experts (``mlp.experts.gate_up_proj [E, 2f, h]``,
+    ``down_proj [E, h, f]``, ``mlp.gate``: a model's ``state_dict()``, a GGUF read through it)
+    under the checkpoint files' names, one tensor per expert."""
+    if cfg.num_experts is None or not any(k.endswith("mlp.experts.gate_up_proj") for k in sd):
+        return sd
+    sd = dict(sd)
+    f = cfg.moe_ffn_hidden_size
+    for i in range(cfg.num_layers):
+        m = f"model.layers.{i}.mlp."
+        if m + "experts.gate_up_proj" not in sd:
+            continue
+        fused = _take(sd, m + "experts.gate_up_proj", (cfg.num_experts, 2 * f, cfg.hidden_size))
+        down = _take(sd, m + "experts.down_proj", (cfg.num_experts, cfg.hidden_size, f))
+        del sd[m + "experts.gate_up_proj"], sd[m + "experts.down_proj"]
+        sd[_hf_router(cfg, i)] = sd.pop(m + "gate.weight")
+        for j, (_, (gate, up, down_name, _)) in enumerate(_mlp_names(cfg, i)[1:]):
+            sd[gate], sd[up], sd[down_name] = fused[j, :f], fused[j, f:], down[j]
+    return sd
+
+
 def _pad_vocab(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     pad = cfg.padded_vocab_size - t.shape[0]
     return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
 
 
 def hf_to_mcore(sd: dict, cfg: ModelConfig, role: str = "actor") -> dict[str, torch.Tensor]:
-    """HF ``LlamaForCausalLM`` (Mistral, Qwen2) state dict -> megatron ``GPTModel`` (local
-    spec, TP=1); Qwen2's q/k/v biases go into ``linear_qkv.bias``, grouped as its weight."""
+    """HF ``*ForCausalLM`` state dict (the file's names: experts one by one) -> megatron
+    ``GPTModel`` (local spec, TP=1); Qwen2's q/k/v biases go into ``linear_qkv.bias``, grouped
+    as its weight."""
     # megatron's linear_qkv is grouped by KV head: for each group its heads/groups query heads,
-    # then its key head, then its value head. SwiGLU's linear_fc1 is [gate; up].
-    h, d, f = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
+    # then its key head, then its value head.
+    h, d = cfg.hidden_size, cfg.kv_channels
     nh, ng, v = cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size
+    sd = _experts_one_by_one(sd, cfg)
     out = {"embedding.word_embeddings.weight": _pad_vocab(_take(sd, "model.embed_tokens.weight", (v, h)), cfg)}
     for i in range(cfg.num_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        a = f"model.layers.{i}.self_attn."
         q = _take(sd, a + "q_proj.weight", (nh * d, h)).reshape(ng, nh // ng, d, h)
         k = _take(sd, a + "k_proj.weight", (ng * d, h)).reshape(ng, 1, d, h)
         vv = _take(sd, a + "v_proj.weight", (ng * d, h)).reshape(ng, 1, d, h)
@@ -166,10 +260,17 @@ def hf_to_mcore(sd: dict, cfg: ModelConfig, role: str = "actor") -> dict[str, to
         out[p + "pre_mlp_layernorm.weight"] = _take(
             sd, f"model.layers.{i}.post_attention_layernorm.weight", (h,)
         )
-        out[p + "mlp.linear_fc1.weight"] = torch.cat(
-            [_take(sd, m + "gate_proj.weight", (f, h)), _take(sd, m + "up_proj.weight", (f, h))]
-        )
-        out[p + "mlp.linear_fc2.weight"] = _take(sd, m + "down_proj.weight", (h, f))
+        if cfg.qk_layernorm:
+            out[p + "self_attention.q_layernorm.weight"] = _take(sd, a + "q_norm.weight", (d,))
+            out[p + "self_attention.k_layernorm.weight"] = _take(sd, a + "k_norm.weight", (d,))
+        for name, t in _mlp_names(cfg, i):
+            if t is None:  # the router
+                out[p + name] = _take(sd, _hf_router(cfg, i), (cfg.num_experts, h))
+            else:
+                gate, up, down, width = t
+                out[p + name + "linear_fc1.weight"] = torch.cat(
+                    [_take(sd, gate, (width, h)), _take(sd, up, (width, h))])
+                out[p + name + "linear_fc2.weight"] = _take(sd, down, (h, width))
     out["decoder.final_layernorm.weight"] = _take(sd, "model.norm.weight", (h,))
     if role in VALUE_ROLES:
         if "score.weight" not in sd:
@@ -182,15 +283,15 @@ def hf_to_mcore(sd: dict, cfg: ModelConfig, role: str = "actor") -> dict[str, to
 
 
 def mcore_to_hf(sd: dict, cfg: ModelConfig, role: str = "actor") -> dict[str, torch.Tensor]:
-    """megatron ``GPTModel`` (local spec, TP=1) state dict -> HF ``LlamaForCausalLM`` (a
-    critic or reward model: ``LlamaForSequenceClassification``, its value head as ``score``)."""
-    h, d, f = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
+    """megatron ``GPTModel`` (local spec, TP=1) state dict -> HF ``*ForCausalLM`` of its family
+    (a critic or reward model: ``*ForSequenceClassification``, its value head as ``score``)."""
+    h, d = cfg.hidden_size, cfg.kv_channels
     nh, ng, v = cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size
     qpg = nh // ng
     emb = _take(sd, "embedding.word_embeddings.weight", (cfg.padded_vocab_size, h))
     out = {"model.embed_tokens.weight": emb[:v]}
     for i in range(cfg.num_layers):
-        p, a, m = f"decoder.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        p, a = f"decoder.layers.{i}.", f"model.layers.{i}.self_attn."
         qkv = _take(sd, p + "self_attention.linear_qkv.weight", ((nh + 2 * ng) * d, h))
         qkv = qkv.reshape(ng, qpg + 2, d, h)
         out[a + "q_proj.weight"] = qkv[:, :qpg].reshape(nh * d, h)
@@ -206,9 +307,17 @@ def mcore_to_hf(sd: dict, cfg: ModelConfig, role: str = "actor") -> dict[str, to
         out[f"model.layers.{i}.post_attention_layernorm.weight"] = _take(
             sd, p + "pre_mlp_layernorm.weight", (h,)
         )
-        fc1 = _take(sd, p + "mlp.linear_fc1.weight", (2 * f, h))
-        out[m + "gate_proj.weight"], out[m + "up_proj.weight"] = fc1[:f], fc1[f:]
-        out[m + "down_proj.weight"] = _take(sd, p + "mlp.linear_fc2.weight", (h, f))
+        if cfg.qk_layernorm:
+            out[a + "q_norm.weight"] = _take(sd, p + "self_attention.q_layernorm.weight", (d,))
+            out[a + "k_norm.weight"] = _take(sd, p + "self_attention.k_layernorm.weight", (d,))
+        for name, t in _mlp_names(cfg, i):
+            if t is None:
+                out[_hf_router(cfg, i)] = _take(sd, p + name, (cfg.num_experts, h))
+            else:
+                gate, up, down, width = t
+                fc1 = _take(sd, p + name + "linear_fc1.weight", (2 * width, h))
+                out[gate], out[up] = fc1[:width], fc1[width:]
+                out[down] = _take(sd, p + name + "linear_fc2.weight", (h, width))
     out["model.norm.weight"] = _take(sd, "decoder.final_layernorm.weight", (h,))
     if role in VALUE_ROLES:
         out["score.weight"] = _take(sd, "output_layer.weight", (1, h))
