@@ -84,6 +84,10 @@ class ModelConfig:
     moe_norm_topk: bool = True
     """The top-k routing weights renormalised to sum to 1 (Mixtral always; Qwen3-MoE's
     ``norm_topk_prob``); False: the softmax over all experts, top-k of it kept as is."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the router's load-balancing loss in training (Switch Transformer's; 0: none)."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router's z-loss in training (ST-MoE's, on the logits' log-sum-exp; 0: none)."""
 
     def __post_init__(self) -> None:
         finite(self)
@@ -130,6 +134,9 @@ class ModelConfig:
             if self.moe_ffn_hidden_size is None:
                 self.moe_ffn_hidden_size = self.ffn_hidden_size
             positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+            for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+                if getattr(self, name) < 0:
+                    raise ConfigError(f"{{{name}}} must be >= 0, got {getattr(self, name)}")
             if not 0 < self.moe_router_topk <= self.num_experts:
                 raise ConfigError(f"{{moe_router_topk}} ({self.moe_router_topk}) must be between 1 and "
                                   f"{{num_experts}} ({self.num_experts})")
@@ -180,6 +187,14 @@ class ModelConfig:
         if self.feature_draft and pp > 1:
             raise ValueError("a feature draft runs unpipelined (PP=1): it serves generation")
 
+    def check_expert_parallel(self, ep: int) -> None:
+        """Raise a message naming the fix when ``ep`` ranks cannot split the experts evenly."""
+        positive("expert parallel size", ep)
+        if self.num_experts is not None and self.num_experts % ep:
+            valid = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            raise ValueError(f"expert parallel size {ep} must divide {self.num_experts} experts; "
+                             f"sizes that work for this model: {valid}")
+
     def _tp_ok(self, tp: int) -> bool:
         return all(n % tp == 0 for _, n in self._tp_sharded())
 
@@ -219,6 +234,19 @@ PRESETS: dict[str, ModelConfig] = {
         num_query_groups=3, vocab_size=49152, max_position_embeddings=8192,
         rotary_base=100000.0, norm_epsilon=1e-5, tie_embeddings=True,
         bos_token_id=1, eos_token_id=2,
+    ),
+    # mixtures of experts (for the memory estimator and the plan search)
+    "qwen3-30b-a3b": ModelConfig(
+        num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+        num_query_groups=4, kv_channels=128, vocab_size=151936, max_position_embeddings=40960,
+        rotary_base=1e6, norm_epsilon=1e-6, bos_token_id=None, eos_token_id=151645,
+        family="qwen3_moe", qk_layernorm=True, num_experts=128, moe_router_topk=8,
+        moe_ffn_hidden_size=768, moe_norm_topk=True,
+    ),
+    "mixtral-8x7b": ModelConfig(
+        num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+        num_query_groups=8, vocab_size=32000, max_position_embeddings=32768, rotary_base=1e6,
+        bos_token_id=1, eos_token_id=2, family="mixtral", num_experts=8, moe_router_topk=2,
     ),
     # Tiny random configs for tests: GQA with tied and untied embeddings, and MHA.
     "tiny": ModelConfig(

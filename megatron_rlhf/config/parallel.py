@@ -27,21 +27,21 @@ class ParallelConfig:
     """TP size of the train layout (without --train-layout); must divide heads, KV heads and the ranks."""
     pipeline_model_parallel_size: int = 1
     """PP size of training and inference (without --train-layout); generation runs unpipelined."""
-    train_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[@R]"})
-    """Layout of training and of models without their own (None: TP x PP x the rest of the world)."""
+    train_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[:epE][@R]"})
+    """Layout of training and of models without their own (None: TP x PP x the rest of the world); :epE splits an MoE's experts over E of the DP ranks."""
     # With a gen_layout it may cover ranks R..R+size-1 only (@R): the actor then trains there,
     # beside the critic on other ranks.
     gen_layout: str | None = field(default=None, metadata={"metavar": "TPxDP"})
     """Layout of generation, weights moved to it after every update (None: train TP x the rest)."""
     # With None the actor generates on its training copy: no move.
-    ref_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[@R]"})
+    ref_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[:epE][@R]"})
     """Layout of the reference model's inference, over all ranks or ranks R.. (None: train layout)."""
     # The samples move to its data-parallel ranks and the results back.
-    reward_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[@R]"})
+    reward_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[:epE][@R]"})
     """Layout of the reward model's inference, as ref_layout."""
-    critic_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[@R]"})
+    critic_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[:epE][@R]"})
     """Layout of the critic's training, and of its inference by default (None: the train layout)."""
-    critic_infer_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[@R]"})
+    critic_infer_layout: str | None = field(default=None, metadata={"metavar": "TPxPPxDP[:epE][@R]"})
     """Layout of a second, inference-only critic copy (None: the training copy)."""
     # Its weights are reallocated there after every critic update.
     draft_train_layout: Literal["gen", "train"] = "gen"
@@ -86,8 +86,10 @@ class ParallelConfig:
                     raise ConfigError(f"{{{name}}} {given} contradicts {{train_layout}} "
                                       f"{self.train_layout}; give one of them")
             self.tensor_model_parallel_size, self.pipeline_model_parallel_size = t.tp, t.pp
-        if self.gen_layout is not None:
-            Layout.parse(self.gen_layout, pipeline=False)
+        if self.gen_layout is not None and Layout.parse(self.gen_layout, pipeline=False).ep > 1:
+            raise ConfigError(f"{{gen_layout}} {self.gen_layout}: generation decodes each data-parallel "
+                              "rank's samples on its own, without expert parallelism; drop the :ep "
+                              "(the weights move there from the training layout's experts)")
         for text in (self.ref_layout, self.reward_layout, self.critic_layout, self.critic_infer_layout):
             if text is not None:
                 Layout.parse(text)

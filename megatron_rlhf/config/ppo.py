@@ -75,6 +75,11 @@ class PPOConfig:
     """Per-token KL estimate (None: k3 where the KL is a loss, grpo; k1 in the reward)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the policy loss."""
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of the routers' load-balancing loss in the update (0: none)."""
+    # Switch Transformer's; megatron's router attaches it to the activations.
+    moe_z_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of the routers' z-loss (ST-MoE's) in the update (0: none)."""
     skip_zero_advantage: bool = True
     """Leave out of the actor's forward and backward the responses whose advantages are all 0."""
     # Only where nothing else gives them a loss (no entropy bonus, no KL loss term): then
@@ -108,6 +113,9 @@ class PPOConfig:
         for name in ("global_batch_size", "rollout_n", "micro_batch_size", "num_mini_batches",
                      "ppo_epochs", "filter_max_tries"):
             positive(name, getattr(self, name))
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{{{name}}} must be >= 0, got {getattr(self, name)}")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ConfigError(f"unknown advantage estimator {self.advantage_estimator!r}; "
                              f"valid: {', '.join(ADVANTAGE_ESTIMATORS)}")

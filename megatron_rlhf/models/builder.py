@@ -42,9 +42,10 @@ def fused_softmax_available() -> bool:
 
 
 def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 1,
-                       recompute: str | None = None, sequence_parallel: bool = False):
+                       recompute: str | None = None, sequence_parallel: bool = False, ep: int = 1):
     """megatron-core ``TransformerConfig`` for a Llama-family model at TP ``tp`` and PP ``pp``
-    (layers split evenly). ``recompute``: None, ``full`` or ``selective``."""
+    (layers split evenly), its experts over ``ep`` ranks. ``recompute``: None, ``full`` or
+    ``selective``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = runtime.has_cuda()
@@ -87,16 +88,18 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype, pp: int = 
         recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
         qk_layernorm=cfg.qk_layernorm,
-        **moe_fields(cfg),
+        **moe_fields(cfg, ep),
     )
 
 
-def moe_fields(cfg: ModelConfig) -> dict:
-    """``TransformerConfig`` fields of ``cfg``'s experts (none for a dense model)."""
+def moe_fields(cfg: ModelConfig, ep: int = 1) -> dict:
+    """``TransformerConfig`` fields of ``cfg``'s experts over ``ep`` ranks (none for a dense model)."""
     if cfg.num_experts is None:
         return {}
+    cfg.check_expert_parallel(ep)
     return dict(
         num_moe_experts=cfg.num_experts,
+        expert_model_parallel_size=ep,
         moe_router_topk=cfg.moe_router_topk,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
         # top-k of the logits then a softmax over them is the renormalised top-k of the full
@@ -106,8 +109,9 @@ def moe_fields(cfg: ModelConfig) -> dict:
         # every expert sees its tokens (no capacity, nothing dropped), as transformers runs them
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
     )
 
 
@@ -202,7 +206,9 @@ def build_model(
     dtype = dtype or runtime.default_dtype()
     if use_te is None:
         use_te = transformer_engine_available()
-    config = transformer_config(cfg, tp, dtype, pp, recompute, sequence_parallel)
+    # (a dense model ignores the layout's expert parallelism)
+    ep = pg_collection.ep.size() if cfg.num_experts else 1
+    config = transformer_config(cfg, tp, dtype, pp, recompute, sequence_parallel, ep)
     spec = layer_spec(use_te, cfg)
     if config.sequence_parallel and not use_te:  # (TE's norms handle it themselves)
         from megatron_rlhf.models.sequence_parallel import block_spec
@@ -242,6 +248,10 @@ def build_model(
             from megatron_rlhf.models.heads import attach_feature_fusion
 
             attach_feature_fusion(model)
+        if cfg.num_experts is not None:
+            from megatron_rlhf.models.moe import prepare_moe
+
+            prepare_moe(model)
     # Like Megatron-LM's Float16Module: every parameter in the model dtype (megatron's torch
     # norms are created in fp32 whatever params_dtype says).
     return model.to(device=runtime.device(), dtype=dtype)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_rlhf import runtime
 from megatron_rlhf.models import sequence_parallel
 from megatron_rlhf.models.forward import head_as_output, head_chunk, masked_forward
+from megatron_rlhf.models.moe import aux_loss_weight, ep_aligned, is_filler, set_aux_loss_weight
 from megatron_rlhf.models.packed import packed_forward
 
 LM_ROLES = ("actor", "reference", "draft")  # output vocabulary logits; the others a value
@@ -44,23 +45,33 @@ def model_output(model, mb) -> torch.Tensor:
 def map_micro_batches(model, micro_batches: list, fn) -> list:
     """``[fn(output, mb) for mb in micro_batches]`` on every rank, without gradients."""
     # Under PP every stage receives the same micro-batches (the first reads their tokens, every
-    # stage their masks); what the last stage computes comes back to every stage.
+    # stage their masks); what the last stage computes comes back to every stage. Under expert
+    # parallelism the ranks exchanging tokens run as many forwards (models.moe).
+    micro_batches, real = ep_aligned(model, micro_batches)
     with torch.no_grad():
         if not pipelined(model):
-            return [fn(model_output(model, mb), mb) for mb in micro_batches]
+            return [fn(model_output(model, mb), mb) for mb in micro_batches][:real]
         store = _schedule(model, micro_batches, partial(_keep, fn), forward_only=True)
-        return from_last_stage(model, [d["out"] for d in store])
+        return from_last_stage(model, [d["out"] for d in store])[:real]
 
 
 def forward_backward(model, micro_batches: list, loss, accumulating=None) -> None:
     """Back-propagate ``loss(output, mb)`` (a scalar, on the last stage) of every micro-batch;
     gradients accumulate in DDP's buffers. ``accumulating(last)``: the context of a
     micro-batch's backward (:meth:`~megatron_rlhf.rlhf.optim.Trainee.accumulating`)."""
+    micro_batches, real = ep_aligned(model, micro_batches)
+    if real < len(micro_batches):
+        loss = partial(_filler_zero, loss)
+    aux = aux_loss_weight(model, real)  # (None: no router losses)
     if not pipelined(model):
         for i, mb in enumerate(micro_batches):
+            if aux is not None:  # a filler's router losses count 0 too
+                set_aux_loss_weight(0.0 if is_filler(mb) else aux)
             with accumulating(i == len(micro_batches) - 1) if accumulating else contextlib.nullcontext():
                 loss(model_output(model, mb), mb).backward()
         return
+    if aux is not None:  # (under 1F1B the fillers' router losses count like the others')
+        set_aux_loss_weight(aux * real / len(micro_batches))
     model.config.no_sync_func = (lambda: accumulating(False)) if accumulating else None
     _schedule(model, micro_batches, partial(_loss, loss), forward_only=False)
 
@@ -82,6 +93,12 @@ def from_last_stage(model, obj):
 
 
 # ---------------------------------------------------------------------------- internals
+def _filler_zero(loss, output, mb):
+    """``loss``, times 0 for an expert-parallel filler (models.moe.ep_aligned): zero gradients."""
+    value = loss(output, mb)
+    return value * 0 if is_filler(mb) else value
+
+
 def _keep(fn, mb, output):
     return torch.zeros((), device=output.device), {"out": fn(output, mb)}
 

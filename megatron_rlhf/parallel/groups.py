@@ -45,15 +45,23 @@ def build_process_groups(layout: Layout):
         rank,
     )
     everyone = _new_groups([list(layout.ranks)], rank)
+    # The expert layers' groups (expert TP is TP). At EP=1 they are the singletons, TP, TPxPP
+    # and DP groups already built.
+    if layout.ep > 1:
+        ep = _new_groups(layout.ep_groups(), rank)
+        expt_dp = _new_groups(layout.expt_dp_groups(), rank)
+        tp_ep = _new_groups(layout.tp_ep_groups(), rank)
+        tp_ep_pp = _new_groups(layout.tp_ep_pp_groups(), rank)
+    else:
+        ep, expt_dp, tp_ep, tp_ep_pp = cp, dp, tp, mp
     if rank not in layout:
         return None
-    # megatron's DDP and distributed optimizer also ask for the expert-parallel and
-    # optimizer-instance groups: with no experts (EP=1) and one optimizer instance they are
-    # the singletons, TP, TPxPP and DP groups already built, and the instance is the whole
-    # layout (gradient norms are reduced over it).
+    # megatron's DDP and distributed optimizer also ask for the optimizer-instance group: with
+    # one instance it is the whole layout (gradient norms are reduced over it); expert
+    # gradients are reduced over expt_dp, the others over dp.
     return ProcessGroupCollection(
         tp=tp, dp=dp, pp=pp, mp=mp, embd=embd, pos_embd=pos_embd, cp=cp,
         tp_cp=tp, dp_cp=dp, tp_dp_cp=tp_dp,
-        ep=cp, expt_tp=tp, tp_ep=tp, tp_ep_pp=mp, expt_dp=dp,
-        intra_dp_cp=dp, intra_expt_dp=dp, intra_dist_opt=everyone,
+        ep=ep, expt_tp=tp, tp_ep=tp_ep, tp_ep_pp=tp_ep_pp, expt_dp=expt_dp,
+        intra_dp_cp=dp, intra_expt_dp=expt_dp, intra_dist_opt=everyone,
     )

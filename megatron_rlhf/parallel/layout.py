@@ -1,4 +1,5 @@
-"""A parallel layout of one model: TP x PP x DP over an explicit list of global ranks.
+"""A parallel layout of one model: TP x PP x DP over an explicit list of global ranks, with
+the experts of an MoE split over EP of the DP ranks (expert parallelism).
 
 :class:`Layout` is pure arithmetic; :mod:`~megatron_rlhf.parallel.groups` makes its process
 groups. Several layouts of one model may coexist (reallocation moves weights between them)."""
@@ -19,7 +20,9 @@ class RankCoords(NamedTuple):
 
 @dataclass(frozen=True)
 class Layout:
-    """A validated TP x PP x DP layout over ``ranks`` (global ranks, default 0..n-1)."""
+    """A validated TP x PP x DP layout over ``ranks`` (global ranks, default 0..n-1); an MoE's
+    experts are split over ``ep`` consecutive DP ranks (megatron's expert parallelism: the
+    expert layers run TP x EP x expert-DP, ``ep`` dividing ``dp``)."""
 
     tp: int = 1
     pp: int = 1
@@ -27,9 +30,10 @@ class Layout:
     # The global ranks in layout order (None: range(tp*pp*dp)). TP neighbours are adjacent,
     # then DP replicas, then pipeline stages.
     ranks: tuple[int, ...] | None = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"layout {name} size must be a positive integer, got {v!r}")
@@ -46,6 +50,9 @@ class Layout:
             raise ValueError(f"layout ranks must be distinct, got {list(self.ranks)}")
         if min(self.ranks) < 0:
             raise ValueError(f"layout ranks must be non-negative, got {list(self.ranks)}")
+        if self.dp % self.ep:
+            raise ValueError(f"layout expert parallel size {self.ep} must divide its data parallel "
+                             f"size {self.dp}: experts are split over data-parallel ranks")
 
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> "Layout":
@@ -60,17 +67,21 @@ class Layout:
     @classmethod
     def parse(cls, text: str, pipeline: bool = True) -> "Layout":
         """``"TPxPPxDP"`` (``"TPxDP"`` without ``pipeline``), e.g. ``"2x1x4"``, over ranks
-        ``0..size-1``, or with ``"@R"`` (``"1x1x2@2"``) from rank ``R`` on. Raises ValueError."""
+        ``0..size-1``, or with ``"@R"`` (``"1x1x2@2"``) from rank ``R`` on; ``":epE"`` splits
+        the experts over ``E`` of the DP ranks (``"1x1x4:ep2"``, ``"1x4:ep4@4"``). Raises ValueError."""
         form = "TPxPPxDP, e.g. 2x1x4" if pipeline else "TPxDP, e.g. 1x8"
         body, at, first = str(text).lower().partition("@")
+        body, colon, experts = body.partition(":")
         parts = body.split("x")
         if (len(parts) != (3 if pipeline else 2) or not all(p.isdigit() for p in parts)
-                or (at and not first.isdigit())):
-            raise ValueError(f"layout {text!r} is not of the form {form} (optionally @FIRST_RANK)")
+                or (at and not first.isdigit())
+                or (colon and not (experts.startswith("ep") and experts[2:].isdigit()))):
+            raise ValueError(f"layout {text!r} is not of the form {form} (optionally :epE, then @FIRST_RANK)")
         sizes = [int(p) for p in parts]
         tp, pp, dp = sizes if pipeline else (sizes[0], 1, sizes[1])
         start = int(first) if at else 0
-        return cls(tp=tp, pp=pp, dp=dp, ranks=tuple(range(start, start + tp * pp * dp)))
+        return cls(tp=tp, pp=pp, dp=dp, ranks=tuple(range(start, start + tp * pp * dp)),
+                   ep=int(experts[2:]) if colon else 1)
 
     @property
     def first_rank(self) -> int | None:
@@ -119,15 +130,42 @@ class Layout:
         return [[self.rank_at(t, d, p) for p in range(self.pp) for t in range(self.tp)]
                 for d in range(self.dp)]
 
+    # Expert layers: a DP index d is expert rank d % ep in expert-DP replica d // ep (megatron's
+    # tp-ep-dp-pp order: TP fastest, then EP).
+    def _dp_index(self, edp: int, e: int) -> int:
+        return edp * self.ep + e
+
+    def ep_groups(self) -> list[list[int]]:
+        """Ranks that split one copy of the experts (token exchange), one list per TP x PP x expert-DP index."""
+        return [[self.rank_at(t, self._dp_index(x, e), p) for e in range(self.ep)]
+                for p in range(self.pp) for x in range(self.dp // self.ep) for t in range(self.tp)]
+
+    def expt_dp_groups(self) -> list[list[int]]:
+        """Ranks holding the same experts' shard (their gradient reduction)."""
+        return [[self.rank_at(t, self._dp_index(x, e), p) for x in range(self.dp // self.ep)]
+                for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)]
+
+    def tp_ep_groups(self) -> list[list[int]]:
+        """TP x EP ranks of one stage and expert-DP index (the allgather dispatcher's group)."""
+        return [[self.rank_at(t, self._dp_index(x, e), p) for e in range(self.ep) for t in range(self.tp)]
+                for p in range(self.pp) for x in range(self.dp // self.ep)]
+
+    def tp_ep_pp_groups(self) -> list[list[int]]:
+        """TP x EP x PP ranks of one expert-DP index (one full copy of the experts)."""
+        return [[self.rank_at(t, self._dp_index(x, e), p)
+                 for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)]
+                for x in range(self.dp // self.ep)]
+
     def embedding_groups(self) -> list[list[int]]:
         """First and last pipeline stage of each pipeline (tied embedding gradients)."""
         return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
 
     def group_of(self, kind: str, rank: int) -> list[int]:
-        """The group of ``kind`` ('tp', 'dp', 'pp', 'mp', 'embd') that contains ``rank``."""
+        """The group of ``kind`` ('tp', 'dp', 'pp', 'mp', 'embd', 'ep', 'expt_dp') that contains ``rank``."""
         groups = {
             "tp": self.tp_groups, "dp": self.dp_groups, "pp": self.pp_groups,
-            "mp": self.mp_groups, "embd": self.embedding_groups,
+            "mp": self.mp_groups, "embd": self.embedding_groups, "ep": self.ep_groups,
+            "expt_dp": self.expt_dp_groups,
         }[kind]()
         for g in groups:
             if rank in g:
@@ -135,4 +173,5 @@ class Layout:
         raise ValueError(f"rank {rank} is not in layout ranks {list(self.ranks)}")
 
     def __str__(self) -> str:
-        return f"Layout(tp={self.tp}, pp={self.pp}, dp={self.dp}, ranks={list(self.ranks)})"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"Layout(tp={self.tp}, pp={self.pp}, dp={self.dp}{ep}, ranks={list(self.ranks)})"

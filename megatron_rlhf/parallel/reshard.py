@@ -80,13 +80,44 @@ class Reallocator:
         if self._service is None:
             self._service = _copy_service()
         start = time.perf_counter()
-        with torch.no_grad(), _without_tied_copy(dst):
+        with torch.no_grad(), _without_tied_copy(dst), _global_expert_names(src, dst):
             swap_model_weights(src, dst, self._service)
+            planned = _planned_bytes(dst)
         _sync_tied_copy(dst)
         if runtime.has_cuda():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        return ReallocationStats(seconds, *_planned_bytes(dst))
+        return ReallocationStats(seconds, *planned)
+
+
+@contextlib.contextmanager
+def _renamed(model, rename):
+    """Within the block ``model.named_parameters()`` yields ``rename(name)`` for each name."""
+    before = model.__dict__.get("named_parameters")  # (another patch's, restored after)
+    inner = model.named_parameters
+    model.named_parameters = lambda *a, **k: ((rename(n), p) for n, p in inner(*a, **k))
+    try:
+        yield
+    finally:
+        if before is None:
+            del model.named_parameters
+        else:
+            model.named_parameters = before
+
+
+@contextlib.contextmanager
+def _global_expert_names(*models):
+    """Within the block the experts of ``models`` under expert parallelism are named by their
+    global index, so that the planner matches expert ``k`` of one layout with the other's."""
+    # megatron's planner maps local expert indices to global ones for TE's grouped experts
+    # (``weightK``) only; SequentialMLP's are in the module path (local_experts.K).
+    from megatron_rlhf.models.moe import global_expert_name, has_experts
+
+    with contextlib.ExitStack() as stack:
+        for m in models:
+            if not isinstance(m, Absent) and has_experts(m) and m.pg_collection.ep.size() > 1:
+                stack.enter_context(_renamed(m, lambda n, m=m: global_expert_name(n, m)))
+        yield
 
 
 def _tied(model) -> bool:

@@ -134,36 +134,51 @@ class Estimator:
     def _profile(self, cfg: ModelConfig) -> Profile | None:
         return self.profiles.get(shape_key(cfg))
 
-    def layer_forward(self, cfg: ModelConfig, batch: int, seq: int, tp: int) -> float:
-        """One layer's forward of ``batch`` x ``seq`` tokens on one TP rank, all-reduces included."""
+    def layer_forward(self, cfg: ModelConfig, batch: int, seq: int, tp: int, ep: int = 1) -> float:
+        """One layer's forward of ``batch`` x ``seq`` tokens on one TP rank, all-reduces (and an
+        MoE's token exchange over TP x EP) included."""
         tokens = batch * seq
         p = self._profile(cfg)
         measured = p.tp_table(tp, "forward", tokens) if p is not None else None
+        exchange = self.expert_exchange(cfg, tokens, tp, ep)
         if measured is not None:
-            return measured
+            return measured + exchange
         if p is not None:
             compute = _tp_share(interp(p.tokens, p.forward, tokens), self.hw.layer_overhead_s, tp)
         else:
-            params = mem.layer_params(cfg).sharded
-            flops = tokens * (2 * params + 2 * seq * cfg.hidden_size) / tp
-            compute = max(flops / self.hw.flops, params * self.opt.param_bytes / tp / self.hw.mem_bw) \
-                + self.hw.layer_overhead_s
-        return compute + 2 * self.all_reduce(tokens * cfg.hidden_size * self.opt.param_bytes, tp)
+            # a token multiplies with the router and its top-k experts (mem.active_layer_params);
+            # the GPU reads the weights it holds
+            flops = tokens * (2 * mem.active_layer_params(cfg) + 2 * seq * cfg.hidden_size) / tp
+            held = mem.layer_params(cfg)
+            nbytes = (held.sharded / tp + held.experts_per_gpu(tp, ep)) * self.opt.param_bytes
+            compute = max(flops / self.hw.flops, nbytes / self.hw.mem_bw) + self.hw.layer_overhead_s
+        return compute + exchange + 2 * self.all_reduce(tokens * cfg.hidden_size * self.opt.param_bytes, tp)
 
-    def layer_train(self, cfg: ModelConfig, batch: int, seq: int, tp: int) -> float:
+    def expert_exchange(self, cfg: ModelConfig, tokens: int, tp: int, ep: int) -> float:
+        """An MoE layer's token exchange over its TP x EP ranks: the allgather dispatcher gathers
+        every rank's tokens and reduce-scatters the experts' outputs back."""
+        group = tp * ep
+        if not cfg.num_experts or group == 1:
+            return 0.0
+        gathered = tokens * group * cfg.hidden_size * self.opt.param_bytes
+        return self.all_gather(gathered, group) + self.reduce_scatter(gathered, group)
+
+    def layer_train(self, cfg: ModelConfig, batch: int, seq: int, tp: int, ep: int = 1) -> float:
         """Forward and backward of one layer (re-run forward under full recompute)."""
         tokens = batch * seq
         p = self._profile(cfg)
-        recompute = self.layer_forward(cfg, batch, seq, tp) if self.opt.recompute == "full" else 0.0
+        recompute = self.layer_forward(cfg, batch, seq, tp, ep) if self.opt.recompute == "full" else 0.0
+        exchange = 2 * self.expert_exchange(cfg, tokens, tp, ep)  # forward and backward
         measured = p.tp_table(tp, "train", tokens) if p is not None else None
         if measured is not None:
-            return measured + recompute
+            return measured + recompute + exchange
         if p is not None:
             compute = interp(p.tokens, p.train, tokens) / tp
         else:
-            compute = 3 * (self.layer_forward(cfg, batch, seq, tp)
+            compute = 3 * (self.layer_forward(cfg, batch, seq, tp, ep) - self.expert_exchange(cfg, tokens, tp, ep)
                            - 2 * self.all_reduce(tokens * cfg.hidden_size * self.opt.param_bytes, tp))
-        return compute + recompute + 4 * self.all_reduce(tokens * cfg.hidden_size * self.opt.param_bytes, tp)
+        return compute + recompute + exchange \
+            + 4 * self.all_reduce(tokens * cfg.hidden_size * self.opt.param_bytes, tp)
 
     def head(self, cfg: ModelConfig, tokens: int, tp: int, value: bool = False, train: bool = False) -> float:
         """The LM head over ``tokens`` positions (``train``: forward and backward with the loss)."""
@@ -190,17 +205,20 @@ class Estimator:
             # measured at ``p.context``: weights dominate at small batches, so scale by tokens
             compute = _tp_share(interp(p.batches, p.decode, batch * n), self.hw.decode_overhead_s, tp)
         else:
-            params = mem.layer_params(cfg).sharded
+            held = mem.layer_params(cfg)
             kv = 2 * cfg.num_query_groups * cfg.kv_channels * self.opt.param_bytes
-            flops = batch * n * (2 * params + 4 * context * cfg.num_attention_heads * cfg.kv_channels) / tp
-            nbytes = (params * self.opt.param_bytes + batch * context * kv) / tp
+            flops = batch * n * (2 * mem.active_layer_params(cfg)
+                                 + 4 * context * cfg.num_attention_heads * cfg.kv_channels) / tp
+            # the experts some token of the step is routed to are read (at most all of them)
+            hit = min(1.0, batch * n * cfg.moe_router_topk / cfg.num_experts) if cfg.num_experts else 1.0
+            nbytes = ((held.sharded + hit * held.experts) * self.opt.param_bytes + batch * context * kv) / tp
             compute = max(flops / self.hw.flops, nbytes / self.hw.mem_bw) + self.hw.decode_overhead_s
         return compute + 2 * self.all_reduce(batch * n * cfg.hidden_size * self.opt.param_bytes, tp)
 
     # ------------------------------------------------------------------ calls
     def call_time(self, call: Call, layout: Layout) -> dict:
         """``{"total": s, ...parts}`` for ``call`` under ``layout`` (memoised)."""
-        key = (call, layout.tp, layout.pp, layout.dp)
+        key = (call, layout.tp, layout.pp, layout.dp, layout.ep)
         if key not in self._memo:
             fn = {"generate": self._generate, "infer": self._infer, "train": self._train}[call.kind]
             parts = fn(call, layout)
@@ -227,7 +245,7 @@ class Estimator:
                 + 3 * self.head(cfg, mbs * call.prompt_len, layout.tp, value)
         else:
             head = self.head(cfg, mbs * call.seq_len, layout.tp, value)
-        stage = layers * per_layer(cfg, mbs, call.seq_len, layout.tp) + head / layout.pp
+        stage = layers * per_layer(cfg, mbs, call.seq_len, layout.tp, layout.ep) + head / layout.pp
         if layout.pp > 1:
             stage += self.hw.latency_s + mbs * call.seq_len * cfg.hidden_size * self.opt.param_bytes \
                 / self._bw(layout.pp * layout.tp)
@@ -242,16 +260,22 @@ class Estimator:
     def _train(self, call: Call, layout: Layout) -> dict:
         cfg = self.models[call.model]
         total, bubble = self._pipelined(call, layout, self.layer_train, call.model == "critic")
-        params = mem.stage_params(cfg, call.model, layout.pp, 0).per_gpu(layout.tp)
+        held = mem.stage_params(cfg, call.model, layout.pp, 0)
         steps = call.passes * call.steps
-        dp = layout.dp
-        if self.opt.distributed_optimizer:
-            sync = self.reduce_scatter(params * 4, dp) + self.all_gather(params * self.opt.param_bytes, dp)
-        else:
-            sync = self.all_reduce(params * 4, dp)  # fp32 gradients
+        sync, shard = 0.0, 0.0
+        # dense gradients reduce over DP, the experts' over the expert-DP ranks (DP / EP)
+        for params, dp in ((held.dense_per_gpu(layout.tp), layout.dp),
+                           (held.experts_per_gpu(layout.tp, layout.ep), layout.dp // layout.ep)):
+            if not params:  # (a dense model has no expert collectives)
+                continue
+            if self.opt.distributed_optimizer:
+                sync += self.reduce_scatter(params * 4, dp) + self.all_gather(params * self.opt.param_bytes, dp)
+            else:
+                sync += self.all_reduce(params * 4, dp)  # fp32 gradients
+            shard += params / dp if self.opt.distributed_optimizer else params
+        params = held.per_gpu(layout.tp, layout.ep)
         if layout.pp > 1 and cfg.tie_embeddings and call.model in mem.LM_ROLES:
             sync += self.all_reduce(cfg.padded_vocab_size * cfg.hidden_size / layout.tp * 4, 2)
-        shard = params / dp if self.opt.distributed_optimizer else params
         # the step's traffic over its shard, and zeroing the fp32 gradient buffer
         optimizer = steps * (shard * self.hw.optimizer_bytes_per_param + params * 4) / self.hw.mem_bw
         if call.model == "draft":  # distillation reads the actor's logits: one actor forward
@@ -309,10 +333,10 @@ class Estimator:
         return self._memo[key]
 
     def _realloc(self, model: str, src: Layout, dst: Layout) -> tuple[float, int]:
-        if (src.tp, src.pp) == (dst.tp, dst.pp) and _holds_its_shard(src, dst):
+        if (src.tp, src.pp, src.ep) == (dst.tp, dst.pp, dst.ep) and _holds_its_shard(src, dst):
             return 0.0, 0
         cfg = self.models[model]
-        nbytes = mem.stage_params(cfg, model, dst.pp, 0).per_gpu(dst.tp) * self.opt.param_bytes
+        nbytes = mem.stage_params(cfg, model, dst.pp, 0).per_gpu(dst.tp, dst.ep) * self.opt.param_bytes
         tensors = 9 * cfg.num_layers // dst.pp + 3
         group = max(src.size, dst.size)
         return tensors * self.hw.latency_s + nbytes / self._bw(group), nbytes
@@ -336,7 +360,7 @@ class Estimator:
 
     def _working_bytes(self, call: Call, layout: Layout) -> list[int]:
         """Per pipeline stage: the bytes ``call`` itself keeps on one GPU (memoised)."""
-        key = ("working", call, layout.tp, layout.pp, layout.dp)
+        key = ("working", call, layout.tp, layout.pp, layout.dp, layout.ep)
         if key in self._memo:
             return self._memo[key]
         o = self._options()
@@ -359,9 +383,7 @@ class Estimator:
                     total += mem.logits_bytes(cfg, call.seq_len * self.opt.micro_batch_size, layout.tp, o,
                                               call.model)
             else:
-                params = mem.stage_params(cfg, call.model, layout.pp, stage).per_gpu(layout.tp)
-                total += params * (4 if o.fp32_grads else 2)
-                total += params * 12 // (layout.dp if o.distributed_optimizer else 1)
+                total += sum(mem.trainee_state_bytes(cfg, call.model, layout, o, stage))
                 try:
                     total += mem.training_activation_bytes(cfg, call.model, w, layout, stage, o)
                 except ValueError:

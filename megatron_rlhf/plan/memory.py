@@ -17,6 +17,7 @@ from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.plan.sizes import (
     LM_ROLES,
     StageParams,
+    active_layer_params,
     check_pipeline,
     count_parameters,
     forward_working_bytes,
@@ -261,7 +262,8 @@ def training_parts(models: dict[str, ModelConfig], train: Layout, gen: Layout, s
         if role not in models:
             continue
         cfg = models[role]
-        parts[f"{role}_weights"] = stage_params(cfg, role, train.pp, stage).per_gpu(train.tp) * o.param_bytes
+        parts[f"{role}_weights"] = stage_params(cfg, role, train.pp, stage).per_gpu(train.tp, train.ep) \
+            * o.param_bytes
         parts.update(trainee_state_parts({role: cfg}, train, o, stage))
         acts.append(training_activation_bytes(cfg, role, workload, train, stage, o))
     if "draft" in models:  # stays on the GPU, in the gen layout; its optimizer on the host
@@ -278,11 +280,21 @@ def trainee_state_parts(models: dict[str, ModelConfig], train: Layout, options: 
     parts = {}
     for role in ("actor", "critic"):
         if role in models:
-            n = stage_params(models[role], role, train.pp, stage).per_gpu(train.tp)
-            parts[f"{role}_grads"] = n * (4 if options.fp32_grads else 2)
-            shard = train.dp if options.distributed_optimizer else 1
-            parts[f"{role}_optimizer"] = -(-n * ADAM_BYTES_PER_PARAM // shard)
+            parts[f"{role}_grads"], parts[f"{role}_optimizer"] = trainee_state_bytes(
+                models[role], role, train, options, stage)
     return parts
+
+
+def trainee_state_bytes(cfg: ModelConfig, role: str, train: Layout, options: MemoryOptions,
+                        stage: int = 0) -> tuple[int, int]:
+    """(gradient buffer, optimizer) bytes of ``role`` on one GPU of pipeline stage ``stage``."""
+    params = stage_params(cfg, role, train.pp, stage)
+    dense, experts = params.dense_per_gpu(train.tp), params.experts_per_gpu(train.tp, train.ep)
+    grads = (dense + experts) * (4 if options.fp32_grads else 2)
+    # the distributed optimizer shards the dense states over DP, the experts' over the
+    # expert-DP ranks (DP / EP)
+    dp, expt_dp = (train.dp, train.dp // train.ep) if options.distributed_optimizer else (1, 1)
+    return grads, -(-dense * ADAM_BYTES_PER_PARAM // dp) - (-experts * ADAM_BYTES_PER_PARAM // expt_dp)
 
 
 def _worst(stage: str, layout: Layout, capacity: int, parts_of) -> StageEstimate:
@@ -348,15 +360,18 @@ def _advice(s: StageEstimate, largest: str, options: MemoryOptions) -> str:
 
 # ---------------------------------------------------------------- search
 
-def candidate_layouts(cluster: Cluster) -> list[Layout]:
-    """Every TPxPPxDP over the cluster with TP dividing a node's GPUs."""
+def candidate_layouts(cluster: Cluster, experts: int | None = None) -> list[Layout]:
+    """Every TPxPPxDP over the cluster with TP dividing a node's GPUs; for a model with
+    ``experts``, each also with every expert-parallel size dividing both DP and the experts."""
     out = []
     for tp in range(1, cluster.gpus_per_node + 1):
         if cluster.gpus_per_node % tp:
             continue
         for pp in range(1, cluster.gpus // tp + 1):
             if cluster.gpus % (tp * pp) == 0:
-                out.append(Layout(tp=tp, pp=pp, dp=cluster.gpus // (tp * pp)))
+                dp = cluster.gpus // (tp * pp)
+                out += [Layout(tp=tp, pp=pp, dp=dp, ep=ep) for ep in range(1, dp + 1)
+                        if ep == 1 or (experts and dp % ep == 0 and experts % ep == 0)]
     return out
 
 
@@ -368,7 +383,7 @@ def search_train_layouts(models: dict[str, ModelConfig], cluster: Cluster,
     unless ``fitting_only`` is False)."""
     # The gen and infer layouts stay fixed, or at their defaults.
     found = []
-    for train in candidate_layouts(cluster):
+    for train in candidate_layouts(cluster, models["actor"].num_experts if "actor" in models else None):
         try:
             est = estimate(models, cluster, StageLayouts(train=train, gen=gen, infer=infer),
                            workload, options)
@@ -382,9 +397,12 @@ def search_train_layouts(models: dict[str, ModelConfig], cluster: Cluster,
 # ---------------------------------------------------------------- small helpers
 
 def layout_text(layout: Layout, pipeline: bool = True) -> str:
-    """``"TPxPPxDP"`` (``"TPxDP"`` without pipeline), ``"@R"`` from rank R > 0 (``Layout.parse``'s form)."""
+    """``"TPxPPxDP"`` (``"TPxDP"`` without pipeline), ``":epE"`` with expert parallelism, ``"@R"``
+    from rank R > 0 (``Layout.parse``'s form)."""
 
     text = f"{layout.tp}x{layout.pp}x{layout.dp}" if pipeline else f"{layout.tp}x{layout.dp}"
+    if layout.ep > 1:
+        text += f":ep{layout.ep}"
     first = layout.first_rank
     if first is None:
         raise ValueError(f"{layout} is not over contiguous ranks: no TPxPPxDP@R text")
@@ -397,6 +415,7 @@ __all__ = [
     "GB", "STAGES", "RECOMPUTE", "Cluster", "Workload", "MemoryOptions", "StageLayouts",
     "StageParams", "StageEstimate", "Estimate", "estimate", "fits_or_raise", "check_layouts",
     "check_layout", "check_pipeline", "count_parameters", "stage_params", "layer_params",
+    "active_layer_params", "trainee_state_bytes",
     "layer_activation_bytes", "training_activation_bytes", "forward_working_bytes",
     "kv_cache_bytes", "logits_bytes", "weight_bytes", "LM_ROLES", "search_train_layouts",
     "candidate_layouts", "layout_text",

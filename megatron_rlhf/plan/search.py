@@ -59,7 +59,7 @@ class Plan:
         return cls.from_json(data)
 
     def key(self) -> tuple:
-        return tuple(sorted((c, (lay.tp, lay.pp, lay.dp, lay.ranks[0])) for c, lay in self.layouts.items()))
+        return tuple(sorted((c, (lay.tp, lay.pp, lay.dp, lay.ep, lay.ranks[0])) for c, lay in self.layouts.items()))
 
 
 @dataclass
@@ -149,9 +149,10 @@ def candidates(graph: Graph, est: Estimator, cluster: mem.Cluster) -> dict[str, 
     for call in graph.calls:
         cfg = est.models[call.model]
         found = []
-        layouts = mem.candidate_layouts(cluster)
+        experts = cfg.num_experts if call.kind != "generate" else None  # (generation: no EP)
+        layouts = mem.candidate_layouts(cluster, experts)
         if (call.kind == "infer" and _CALL_MODEL.get(call.name) in SUBSET_MODELS) or call.name in HALF_TRAIN:
-            layouts += halves(cluster)
+            layouts += halves(cluster, experts)
         for lay in layouts:
             if call.kind == "generate" and lay.pp != 1:
                 continue
@@ -173,7 +174,7 @@ def candidates(graph: Graph, est: Estimator, cluster: mem.Cluster) -> dict[str, 
     return out
 
 
-def halves(cluster: mem.Cluster) -> list[Layout]:
+def halves(cluster: mem.Cluster, experts: int | None = None) -> list[Layout]:
     """``candidate_layouts`` over the first and over the second half of the GPUs."""
     # Half the nodes, or half of a single node: a call on one half runs beside another
     # call on the other half.
@@ -183,8 +184,8 @@ def halves(cluster: mem.Cluster) -> list[Layout]:
         half = mem.Cluster(1, cluster.gpus_per_node // 2, cluster.gpu_memory_gb)
     else:
         return []
-    return [Layout(lay.tp, lay.pp, lay.dp, ranks=tuple(r + start for r in lay.ranks))
-            for start in (0, half.gpus) for lay in mem.candidate_layouts(half)]
+    return [Layout(lay.tp, lay.pp, lay.dp, ranks=tuple(r + start for r in lay.ranks), ep=lay.ep)
+            for start in (0, half.gpus) for lay in mem.candidate_layouts(half, experts)]
 
 
 def heuristic(graph: Graph, est: Estimator, cluster: mem.Cluster, cands: dict) -> Plan:

@@ -24,25 +24,50 @@ class StageParams:
 
     # Split over TP: attention and MLP matrices, the vocab-parallel embedding and LM head.
     sharded: int
-    # Held whole by every TP rank: RMSNorm weights, a value head, a feature draft's fusion.
+    # Held whole by every TP rank: RMSNorm weights, a value head, a feature draft's fusion,
+    # the routers.
     replicated: int
+    # The experts' matrices: split over TP and over the layout's expert-parallel ranks.
+    experts: int = 0
 
     @property
     def total(self) -> int:
-        return self.sharded + self.replicated
+        return self.sharded + self.replicated + self.experts
 
-    def per_gpu(self, tp: int) -> int:
+    def per_gpu(self, tp: int, ep: int = 1) -> int:
+        return self.dense_per_gpu(tp) + self.experts_per_gpu(tp, ep)
+
+    def dense_per_gpu(self, tp: int) -> int:
+        """What one GPU holds of the parameters outside the experts (reduced over DP)."""
         return self.sharded // tp + self.replicated
+
+    def experts_per_gpu(self, tp: int, ep: int = 1) -> int:
+        """What one GPU holds of the experts (reduced over the expert-DP ranks, DP / EP)."""
+        return self.experts // (tp * ep)
 
 
 # ---------------------------------------------------------------- parameters
 
 def layer_params(cfg: ModelConfig) -> StageParams:
-    """One transformer layer: q, k, v, o (GQA), SwiGLU's three matrices, two RMSNorms."""
+    """One transformer layer: q, k, v, o (GQA), SwiGLU's three matrices (each expert's, and a
+    router, for a mixture of experts), two RMSNorms (and q/k norms)."""
     h, d = cfg.hidden_size, cfg.kv_channels
     attention = 2 * h * cfg.num_attention_heads * d + 2 * h * cfg.num_query_groups * d
-    mlp = 3 * h * cfg.ffn_hidden_size
-    return StageParams(sharded=attention + mlp, replicated=2 * h)
+    norms = 2 * h + (2 * d if cfg.qk_layernorm else 0)
+    if cfg.num_experts:
+        return StageParams(sharded=attention, replicated=norms + cfg.num_experts * h,
+                           experts=cfg.num_experts * 3 * h * cfg.moe_ffn_hidden_size)
+    return StageParams(sharded=attention + 3 * h * cfg.ffn_hidden_size, replicated=norms)
+
+
+def active_layer_params(cfg: ModelConfig) -> int:
+    """The parameters one token's forward through a layer multiplies with, before TP: the
+    router and top-k experts of a mixture, every matrix of a dense layer."""
+    layer = layer_params(cfg)
+    if not cfg.num_experts:
+        return layer.sharded
+    return layer.sharded + cfg.num_experts * cfg.hidden_size \
+        + cfg.moe_router_topk * 3 * cfg.hidden_size * cfg.moe_ffn_hidden_size
 
 
 def stage_params(cfg: ModelConfig, role: str, pp: int = 1, stage: int = 0) -> StageParams:
@@ -55,7 +80,7 @@ def stage_params(cfg: ModelConfig, role: str, pp: int = 1, stage: int = 0) -> St
         raise ValueError(f"pipeline stage {stage} outside 0..{pp - 1}")
     h, n = cfg.hidden_size, cfg.num_layers // pp
     layer = layer_params(cfg)
-    sharded, replicated = n * layer.sharded, n * layer.replicated
+    sharded, replicated, experts = n * layer.sharded, n * layer.replicated, n * layer.experts
     first, last = stage == 0, stage == pp - 1
     if first:
         sharded += cfg.padded_vocab_size * h
@@ -69,7 +94,7 @@ def stage_params(cfg: ModelConfig, role: str, pp: int = 1, stage: int = 0) -> St
             sharded += (cfg.head_vocab_size or cfg.padded_vocab_size) * h
         elif not first:
             sharded += cfg.padded_vocab_size * h
-    return StageParams(sharded=sharded, replicated=replicated)
+    return StageParams(sharded=sharded, replicated=replicated, experts=experts)
 
 
 def count_parameters(cfg: ModelConfig, role: str = "actor") -> int:
@@ -80,7 +105,7 @@ def count_parameters(cfg: ModelConfig, role: str = "actor") -> int:
 def weight_bytes(cfg: ModelConfig, role: str, layout: Layout, stage: int,
                  options: MemoryOptions) -> int:
     """Weights on one GPU of pipeline stage ``stage``."""
-    return stage_params(cfg, role, layout.pp, stage).per_gpu(layout.tp) * options.param_bytes
+    return stage_params(cfg, role, layout.pp, stage).per_gpu(layout.tp, layout.ep) * options.param_bytes
 
 
 # ---------------------------------------------------------------- activations
@@ -102,7 +127,11 @@ def layer_activation_bytes(cfg: ModelConfig, seq: int, batch: int, tp: int = 1,
     scale = param_bytes / 2  # the formulas count 2-byte elements
     if recompute == "full":
         return int(scale * 2 * s * b * h / (t if sequence_parallel else 1))
-    sharded = 8 + 6 * cfg.ffn_hidden_size / h
+    # an MoE token keeps each of its top-k experts' SwiGLU activations, and its permuted copy
+    # in and out of the experts (2 + 2 per expert)
+    mlp = cfg.moe_router_topk * (6 * cfg.moe_ffn_hidden_size / h + 4) if cfg.num_experts \
+        else 6 * cfg.ffn_hidden_size / h
+    sharded = 8 + mlp
     core = 5 * a * s / h if recompute == "none" else 0.0
     if sequence_parallel:
         per_sbh = (10 + sharded + core) / t

@@ -17,7 +17,11 @@ def _model(plan: TrainPlan, name: str, role: str, pg, skip: tuple[str, ...] = ()
     from megatron_rlhf.models.checkpoint import load_checkpoint
 
     info = plan.infos[name]
-    model = build_model(info.config, role, pg, dtype=plan.dtype, seed=plan.loop.seed,
+    config = info.config
+    if trains and config.num_experts:  # the routers' auxiliary losses join the update
+        config = config.replace(moe_aux_loss_coeff=plan.ppo.moe_aux_loss_coeff,
+                                moe_z_loss_coeff=plan.ppo.moe_z_loss_coeff)
+    model = build_model(config, role, pg, dtype=plan.dtype, seed=plan.loop.seed,
                         recompute=plan.par.recompute_granularity if trains else None,
                         sequence_parallel=plan.par.sequence_parallel and whole_sequences)
     load_checkpoint(model, pg, info.path, skip=skip)

@@ -240,7 +240,7 @@ def memory_estimate(plan: TrainPlan, gpu_memory_gb: float, gpus_per_node: int,
     train, gen = plan.par.layouts(plan.world_size)
     gpus = plan.world_size
     if train.size != gpus:
-        gpus, train = train.size, Layout(train.tp, train.pp, train.dp)
+        gpus, train = train.size, Layout(train.tp, train.pp, train.dp, ep=train.ep)
         tp = gen.tp if gpus % gen.tp == 0 else train.tp
         gen = Layout(tp=tp, dp=gpus // tp)
     models = {role: info.config for role, info in plan.infos.items()}
@@ -267,8 +267,10 @@ def _check_layout(info, name: str, stage: str, tp: int, pp: int = 1) -> None:
 
 
 def one_layout(train_layout, gen_layout) -> bool:
-    """Whether generation runs on the train layout's process groups (no copy of its own)."""
-    return (gen_layout.tp, gen_layout.dp, 1) == (train_layout.tp, train_layout.dp, train_layout.pp)
+    """Whether generation runs on the train layout's process groups (no copy of its own); not
+    where training splits experts over ranks (generation runs each DP rank on its own)."""
+    return (gen_layout.tp, gen_layout.dp, 1, 1) == (train_layout.tp, train_layout.dp, train_layout.pp,
+                                                     train_layout.ep)
 
 
 def _check_extras(ppo, loop, par, reward_fn, train_layout, gen_layout, world_size) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_rlhf import runtime
 from megatron_rlhf.config import PPOConfig
 from megatron_rlhf.models.forward import values_of
+from megatron_rlhf.models.moe import RouterStats
 from megatron_rlhf.models.pipeline import forward_backward, from_last_stage, model_output
 from megatron_rlhf.rlhf.batch import Experience, model_micro_batches, response_slice
 from megatron_rlhf.rlhf.chunked_head import policy_of_output
@@ -98,6 +99,19 @@ def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_lo
     # is a pipeline stage.
     t.model.train()
     sums, norms = _Sums(), []
+    routes = RouterStats(t.model)  # (an MoE's expert loads; nothing for a dense model)
+    with routes:
+        _passes(t, exp, cfg, micro_loss, agg, horizon, seed, skip, sums, norms)
+    sums.values, sums.counts = from_last_stage(t.model, [sums.values, sums.counts])
+    out = sums.means(t.pg.dp)
+    out[f"{name}_grad_norm"] = sum(norms) / len(norms)
+    out.update(routes.metrics(f"{name}_moe"))
+    return out
+
+
+def _passes(t: Trainee, exp: Experience, cfg: PPOConfig, micro_loss, agg, horizon, seed, skip,
+            sums: "_Sums", norms: list) -> None:
+    """:func:`_ppo_passes`'s loops: metrics into ``sums``, each step's gradient norm into ``norms``."""
     for epoch in range(cfg.ppo_epochs):
         for mini in _mini_batches(exp, cfg, epoch, seed):
             # the weights' normalisers count every row, skipped or not
@@ -114,10 +128,6 @@ def _ppo_passes(t: Trainee, exp: Experience, cfg: PPOConfig, name: str, micro_lo
                 rows = torch.tensor([sum(mb.batch_size for mb in left_out), mini.batch_size],
                                     device=zero.device)
                 sums.add_total("skipped_fraction", rows[0], rows[1])
-    sums.values, sums.counts = from_last_stage(t.model, [sums.values, sums.counts])
-    out = sums.means(t.pg.dp)
-    out[f"{name}_grad_norm"] = sum(norms) / len(norms)
-    return out
 
 
 # The policy metrics that are exactly 0 on a row of zero advantages (no ratio term, no clip);
@@ -129,10 +139,10 @@ _ZERO_WHEN_SKIPPED = ("policy_loss", "clip_frac")
 def zero_advantage_skip(cfg: PPOConfig) -> bool | None:
     """Whether the actor's update leaves out the rows whose advantages are all exactly 0
     (``cfg.skip_zero_advantage``); None where such a row has a loss anyway (an entropy bonus,
-    a KL loss term)."""
+    a KL loss term, a router's auxiliary loss)."""
     # With A = 0 at every token the clipped surrogate is exactly 0 and so is its gradient:
     # max(-0 r, -0 clip(r)), and dual clip's cap (-0 C) is only taken for A < 0.
-    if cfg.entropy_coef or (cfg.kl_in_loss and cfg.kl_coef):
+    if cfg.entropy_coef or (cfg.kl_in_loss and cfg.kl_coef) or cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff:
         return None
     return cfg.skip_zero_advantage
 

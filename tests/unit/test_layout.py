@@ -72,7 +72,48 @@ def test_layout_text_over_part_of_the_world():
     assert Layout.parse("2x1x2@0") == Layout(tp=2, dp=2) and layout_text(Layout(tp=2, dp=2)) == "2x1x2"
     assert layout_text(Layout.parse("2x3@3", pipeline=False), pipeline=False) == "2x3@3"
     for bad in ("1x1x2@", "1x1x2@x", "1x2@1"):
-        with pytest.raises(ValueError, match="is not of the form TPxPPxDP, e.g. 2x1x4 \\(optionally @FIRST_RANK\\)"):
+        with pytest.raises(ValueError, match="is not of the form TPxPPxDP, e.g. 2x1x4 \\(optionally :epE, then @FIRST_RANK\\)"):
             Layout.parse(bad)
     with pytest.raises(ValueError, match="not over contiguous ranks"):
         layout_text(Layout(tp=1, dp=2, ranks=(0, 2)))
+
+
+def test_expert_parallel_groups_split_the_data_parallel_ranks():
+    """``:epE`` splits each DP group into expert groups of E consecutive DP ranks (megatron's
+    tp-ep-dp-pp order); expert-DP groups take one rank of each; both partition the layout."""
+    lay = Layout.parse("2x1x4:ep2@4")
+    assert (lay.tp, lay.pp, lay.dp, lay.ep, lay.ranks) == (2, 1, 4, 2, tuple(range(4, 12)))
+    assert lay.dp_groups() == [[4, 6, 8, 10], [5, 7, 9, 11]]
+    assert lay.ep_groups() == [[4, 6], [5, 7], [8, 10], [9, 11]]
+    assert lay.expt_dp_groups() == [[4, 8], [5, 9], [6, 10], [7, 11]]
+    assert lay.tp_ep_groups() == [[4, 5, 6, 7], [8, 9, 10, 11]]
+    assert lay.tp_ep_pp_groups() == lay.tp_ep_groups()
+    for kind in (lay.ep_groups, lay.expt_dp_groups, lay.tp_ep_groups):
+        assert sorted(r for g in kind() for r in g) == list(lay.ranks)
+    pp = Layout.parse("1x2x2:ep2")
+    assert pp.ep_groups() == [[0, 1], [2, 3]] and pp.tp_ep_pp_groups() == [[0, 1, 2, 3]]
+    assert Layout.parse("1x4:ep4", pipeline=False).ep == 4
+    assert Layout.parse("1x1x2") == Layout(dp=2) and Layout(dp=2).ep == 1
+    from megatron_rlhf.plan.memory import layout_text
+
+    assert layout_text(lay) == "2x1x4:ep2@4" and Layout.parse(layout_text(lay)) == lay
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("1x1x3:ep2", "expert parallel size 2 must divide its data parallel size 3"),
+    ("1x1x2:e2", "is not of the form"), ("1x1x2:ep", "is not of the form")])
+def test_bad_expert_layouts(text, msg):
+    with pytest.raises(ValueError, match=msg):
+        Layout.parse(text)
+
+
+def test_generation_has_no_expert_parallelism():
+    from megatron_rlhf.config import ConfigError, ParallelConfig
+
+    with pytest.raises(ConfigError, match="generation decodes each data-parallel rank's samples on its own"):
+        ParallelConfig(gen_layout="1x2:ep2")
+    train, gen = ParallelConfig(train_layout="1x1x2:ep2").layouts(2)
+    assert train.ep == 2 and gen == Layout(dp=2)  # a copy of its own, weights reallocated to it
+    from megatron_rlhf.rlhf.train_plan import one_layout
+
+    assert not one_layout(train, gen) and one_layout(Layout(dp=2), gen)

@@ -8,6 +8,8 @@ others, so counts drift apart and samples migrate mid-generation.
 ``python migration.py tp2`` (4 ranks): the same at TP=2 x DP=2.
 ``python migration.py graphs``: with the graphed decode step run eagerly (the KV store
 compacted in place, migrated rows appended within its capacity).
+``python migration.py moe``: a Mixtral (4 experts, top-2), plain and speculative (history and
+a model draft, exact verification), sampled.
 ``python migration.py die``: rank 1 dies just as it starts sending samples; rank 0
 must stop with a MigrationError naming rank 1 (see test_migration.py)."""
 
@@ -140,6 +142,21 @@ def check_graphs(pg, eos):
     return moved
 
 
+def check_moe(pg):
+    """Samples of a mixture-of-experts model with speculation and migration on equal plain
+    decoding's on one rank."""
+    actor, draft = actor_and_draft(pg, "tiny-mixtral", eos=None, sharpness=6.0, noise=0.3)
+    cfg = GenerationConfig(max_new_tokens=20, temperature=1.0)
+    plain = reference(actor, None, cfg, SpecConfig(0), 12)
+    moved = 0
+    for d, spec in ((None, SpecConfig(0)), (None, SpecConfig(3, draft_source="history")), (draft, SpecConfig(2))):
+        got, n = dp_run(pg, actor, d, cfg, spec, [9, 3], True)
+        same(plain, got, f"moe {spec.draft_source or 'model'} n={spec.num_draft_tokens}")
+        moved += n
+    assert moved > 0
+    return moved
+
+
 def die(pg):
     """Rank 1 holds every sample and dies as it starts sending some to rank 0."""
     actor, _ = actor_and_draft(pg, sharpness=6.0)
@@ -176,7 +193,10 @@ def main():
     actor, _ = actor_and_draft(pg, sharpness=6.0, noise=0.3)
     probe = reference(actor, None, GenerationConfig(max_new_tokens=24, temperature=0), SpecConfig(0), 12)
     eos = probe[4][0][3]  # a token some samples emit early
-    moved = check_graphs(pg, eos) if mode == "graphs" else check_all(pg, eos)
+    if mode == "moe":
+        moved = check_moe(pg)
+    else:
+        moved = check_graphs(pg, eos) if mode == "graphs" else check_all(pg, eos)
     if rank == 0:
         print(f"MIGRATION OK moved={moved} eos={eos}", flush=True)
     runtime.shutdown()
