@@ -45,16 +45,17 @@ def char_tokenizer():
                                    pad_token="</s>")
 
 
-def make_actor_checkpoint(root: Path, pg, seed: int = 1234, positions: int | None = None) -> Path:
-    """Save a random ``tiny`` actor (vocabulary 28, 64 positions unless ``positions``) with
-    the char tokenizer."""
+def make_actor_checkpoint(root: Path, pg, seed: int = 1234, positions: int | None = None,
+                          name: str = "tiny") -> Path:
+    """Save a random actor of preset ``name`` (vocabulary 28, 64 positions unless
+    ``positions``) with the char tokenizer."""
     import torch
 
     from megatron_rlhf.config import preset
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.checkpoint import save_checkpoint
 
-    cfg = preset("tiny", vocab_size=VOCAB, max_position_embeddings=positions or POSITIONS)
+    cfg = preset(name, vocab_size=VOCAB, max_position_embeddings=positions or POSITIONS)
     model = build_model(cfg, "actor", pg, dtype=torch.float32, seed=seed)
     save_checkpoint(root, 0, model, pg, tokenizer=char_tokenizer())
     return root

@@ -102,6 +102,8 @@ class PPOConfig:
     # Responses within this many tokens of the limit lose up to overlong_penalty, linearly.
     overlong_penalty: float = 1.0
     """The largest soft overlong penalty, reached at the length limit."""
+    rollout_is_cap: float | None = None
+    """Truncated importance sampling of the generator's samples (verl's and slime's TIS): each token's policy loss weighted by min(pi_old / pi_generator, C), pi_old from a training forward (needs log pi_old recomputed); None: off."""
     # None: on for bf16 models (the cached decode and the full forward round differently)
     # and for tempered or truncated sampling, so that the first PPO ratio is exactly 1;
     # off when old_from_update gives log pi_old without a forward.
@@ -113,6 +115,8 @@ class PPOConfig:
         for name in ("global_batch_size", "rollout_n", "micro_batch_size", "num_mini_batches",
                      "ppo_epochs", "filter_max_tries"):
             positive(name, getattr(self, name))
+        if self.rollout_is_cap is not None and not self.rollout_is_cap > 0:
+            raise ConfigError(f"{{rollout_is_cap}} must be > 0 (a cap on pi_old / pi_generator), got {self.rollout_is_cap}")
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{{{name}}} must be >= 0, got {getattr(self, name)}")

@@ -31,6 +31,9 @@ class Experience:
     values: Tensor | None = None   # [B, T] V_old(s_t) from the critic (gae only)
     returns: Tensor | None = None  # [B, T] critic targets A_t + V_t (gae only)
     loss_weights: Tensor | None = None  # [B, T] weight of each token's loss (set per mini-batch)
+    # [B, T] the generator's log-probs of the sampled tokens, where old_logprobs come from a
+    # training forward (the train-inference mismatch; --rollout-is-cap)
+    rollout_logprobs: Tensor | None = None
     # The sampling settings that define the policy every log-prob here is under and PPO
     # trains (policy.policy_logits); None: the model's own distribution at temperature 1.
     policy: GenerationConfig | None = None

@@ -23,7 +23,7 @@ from megatron_rlhf.rlhf import advantages, placement, update
 from megatron_rlhf.rlhf.batch import (Experience, in_row_order, last_token_index, model_micro_batches, pack,
                                       response_slice)
 from megatron_rlhf.rlhf.chunked_head import policy_of_output
-from megatron_rlhf.rlhf.kl import kl_estimate
+from megatron_rlhf.rlhf.kl import kl_estimate, mismatch
 from megatron_rlhf.rlhf.policy import reshapes_policy
 from megatron_rlhf.rlhf.rewards import RewardError, RewardInput
 
@@ -130,6 +130,7 @@ class ExperienceMaker:
         # actor_train, critic_train) -> this rank's placement.Share, set per iteration
         self.placed: dict = {}
         self._tables: dict = {}
+        self.mismatch: dict = {}  # the last make()'s (take_mismatch)
 
     def make(self, prompts: list[list[int]], prompt_texts: list[str], rollout,
              first_index: int = 0, metas: list[dict] | None = None,
@@ -143,7 +144,8 @@ class ExperienceMaker:
         dev = runtime.device()
         exp = self._batch(prompts, responses)
         mask = exp.response_mask
-        exp.old_logprobs = _pad_to(generation_logprobs(rollout, self.gen).float(), mask.shape[1]) * mask
+        generated = _pad_to(generation_logprobs(rollout, self.gen).float(), mask.shape[1]) * mask
+        exp.old_logprobs = generated
         sample_ids = list(range(first_index, first_index + len(prompts)))
         self._tokens = placement.gather_rows(sample_ids, list(zip(prompts, responses))) if self.placed else {}
         self._tables = self._placed_tables()
@@ -162,9 +164,19 @@ class ExperienceMaker:
         if cfg.use_critic:
             exp.values = self._placed_rows("critic", exp, sample_ids)
         advantages.estimate(exp, cfg, group=self.dp_group)
+        recomputed = mask.new_ones(mask.shape[0], dtype=torch.bool)
         if late_old:
-            self._old_logprobs_where_trained(exp)
+            recomputed = self._old_logprobs_where_trained(exp)
+        if self.recompute:  # the trainer's log pi_old beside the generator's
+            exp.rollout_logprobs = generated
+            self.mismatch = mismatch(exp.old_logprobs, generated, mask * recomputed[:, None], self.dp_group)
         return exp
+
+    def take_mismatch(self) -> dict:
+        """The last :meth:`make`'s train-inference mismatch metrics (:func:`mismatch`; none
+        where log pi_old came from generation), once."""
+        out, self.mismatch = self.mismatch, {}
+        return out
 
     def _skips_old_logprobs(self) -> bool:
         """Whether the old log-prob forward leaves out the rows the update skips: the actor's
@@ -174,9 +186,10 @@ class ExperienceMaker:
         return ("actor" not in self.placed and update.zero_advantage_skip(cfg) is True
                 and self.reference is None and not cfg.use_critic)
 
-    def _old_logprobs_where_trained(self, exp: Experience) -> None:
+    def _old_logprobs_where_trained(self, exp: Experience) -> torch.Tensor:
         """log pi_old of the rows with a non-zero advantage; the others keep the rollout's,
-        which nothing reads (the update leaves their micro-batches out)."""
+        which nothing reads (the update leaves their micro-batches out). Returns those rows
+        ``[B]`` bool."""
         train = ~update.zero_rows(exp, self.mp_group)
         if bool(train.all()):
             exp.old_logprobs = self._placed_rows("actor", exp, None)
@@ -186,6 +199,7 @@ class ExperienceMaker:
             old = self._placed_rows("actor", part, None)
             exp.old_logprobs = exp.old_logprobs.clone()
             exp.old_logprobs[rows, : old.shape[1]] = old
+        return train
 
     def _batch(self, prompts: list[list[int]], responses: list[list[int]]) -> Experience:
         """An Experience of token lists, every per-token field zero."""
@@ -234,6 +248,8 @@ class ExperienceMaker:
         """The batch training call ``name`` trains on, on its own layout (None outside it);
         collective over the world."""
         share, fields = self.placed[name], TRAINING_INPUTS[name]
+        if name == "actor_train" and self.cfg.rollout_is_cap:
+            fields += ("rollout_logprobs",)
         host = {f: getattr(exp, f).detach().cpu() for f in fields}
         rows = [(self._tokens[s], [host[f][i, :len(self._tokens[s][1])].clone() for f in fields])
                 for i, s in enumerate(sample_ids)]

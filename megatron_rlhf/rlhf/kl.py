@@ -39,3 +39,19 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tenso
         return diff.abs()
     log_ratio = (-diff).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)  # log(pi_ref / pi)
     return (torch.exp(log_ratio) - log_ratio - 1).clamp(max=K3_CLAMP)
+
+
+def mismatch(trainer: Tensor, generator: Tensor, mask: Tensor, group=None) -> dict[str, float]:
+    """The train-inference mismatch on the sampled tokens (``mask``), over the ranks of
+    ``group``: mean and max |log pi_trainer - log pi_generator| and the k3 estimate of
+    KL(generator || trainer) (the generator sampled them)."""
+    from megatron_rlhf import runtime
+
+    gap = (trainer - generator).abs() * mask
+    k3 = kl_estimate(generator, trainer, "k3") * mask
+    sums = runtime.all_reduce(torch.stack([gap.sum(), k3.sum(), mask.sum()]).double(), group=group)
+    top = runtime.all_reduce(gap.max().reshape(1).double() if gap.numel() else torch.zeros(1, dtype=torch.float64),
+                             op=torch.distributed.ReduceOp.MAX, group=group)
+    tokens = max(float(sums[2]), 1.0)
+    return {"mismatch_logprob_abs_mean": float(sums[0]) / tokens, "mismatch_logprob_abs_max": float(top[0]),
+            "mismatch_k3": float(sums[1]) / tokens}

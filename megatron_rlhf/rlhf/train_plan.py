@@ -150,6 +150,11 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
         par = execution_plan(par, infos, ppo, loop, gen, spec, dtype, world_size, prompt_len=longest)
     train_layout, gen_layout = par.layouts(world_size)
     _check_extras(ppo, loop, par, reward_fn, train_layout, gen_layout, world_size)
+    from megatron_rlhf.rlhf.experience import recomputes
+
+    if ppo.rollout_is_cap and not recomputes(ppo, dtype, gen):
+        raise ValueError(f"--rollout-is-cap {ppo.rollout_is_cap} weighs each token by the training "
+                         "forward's log pi_old against the generator's: add --recompute-logprobs")
     ppo.check_data_parallel(train_layout.dp)
     if ppo.global_batch_size % gen_layout.dp:
         raise ValueError(f"--global-batch-size {ppo.global_batch_size} prompts must split evenly "

@@ -268,6 +268,7 @@ class RLHFTrainer:
             for extra_model in inferring:
                 offload.move_model(extra_model, host)
         metrics = self._rollout_metrics(generated, rollout, exp)
+        metrics.update(self.maker.take_mismatch())
         counts = self.maker.take_reward_stats()
         totals = runtime.all_reduce(torch.tensor([float(v) for v in counts.values()], dtype=torch.float64,
                                                   device=dev), group=self.pg.dp).tolist()

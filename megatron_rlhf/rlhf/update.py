@@ -198,6 +198,10 @@ def _policy_loss(actor, output, mb: Experience, cfg: PPOConfig, sums: _Sums) -> 
     # one optimizer step per iteration: pi_old is the policy being updated (ratio exactly 1)
     old = logp.detach() if cfg.old_from_update else mb.old_logprobs
     pg_loss, clipped = policy_loss(logp, old, mb.advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+    if cfg.rollout_is_cap:  # the generator sampled: weigh by min(pi_old / pi_generator, C)
+        weight = torch.exp(mb.old_logprobs - mb.rollout_logprobs).clamp(max=cfg.rollout_is_cap)
+        pg_loss = pg_loss * weight
+        sums.add("rollout_is_weight", weight, mask)
     loss = pg_loss
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * entropy

@@ -2,6 +2,7 @@
 
 import pytest
 
+import rlhf_fixtures as F
 from launch import torchrun
 
 pytestmark = pytest.mark.dist
@@ -17,3 +18,29 @@ def test_moe_speculation_with_migration_changes_no_sample():
     plain decoding on one rank (fp32)."""
     r = torchrun(2, ["migration.py", "moe"], timeout=600)
     assert "MIGRATION OK" in r.stdout
+
+
+@pytest.mark.slow
+def test_grpo_at_ep2_trains_as_at_ep1(world1, tmp_path):
+    """``megatron_rlhf.train`` on a tiny Mixtral, greedy GRPO with the routers' losses on: the
+    training layout 1x1x2:ep2 (experts split, generation on a copy of its own, weights
+    reallocated every iteration) gives the metrics of 1x1x2 (every expert on both ranks),
+    and logs each layer's expert load."""
+    actor = F.make_actor_checkpoint(tmp_path / "actor", world1, name="tiny-mixtral")
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
+    runs = {}
+    for layout in ("1x1x2", "1x1x2:ep2"):
+        out = tmp_path / layout.replace(":", "_")
+        torchrun(2, ["-m", "megatron_rlhf.train", *F.train_args(
+            actor, prompts, out, advantage_estimator="grpo", kl_coef=0.0, temperature=0,
+            micro_batch_size=2, train_layout=layout, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+            adam_eps=1e-5)], timeout=400)
+        runs[layout] = F.read_metrics(out / "log")
+    dense, split = runs["1x1x2"], runs["1x1x2:ep2"]
+    assert len(dense) == len(split) == 2
+    for a, b in zip(dense, split):
+        for key in ("reward_mean", "response_length", "policy_loss", "actor_grad_norm",
+                    "actor_moe_layer1_load_max", "actor_moe_layer2_load_min"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["iteration"], key)
+        assert b["actor_moe_layer1_dropped"] == 0.0 and b["actor_moe_layer1_load_max"] >= 1.0
+    assert "realloc_mb" in split[0] and split[0]["realloc_mb"] > 0  # the generation copy

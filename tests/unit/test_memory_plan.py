@@ -214,8 +214,9 @@ def test_the_trainer_validation_asks_the_estimator(world1, tmp_path):
 
 
 def test_measure_runs_the_demos_workload():
-    """``memory_plan.py --measure`` runs the flags of examples/cpu_demo.sh's GRPO job (one
-    iteration, the prompt limit the estimate takes): the two stay in step."""
+    """``memory_plan.py --measure`` and the benchmarks' GRPO task run the flags of
+    examples/cpu_demo.sh's GRPO job (one iteration, the prompt limit the estimate takes): the
+    three stay in step."""
     import re
     import shlex
     from pathlib import Path
@@ -238,10 +239,14 @@ def test_measure_runs_the_demos_workload():
 
     ours, theirs = flags(memory_plan.DEMO_TRAIN_ARGS), flags(demo)
     own = {"--max-prompt-length", "--train-iters", "--prompts"}  # (the demo's files and length)
-    assert {k: v for k, v in ours.items() if k not in own} == \
-        {k: v for k, v in theirs.items() if k not in own | {"--actor-load", "--draft-load", "--eval-prompts",
-                                                           "--eval-interval", "--save", "--save-interval",
-                                                           "--keep-last-checkpoints", "--log-dir", "--seed"}}
+    run = {k: v for k, v in theirs.items() if k not in own | {"--actor-load", "--draft-load", "--eval-prompts",
+                                                             "--eval-interval", "--save", "--save-interval",
+                                                             "--keep-last-checkpoints", "--log-dir", "--seed"}}
+    assert {k: v for k, v in ours.items() if k not in own} == run
+    # the benchmarks' GRPO task is the demo's too (each benchmark picks its own drafting)
+    from benchmarks.workloads import TASK_FLAGS
+
+    assert flags(TASK_FLAGS["grpo"]) | {"--draft-source": "history"} == run | {"--prompts": TASK_FLAGS["grpo"][2]}
 
 
 def test_a_cpu_run_keeps_the_trainee_state_in_every_stage():

@@ -50,6 +50,13 @@ CASES = [
     ("missing_actor",
      lambda f: dict(actor_load=f["empty"] / "nothing"), 1,
      "does not exist"),
+    ("rollout_is_cap_without_a_training_forward",
+     dict(rollout_is_cap=2.0, no_recompute_logprobs=True), 1,
+     "--rollout-is-cap 2.0 weighs each token by the training forward's log pi_old against the "
+     "generator's: add --recompute-logprobs"),
+    ("expert_parallel_generation",
+     dict(gen_layout="1x2:ep2"), 2,
+     "--gen-layout 1x2:ep2: generation decodes each data-parallel rank's samples on its own"),
     ("train_layout_not_the_world",
      dict(train_layout="2x1x2"), 2,
      "--train-layout 2x1x2 needs ranks 0..3, the world has 0..1: TP x PP x DP must fit it"),
