@@ -131,6 +131,10 @@ class ModelConfig:
                                   f"({', '.join(MOE_FAMILIES)}), not {self.family!r}")
             if self.family == "mixtral" and not self.moe_norm_topk:
                 raise ConfigError("Mixtral renormalises its top-k routing weights: set {moe_norm_topk}")
+            if self.moe_router_topk == 1 and self.moe_norm_topk:
+                raise ConfigError("top-1 routing with renormalised weights gives every token the weight 1 "
+                                  "and the router no gradient (megatron refuses it): route to "
+                                  "{moe_router_topk} >= 2 experts, or turn {!moe_norm_topk}")
             if self.moe_ffn_hidden_size is None:
                 self.moe_ffn_hidden_size = self.ffn_hidden_size
             positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
