@@ -84,6 +84,8 @@ class PPOConfig:
     """Leave out of the actor's forward and backward the responses whose advantages are all 0."""
     # Only where nothing else gives them a loss (no entropy bonus, no KL loss term): then
     # they add exact zeros, and the updated weights are bitwise those of the full step.
+    drop_zero_advantage: bool = False
+    """Drop the responses whose advantages are all 0 from the batch: the loss normalisers count only the others (DAPO's filtering of equal-score groups without generating replacements)."""
     # token-mean: over the mini-batch's response tokens on all ranks; seq-mean-token-mean:
     # each response's token mean, averaged; seq-mean-token-sum: each response's token sum,
     # averaged; seq-mean-token-sum-norm (Dr. GRPO): each response's token sum over the

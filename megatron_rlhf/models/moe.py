@@ -62,6 +62,12 @@ def prepare_moe(model) -> None:
         # (read by the router at construction, before training sets it on the config: the
         # auxiliary losses are per micro-batch means, weighted by aux_loss_weight)
         router.calculate_per_token_loss = False
+    # Expert parameters are expert-parallel at every EP size (megatron marks them only from
+    # EP=2 on): DDP and the optimizer then keep them apart at EP=1 too (their groups are the
+    # DP groups there), and the optimizer's checkpoint has the same structure at every EP size.
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            p.allreduce = False
 
 
 def aux_loss_weight(model, micro_batches: int) -> float | None:

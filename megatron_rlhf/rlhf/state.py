@@ -101,11 +101,21 @@ def _load_optimizer(optimizer, state: dict) -> None:
     # megatron's distributed optimizer gives every state a step, then copies the loaded tensors
     # over all of a state's keys, step included, which the checkpoint keeps apart (KeyError).
     # So: the common part first, the per-parameter states with step set aside, then step back.
+    # A chained optimizer (an MoE's dense and expert parameters) holds one state per optimizer.
     opts = chained(optimizer)
-    if len(opts) != 1 or "param_state" not in state:
+    states = [state] if len(opts) == 1 else [v for _, v in sorted(state.items())]
+    if len(states) != len(opts) or any("param_state" not in st for st in states):
         optimizer.load_state_dict(state)
         return
-    opt, state = opts[0], dict(state)
+    for opt, st in zip(opts, states):
+        _load_distributed(opt, st)
+    if len(opts) > 1:
+        optimizer._synchronize_steps()
+
+
+def _load_distributed(opt, state: dict) -> None:
+    """One distributed optimizer's :func:`_load_optimizer`."""
+    state = dict(state)
     param_state, kind = state.pop("param_state"), state.pop("param_state_sharding_type")
     if kind != OPTIM_SHARDING["distrib_optim_sharding_type"]:
         raise CheckpointError(f"optimizer states sharded as {kind!r}; this version reads "

@@ -65,8 +65,8 @@ def loss_weights(mask: torch.Tensor, agg: str, group, horizon: int | None = None
     mask = mask.float()
     if agg == "token-mean":
         return mask / _global_tokens(mask, group).float()
-    seqs = runtime.all_reduce(torch.tensor(float(mask.shape[0]), dtype=torch.float64,
-                                            device=mask.device), group=group).clamp(min=1).float()
+    # (the responses with a token: a dropped one's mask is all 0)
+    seqs = runtime.all_reduce((mask.sum(-1) > 0).sum().double(), group=group).clamp(min=1).float()
     if agg == "seq-mean-token-mean":
         return mask / (mask.sum(-1, keepdim=True).clamp(min=1) * seqs)
     if agg == "seq-mean-token-sum":  # verl's: a response's token sum, mean over responses on all ranks
@@ -114,8 +114,11 @@ def _passes(t: Trainee, exp: Experience, cfg: PPOConfig, micro_loss, agg, horizo
     """:func:`_ppo_passes`'s loops: metrics into ``sums``, each step's gradient norm into ``norms``."""
     for epoch in range(cfg.ppo_epochs):
         for mini in _mini_batches(exp, cfg, epoch, seed):
-            # the weights' normalisers count every row, skipped or not
-            mini.loss_weights = loss_weights(mini.response_mask, agg, t.pg.dp, horizon)
+            # the weights' normalisers count every row, skipped or not, but those dropped
+            counted = mini.response_mask
+            if cfg.drop_zero_advantage:
+                counted = counted * ~zero_rows(mini, t.pg.mp)[:, None]
+            mini.loss_weights = loss_weights(counted, agg, t.pg.dp, horizon)
             run, left_out = _micro_batches(t.model, mini, cfg, skip, t.pg.mp)
             forward_backward(t.model, run, lambda out, mb: (micro_loss(out, mb, sums) * mb.loss_weights).sum(),
                              t.accumulating)

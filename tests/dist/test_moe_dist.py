@@ -25,19 +25,29 @@ def test_grpo_at_ep2_trains_as_at_ep1(world1, tmp_path):
     """``megatron_rlhf.train`` on a tiny Mixtral, greedy GRPO with the routers' losses on: the
     training layout 1x1x2:ep2 (experts split, generation on a copy of its own, weights
     reallocated every iteration) gives the metrics of 1x1x2 (every expert on both ranks),
-    and logs each layer's expert load."""
+    logs each layer's expert load, and its checkpoint resumes at EP=1."""
     actor = F.make_actor_checkpoint(tmp_path / "actor", world1, name="tiny-mixtral")
     prompts = F.write_prompts(tmp_path / "prompts.jsonl")
     runs = {}
-    for layout in ("1x1x2", "1x1x2:ep2"):
-        out = tmp_path / layout.replace(":", "_")
+
+    def train(layout, out, **kw):
         torchrun(2, ["-m", "megatron_rlhf.train", *F.train_args(
             actor, prompts, out, advantage_estimator="grpo", kl_coef=0.0, temperature=0,
             micro_batch_size=2, train_layout=layout, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
-            adam_eps=1e-5)], timeout=400)
-        runs[layout] = F.read_metrics(out / "log")
+            adam_eps=1e-5, **kw)], timeout=400)
+        return F.read_metrics(out / "log")
+
+    for layout in ("1x1x2", "1x1x2:ep2"):
+        runs[layout] = train(layout, tmp_path / layout.replace(":", "_"))
     dense, split = runs["1x1x2"], runs["1x1x2:ep2"]
     assert len(dense) == len(split) == 2
+    # the EP=2 run's first checkpoint (weights and Adam states) resumed at EP=1: its second
+    # iteration is the uninterrupted EP=1 run's
+    train("1x1x2:ep2", tmp_path / "first", train_iters=1)
+    resumed = train("1x1x2", tmp_path / "resumed", train_iters=2, load=tmp_path / "first" / "save")[-1]
+    assert resumed["iteration"] == 2
+    for key in ("reward_mean", "policy_loss", "actor_grad_norm"):
+        assert resumed[key] == pytest.approx(dense[1][key], rel=1e-4, abs=1e-6), key
     for a, b in zip(dense, split):
         for key in ("reward_mean", "response_length", "policy_loss", "actor_grad_norm",
                     "actor_moe_layer1_load_max", "actor_moe_layer2_load_min"):

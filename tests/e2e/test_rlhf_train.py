@@ -215,7 +215,8 @@ def test_reward_model_scores_the_rollouts(world1, tiny, tmp_path):
 # ---------------------------------------------------------------------------- old log-probs
 def test_recomputed_old_logprobs_match_generation(tiny, tmp_path):
     """In fp32 the generator's log-probs equal a training forward's (within 1e-4, tested in
-    the generation tests), so recomputing pi_old must not change the run."""
+    the generation tests), so recomputing pi_old must not change the run; the recomputing run
+    logs that train-inference mismatch, near 0."""
     runs = {}
     for flag in ("--recompute-logprobs", "--no-recompute-logprobs"):
         out = tmp_path / flag.strip("-")
@@ -224,6 +225,9 @@ def test_recomputed_old_logprobs_match_generation(tiny, tmp_path):
         F.check_ok(F.run_train(args + [flag]))
         runs[flag] = F.read_metrics(out / "log")
     for a, b in zip(runs["--recompute-logprobs"], runs["--no-recompute-logprobs"]):
+        mismatch = {k: a.pop(k) for k in list(a) if k.startswith("mismatch_")}
+        assert sorted(mismatch) == ["mismatch_k3", "mismatch_logprob_abs_max", "mismatch_logprob_abs_mean"]
+        assert mismatch["mismatch_logprob_abs_max"] < 1e-4 and mismatch["mismatch_k3"] < 1e-8, mismatch
         F.assert_metrics_equal(a, b, tol=1e-4)
 
 

@@ -19,9 +19,7 @@ def dense(world1, tmp_path_factory):
 
 
 def test_topk_equal_to_the_granularity_computes_the_dense_model(dense, tmp_path):
-    import sys
-    sys.path.insert(0, "tools")
-    import upcycle
+    import upcycle  # tools/ is on pytest's pythonpath
 
     assert upcycle.main(["--input", str(dense), "--output", str(tmp_path / "moe"), "--num-experts", "4",
                          "--granularity", "2"]) == 0

@@ -116,6 +116,31 @@ def test_skipping_zero_advantage_groups_changes_no_weight(world1, agg, budget, m
     assert m_wrong["actor_grad_norm"] > m_off["actor_grad_norm"] * 1.2
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_dropping_zero_advantage_rows_trains_as_the_batch_without_them(world1, agg):
+    """--drop-zero-advantage: the normalisers count only the rows with an advantage, so the
+    step is the one on those rows alone (fp32 reduction order: 1e-5 of the step), and not the
+    step that keeps the others in the count."""
+    from megatron_rlhf.rlhf.optim import build_trainee
+
+    def step(cfg, rows):
+        actor = _actor(world1)
+        exp = _experience(actor, SCORES).select(rows)
+        t = build_trainee(actor, world1, OptimConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=False), 1e-2)
+        update.train_actor(t, exp, cfg, horizon=HORIZON)
+        return {n: p.detach().clone() for n, p in actor.named_parameters()}
+
+    start = {n: p.detach().clone() for n, p in _actor(world1).named_parameters()}
+    every, informative = torch.arange(8), (~ZERO_ROWS).nonzero().flatten()
+    dropped = step(_cfg(agg, skip=True, drop_zero_advantage=True), every)
+    alone = step(_cfg(agg, skip=True), informative)
+    kept = step(_cfg(agg, skip=True), every)
+    for n, w in alone.items():
+        size = (w - start[n]).abs().max()
+        assert (dropped[n] - w).abs().max() <= 1e-5 * size + 1e-7, n
+    assert _differing(dropped, kept)
+
+
 @pytest.mark.parametrize("budget", [0, None], ids=["padded", "packed"])
 def test_a_mini_batch_of_zero_advantages_only_runs_one_micro_batch(world1, budget, monkeypatch):
     from megatron_rlhf.rlhf.batch import model_micro_batches
