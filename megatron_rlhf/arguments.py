@@ -36,7 +36,7 @@ from megatron_rlhf.flags import add_fields, cli_message, field_docs, field_kinds
 
 _MODEL_OVERRIDES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "num_query_groups", "vocab_size", "max_position_embeddings", "rotary_base",
-                    "norm_epsilon", "kv_channels", "num_experts", "moe_router_topk", "moe_ffn_hidden_size")
+                    "norm_epsilon", "kv_channels")
 _PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 
 

@@ -32,6 +32,13 @@ def positive(name: str, value) -> None:
         raise ConfigError(f"{label} must be a positive integer, got {value!r}")
 
 
+def nonnegative(config, *names: str) -> None:
+    """Raise naming the first of ``config``'s fields ``names`` below 0."""
+    for name in names:
+        if getattr(config, name) < 0:
+            raise ConfigError(f"{{{name}}} must be >= 0, got {getattr(config, name)}")
+
+
 def finite(config) -> None:
     """Raise naming the first float field of ``config`` that holds NaN or an infinity."""
     for f in dataclasses.fields(config):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_rlhf.config.errors import ConfigError, finite, positive
+from megatron_rlhf.config.errors import ConfigError, finite, nonnegative, positive
 
 # actor/reference/draft carry the LM head; critic/reward a scalar value head per token.
 ROLES = ("actor", "reference", "draft", "critic", "reward")
@@ -138,9 +138,7 @@ class ModelConfig:
             if self.moe_ffn_hidden_size is None:
                 self.moe_ffn_hidden_size = self.ffn_hidden_size
             positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
-            for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-                if getattr(self, name) < 0:
-                    raise ConfigError(f"{{{name}}} must be >= 0, got {getattr(self, name)}")
+            nonnegative(self, "moe_aux_loss_coeff", "moe_z_loss_coeff")
             if not 0 < self.moe_router_topk <= self.num_experts:
                 raise ConfigError(f"{{moe_router_topk}} ({self.moe_router_topk}) must be between 1 and "
                                   f"{{num_experts}} ({self.num_experts})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from megatron_rlhf.config.errors import ConfigError, finite, positive
+from megatron_rlhf.config.errors import ConfigError, finite, nonnegative, positive
 
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce++"]
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
@@ -119,9 +119,7 @@ class PPOConfig:
             positive(name, getattr(self, name))
         if self.rollout_is_cap is not None and not self.rollout_is_cap > 0:
             raise ConfigError(f"{{rollout_is_cap}} must be > 0 (a cap on pi_old / pi_generator), got {self.rollout_is_cap}")
-        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{{{name}}} must be >= 0, got {getattr(self, name)}")
+        nonnegative(self, "moe_aux_loss_coeff", "moe_z_loss_coeff")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ConfigError(f"unknown advantage estimator {self.advantage_estimator!r}; "
                              f"valid: {', '.join(ADVANTAGE_ESTIMATORS)}")

@@ -174,11 +174,12 @@ class RaggedAllGatherDispatcher(_ragged_base()):
             return hidden_states, probs
         group, n = self.tp_ep_group, hidden_states.shape[0]
         counts = _counts(n, group, hidden_states.device)
-        self._ragged = (counts, n)
         if len(set(counts)) == 1:
+            self._ragged = None
             return super().token_dispatch(hidden_states, probs)
         top = max(counts)
         real = _real_rows(counts, top, hidden_states.device)
+        self._ragged = (len(counts) * top, n, real)  # (read back by token_combine)
         with torch.no_grad():
             self.routing_map = gather_from_sequence_parallel_region(
                 _padded(self.routing_map, top), group=group)[real]
@@ -191,14 +192,11 @@ class RaggedAllGatherDispatcher(_ragged_base()):
 
         if self.tp_size == 1 and self.ep_size == 1:
             return hidden_states
-        counts, n = self._ragged
-        if len(set(counts)) == 1:
+        if self._ragged is None:
             return super().token_combine(hidden_states)
-        top = max(counts)
-        real = _real_rows(counts, top, hidden_states.device)
+        rows, n, real = self._ragged
         dtype = hidden_states.dtype
-        full = hidden_states.new_zeros(top * len(counts), *hidden_states.shape[1:],
-                                       dtype=self.local_probs.dtype)
+        full = hidden_states.new_zeros(rows, *hidden_states.shape[1:], dtype=self.local_probs.dtype)
         full = full.index_put((real,), hidden_states.to(full.dtype))
         return reduce_scatter_to_sequence_parallel_region(full, group=self.tp_ep_group)[:n].to(dtype)
 
