@@ -9,6 +9,7 @@ from megatron_rlhf.config.errors import ConfigError, finite, nonnegative, positi
 
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce++"]
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
+RoutingReplay = Literal["off", "rollout"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                           "seq-mean-token-sum-norm"]
 # gae: a critic; grpo: group-normalised scores, KL as a loss term; rloo: leave-one-out
@@ -80,6 +81,8 @@ class PPOConfig:
     # Switch Transformer's; megatron's router attaches it to the activations.
     moe_z_loss_coeff: float = 0.0
     """Mixture-of-experts models: weight of the routers' z-loss (ST-MoE's) in the update (0: none)."""
+    routing_replay: RoutingReplay = "off"
+    """Mixture-of-experts actors: ``rollout`` replays the experts each token took in the rollout in the actor's experience and training forwards; ``off``: its routers choose (routing_disagreement reports how often otherwise)."""
     skip_zero_advantage: bool = True
     """Leave out of the actor's forward and backward the responses whose advantages are all 0."""
     # Only where nothing else gives them a loss (no entropy bonus, no KL loss term): then

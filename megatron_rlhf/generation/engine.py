@@ -30,6 +30,7 @@ from megatron_rlhf.generation.rollout import GenerationStats, Rollout
 from megatron_rlhf.generation.rope import RopeTable
 from megatron_rlhf.generation.sampling import logprob_lists, sample
 from megatron_rlhf.generation.state import Outputs, Rows
+from megatron_rlhf.models.moe import has_experts
 
 __all__ = ["Generator", "Lookup", "check_draft", "history_drafter"]  # Lookup, check_draft: tests import them here
 
@@ -137,6 +138,7 @@ class Generator:
         rows = self._prefill(call, prompts, sids, max_len, dev)
         call.stats.prefill_s = time.perf_counter() - t0
         self._decode(call, rows, migrator)
+        rows.harvest()  # (every row left has finished)
         if migrator is not None:
             migrator.return_results(call.out, sids)
         if self.history is not None:  # what finished elsewhere (migrated away) joins too, whole
@@ -293,7 +295,7 @@ class Generator:
     def _new_cache(self, call: Call, name: str, model, batch: int, max_len: int) -> KVCache:
         """A cache for ``batch`` rows: the model's graph store's when the call uses graphs."""
         if call.mode is None or not graphs.graphable(model):
-            return KVCache.for_model(model, batch, max_len)
+            return KVCache.for_model(model, batch, max_len, routes=name == "actor" and has_experts(model))
         runner = self._steps.get(name)
         if (runner is None or runner.backend != call.backend
                 or not runner.fits(model, max(batch, call.capacity), max_len)):
@@ -336,7 +338,7 @@ class Generator:
                     h = self.actor.mrlhf_config.hidden_size
                     fields["catch_features"] = torch.zeros(0, 0, h, device=dev,
                                                            dtype=self.actor.embedding.word_embeddings.weight.dtype)
-            return Rows(fields, caches)
+            return Rows(fields, caches, call.out.routes)
         logits = prefill(self.actor, cache, ordered, call.rope, self.pad_id, return_features=feature,
                          backend=call.backend)
         if feature:
@@ -355,7 +357,7 @@ class Generator:
         elif call.drafting:
             prefill(self.draft, caches["draft"], ordered, call.d_rope, self.pad_id, backend=call.backend)
             fields["catch_tokens"], fields["catch_count"] = first[:, None], torch.ones_like(first)
-        return Rows(fields, caches)
+        return Rows(fields, caches, call.out.routes)
 
     def _rollout(self, prompts, sids, out: Outputs, stats: GenerationStats, dev) -> Rollout:
         """The call's result: each prompt's response, log-probs and finish reason, in prompt order."""
@@ -367,7 +369,15 @@ class Generator:
                        sampling_logprobs=padded([out.sampling_logprobs[s] for s in sids], 0.0,
                                                 torch.float32, dev),
                        lengths=lengths, finish_reasons=[out.reasons[s] for s in sids],
-                       stats=stats)
+                       stats=stats, routes=_routes(prompts, sids, out))
+
+
+def _routes(prompts: list[list[int]], sids: list[int], out: Outputs) -> list | None:
+    """Each sample's routes over its prompt and response (a verification that ended a sample
+    may have fed past its last token); None where none were kept."""
+    if not out.routes:
+        return None
+    return [out.routes[s][: len(p) + len(out.tokens[s])] for p, s in zip(prompts, sids)]
 
 
 def _live_and_longest(rows: Rows) -> tuple[int, int]:

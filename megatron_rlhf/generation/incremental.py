@@ -22,7 +22,7 @@ from megatron_rlhf.generation.cpu_numerics import attended_length
 from megatron_rlhf.generation.kv_cache import KVCache
 from megatron_rlhf.generation.packing import Packing, packed_positions, pad_right
 from megatron_rlhf.generation.rope import RopeTable, rotate
-from megatron_rlhf.models import sequence_parallel
+from megatron_rlhf.models import routing, sequence_parallel
 
 attention_backend = default_backend  # the name tools/ imports from here
 
@@ -230,8 +230,13 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
         x = model.feature_fusion(x, features.transpose(0, 1))
     if packing is not None:
         x = packing.pack(x)
-    for i, layer in enumerate(model.decoder.layers):
-        x = layer_step(layer, i, x, cache, step)
+    records = cache.route_records()  # an MoE actor's: each fed token's routes
+    rows = None
+    if records is not None:
+        rows = cache.route_rows(n) if packing is None else cache.route_rows(n)[packing.keep]
+    with routing.recording(model, records, rows):
+        for i, layer in enumerate(model.decoder.layers):
+            x = layer_step(layer, i, x, cache, step)
     cache.advance(n)
     if packed_logits:  # [T, 1, h], position-major like the packing
         x = x if packing is not None else x.reshape(n * b, 1, x.shape[-1])
@@ -303,6 +308,8 @@ def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int
         prefix_hidden = out[1] if return_features else None  # [1, shared, h]
         for dst, src in zip(target.keys + target.values, one.keys + one.values):
             dst[:, :, :shared] = src[:, :, :shared]
+        if one.routes is not None:
+            target.routes[:, :shared] = one.routes[:, :shared]
         target.lengths.fill_(shared)
     else:
         shared = 0
@@ -315,6 +322,8 @@ def prefill(model, cache, prompts: list[list[int]], rope: RopeTable, pad_id: int
         rows = torch.tensor(rep, device=dev)
         for dst, src in zip(cache.keys + cache.values, target.keys + target.values):
             dst[:, :, :longest] = src.index_select(0, rows)
+        if cache.routes is not None:
+            cache.routes[:, :longest] = target.routes[:, :longest].index_select(0, rows)
         cache.lengths.copy_(target.lengths[rows])
         logits = logits[rows]
         hidden = hidden[rows] if return_features else None

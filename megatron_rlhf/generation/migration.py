@@ -21,7 +21,7 @@ from megatron_rlhf.config import MigrationConfig
 from megatron_rlhf.generation.rollout import GenerationStats
 from megatron_rlhf.generation.state import Outputs, Rows
 
-_DTYPES = [torch.int64, torch.float32, torch.bfloat16, torch.float16, torch.bool, torch.float64]
+_DTYPES = [torch.int64, torch.float32, torch.bfloat16, torch.float16, torch.bool, torch.float64, torch.int16]
 _MAX_TENSORS, _MAX_DIMS = 32, 5
 _OUT_KEYS = ("out:tokens", "out:logprobs", "out:sampling_logprobs", "out:count")
 
@@ -163,8 +163,7 @@ class Migrator:
     def _move(self, plan, counts: list[int], rows: Rows, out: Outputs, stats: GenerationStats) -> None:
         sends = [(dst, n) for src, dst, n in plan if src == self.rank]
         recvs = [src for src, dst, n in plan if dst == self.rank]
-        names = sorted([*rows.fields, *_OUT_KEYS] + [f"{kind}:{c}" for c in rows.caches
-                                                      for kind in ("cache", "cache_len")])
+        names = sorted([*rows.packed_names(), *_OUT_KEYS])
         if sends:
             # samples finished since the count was posted: keep what the plan leaves here
             keep = counts[self.rank] - sum(n for _, n in sends)
@@ -271,7 +270,7 @@ def _records(out: Outputs, sids: list[int], device) -> dict[str, torch.Tensor]:
     toks = torch.zeros(len(recs), width, dtype=torch.long)
     lps = torch.zeros(len(recs), width, dtype=torch.float64)
     slps = torch.zeros(len(recs), width, dtype=torch.float64)
-    for i, (_, t, lp, slp, _) in enumerate(recs):
+    for i, (_, t, lp, slp, *_) in enumerate(recs):
         toks[i, :len(t)] = torch.tensor(t, dtype=torch.long)
         lps[i, :len(t)] = torch.tensor(lp, dtype=torch.float64)
         slps[i, :len(t)] = torch.tensor(slp, dtype=torch.float64)

@@ -124,6 +124,10 @@ class Rollout:
     lengths: torch.Tensor  # [B] response lengths (EOS included).
     finish_reasons: list[str]  # B of "eos" or "length".
     stats: GenerationStats  # Throughput and acceptance statistics.
+    # An MoE actor's routes of each sample's fed tokens (prompt, then the response but its
+    # last token, which a verification may have fed too): B of [n, layers, k] int16 on the
+    # host (models.routing); None for a dense actor.
+    routes: list | None = None
 
     def responses(self) -> list[list[int]]:
         return [self.response_ids[i, : int(n)].tolist() for i, n in enumerate(self.lengths)]

@@ -35,6 +35,7 @@ def plain_step(call: Call, rows: Rows) -> int:
         if call.drafting:  # the draft catches up with the sampled token (and its hidden state)
             drafting.buffer(call, rows, rows["pending"], runner.hidden[:len(rows)] if feature else None)
         return live
+    rows.harvest()  # (before their cache is reused)
     cache.lengths.mul_(alive)  # dead rows compute garbage at position 0
     feed = torch.where(alive, rows["pending"], gen.pad_id)[:, None]
     logits = call.forward("actor", gen.actor, cache, feed, call.rope, return_features=feature)
@@ -129,6 +130,7 @@ def spec_round(call: Call, rows: Rows, n: int, looked_up: Lookup | None = None):
             and rows["catch_tokens"].shape[1] <= graphs.CATCH_UP_MAX):
         return drafted_round(call, runner, d_runner, rows, n, looked_up)
     cache, alive = rows.caches["actor"], rows["alive"]
+    rows.harvest()  # (before their cache is reused)
     cache.lengths[~alive] = 0
     pending = torch.where(alive, rows["pending"], gen.pad_id)
     base = cache.lengths.clone()  # tokens in the actor cache before this round
@@ -181,6 +183,7 @@ def ragged_round(call: Call, rows: Rows, widths: torch.Tensor, looked_up: Lookup
     layers, the head and the draw: ``live + sum(widths)`` of them."""
     gen, cfg = call.gen, call.cfg
     cache, alive = rows.caches["actor"], rows["alive"]
+    rows.harvest()  # (before their cache is reused)
     cache.lengths[~alive] = 0
     n = int(widths.max())
     pending = torch.where(alive, rows["pending"], gen.pad_id)

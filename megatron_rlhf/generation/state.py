@@ -1,7 +1,9 @@
 """What the generator holds per sample: :class:`Outputs` (tokens and log-probs by global
 index) and :class:`Rows`, the live batch: ``sid``, ``emitted``, ``pending`` (newest token,
 not yet in the actor cache), ``alive``, and with a draft model its catch-up buffer
-(``catch_tokens``, ``catch_count``, ``catch_features``), row-aligned with the KV caches.
+(``catch_tokens``, ``catch_count``, ``catch_features``), row-aligned with the KV caches. An MoE
+actor's cache keeps its tokens' routes; a finished row's go to :attr:`Outputs.routes` when
+the row is dropped (:meth:`Rows.compact`, :meth:`Rows.harvest`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class Outputs:
         self.logprobs: dict[int, list[float]] = {}
         self.sampling_logprobs: dict[int, list[float]] = {}
         self.reasons: dict[int, str | None] = {}
+        self.routes: dict[int, torch.Tensor] = {}  # [fed tokens, layers, k] on the host, once finished
         self.max_new, self.stop_on_eos, self.eos = max_new_tokens, stop_on_eos, eos
 
     def open(self, sid: int) -> None:
@@ -42,23 +45,28 @@ class Outputs:
         return False
 
     def pop(self, sid: int) -> tuple:
-        """Remove and return sample ``sid``'s record ``(sid, tokens, lps, slps, reason)``."""
+        """Remove and return sample ``sid``'s record ``(sid, tokens, lps, slps, reason, routes)``."""
         return (sid, self.tokens.pop(sid), self.logprobs.pop(sid),
-                self.sampling_logprobs.pop(sid), self.reasons.pop(sid))
+                self.sampling_logprobs.pop(sid), self.reasons.pop(sid), self.routes.pop(sid, None))
 
     def put(self, record: tuple) -> None:
-        sid, toks, lps, slps, reason = record
+        """Add a record of :meth:`pop` (its routes may be left out)."""
+        sid, toks, lps, slps, reason, *routes = record
         if sid in self.tokens:
             raise RuntimeError(f"sample {sid} arrived twice")
         self.tokens[sid], self.logprobs[sid] = list(toks), list(lps)
         self.sampling_logprobs[sid], self.reasons[sid] = list(slps), reason
+        if routes and routes[0] is not None:
+            self.routes[sid] = routes[0]
 
 
 class Rows:
     """The live batch: per-row tensors (``fields``) and KV caches (``caches``), row-aligned."""
 
-    def __init__(self, fields: dict[str, torch.Tensor], caches: dict[str, KVCache]):
+    def __init__(self, fields: dict[str, torch.Tensor], caches: dict[str, KVCache],
+                 routes: dict[int, torch.Tensor] | None = None):
         self.fields, self.caches = fields, caches
+        self.routes = routes  # where finished rows' routes go (Outputs.routes), if the actor keeps them
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.fields[key]
@@ -81,9 +89,28 @@ class Rows:
             cache.select(keep, (filled or {}).get(name))
 
     def compact(self, filled: dict[str, int] | None = None) -> None:
-        """Drop finished rows (``filled`` as in :meth:`select`)."""
+        """Drop finished rows (``filled`` as in :meth:`select`), their routes harvested."""
         if not bool(self.fields["alive"].all()):
+            self.harvest()
             self.select(self.fields["alive"].nonzero()[:, 0], filled)
+
+    def harvest(self) -> None:
+        """The routes of the rows finished since the last call (those of their cached tokens)
+        to :attr:`routes`, on the host. Call before a round reuses finished rows' cache."""
+        cache = self.caches["actor"]
+        if self.routes is None or cache.routes is None:
+            return
+        dead = (~self.fields["alive"]).nonzero()[:, 0]
+        if not len(dead):
+            return
+        lengths, sids = torch.stack([cache.lengths[dead], self.fields["sid"][dead]]).tolist()
+        new = [(i, n, sid) for i, (n, sid) in enumerate(zip(lengths, sids)) if sid not in self.routes]
+        if not new:
+            return
+        rows = dead[torch.tensor([i for i, _, _ in new], device=dead.device)]
+        records = cache.routes[rows, :max(n for _, n, _ in new)].cpu()
+        for j, (_, n, sid) in enumerate(new):
+            self.routes[sid] = records[j, :n].clone()
 
     def pack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Rows ``rows`` as tensors (what migration sends): every field, each cache packed
@@ -91,15 +118,25 @@ class Rows:
         out = {key: val[rows] for key, val in self.fields.items()}
         for name, cache in self.caches.items():
             out[f"cache:{name}"], out[f"cache_len:{name}"] = cache.pack_rows(rows)
+            if cache.routes is not None:
+                out[f"cache_routes:{name}"] = cache.pack_routes(rows)
         return out
+
+    def packed_names(self) -> list[str]:
+        """The names :meth:`pack` gives its tensors, sorted."""
+        names = list(self.fields)
+        for name, cache in self.caches.items():
+            names += [f"cache:{name}", f"cache_len:{name}"] + ([f"cache_routes:{name}"] if cache.routes is not None else [])
+        return sorted(names)
 
     def append(self, packed: dict[str, torch.Tensor]) -> None:
         """Add rows packed by :meth:`pack` (on another rank) after this batch's rows."""
         for key, val in self.fields.items():
             self.fields[key] = join_rows(val, packed[key].to(val.device))
         for name, cache in self.caches.items():
+            routes = packed.get(f"cache_routes:{name}")
             cache.append_rows(packed[f"cache:{name}"].to(cache.lengths.device),
-                              packed[f"cache_len:{name}"])
+                              packed[f"cache_len:{name}"], None if routes is None else routes.to(cache.lengths.device))
 
 
 def join_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

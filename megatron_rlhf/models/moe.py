@@ -51,8 +51,11 @@ def routers(model) -> list:
 
 
 def prepare_moe(model) -> None:
-    """Give ``model``'s MoE layers the ragged dispatcher and :func:`aux_loss_weight`'s weighting."""
+    """Give ``model``'s MoE layers the ragged dispatcher, :func:`aux_loss_weight`'s weighting
+    and routing records (:mod:`.routing`)."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from megatron_rlhf.models import routing
 
     for layer in getattr(model.decoder, "layers", []):
         dispatcher = getattr(layer.mlp, "token_dispatcher", None)
@@ -62,6 +65,7 @@ def prepare_moe(model) -> None:
         # (read by the router at construction, before training sets it on the config: the
         # auxiliary losses are per micro-batch means, weighted by aux_loss_weight)
         router.calculate_per_token_loss = False
+    routing.install(model)
     # Expert parameters are expert-parallel at every EP size (megatron marks them only from
     # EP=2 on): DDP and the optimizer then keep them apart at EP=1 too (their groups are the
     # DP groups there), and the optimizer's checkpoint has the same structure at every EP size.

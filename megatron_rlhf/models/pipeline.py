@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf import runtime
-from megatron_rlhf.models import sequence_parallel
+from megatron_rlhf.models import routing, sequence_parallel
 from megatron_rlhf.models.forward import head_as_output, head_chunk, masked_forward
 from megatron_rlhf.models.moe import aux_loss_weight, ep_aligned, is_filler, set_aux_loss_weight
 from megatron_rlhf.models.packed import packed_forward
@@ -28,18 +28,21 @@ def pipelined(model) -> bool:
     return model.pg_collection.pp.size() > 1
 
 
-def model_output(model, mb) -> torch.Tensor:
+def model_output(model, mb, training: bool = False) -> torch.Tensor:
     """The model's raw output for a micro-batch (one stage's, under PP). An LM's logits start at
     the column before the first response token (read by ``rlhf.batch.response_slice``); where
-    its head is chunked (``forward.head_chunk``) its head's input ``[b, s, h]`` instead."""
+    its head is chunked (``forward.head_chunk``) its head's input ``[b, s, h]`` instead. An MoE
+    actor's routers replay (or compare with) the micro-batch's routes (``training``: a
+    backward follows; :mod:`.routing`)."""
     # The prompt's other columns predict nothing that is scored. A packed micro-batch's output
     # comes back in its padded columns (models.packed).
     lm = getattr(model, "mrlhf_role", None) in LM_ROLES
     output_from, hidden = (mb.prompt_len - 1 if lm else 0), lm and head_chunk(model) > 0
-    if getattr(mb, "packed", None) is not None:
-        with head_as_output(model, hidden):
-            return packed_forward(model, mb.packed, output_from)
-    return masked_forward(model, mb.input_ids, mb.attention_mask, output_from=output_from, hidden=hidden)
+    with routing.replaying(model, mb, training):
+        if getattr(mb, "packed", None) is not None:
+            with head_as_output(model, hidden):
+                return packed_forward(model, mb.packed, output_from)
+        return masked_forward(model, mb.input_ids, mb.attention_mask, output_from=output_from, hidden=hidden)
 
 
 def map_micro_batches(model, micro_batches: list, fn) -> list:
@@ -63,17 +66,20 @@ def forward_backward(model, micro_batches: list, loss, accumulating=None) -> Non
     if real < len(micro_batches):
         loss = partial(_filler_zero, loss)
     aux = aux_loss_weight(model, real)  # (None: no router losses)
-    if not pipelined(model):
-        for i, mb in enumerate(micro_batches):
-            if aux is not None:  # a filler's router losses count 0 too
-                set_aux_loss_weight(0.0 if is_filler(mb) else aux)
-            with accumulating(i == len(micro_batches) - 1) if accumulating else contextlib.nullcontext():
-                loss(model_output(model, mb), mb).backward()
-        return
-    if aux is not None:  # (under 1F1B the fillers' router losses count like the others')
-        set_aux_loss_weight(aux * real / len(micro_batches))
-    model.config.no_sync_func = (lambda: accumulating(False)) if accumulating else None
-    _schedule(model, micro_batches, partial(_loss, loss), forward_only=False)
+    try:
+        if not pipelined(model):
+            for i, mb in enumerate(micro_batches):
+                if aux is not None:  # a filler's router losses count 0 too
+                    set_aux_loss_weight(0.0 if is_filler(mb) else aux)
+                with accumulating(i == len(micro_batches) - 1) if accumulating else contextlib.nullcontext():
+                    loss(model_output(model, mb, training=True), mb).backward()
+            return
+        if aux is not None:  # (under 1F1B the fillers' router losses count like the others')
+            set_aux_loss_weight(aux * real / len(micro_batches))
+        model.config.no_sync_func = (lambda: accumulating(False)) if accumulating else None
+        _schedule(model, micro_batches, partial(_loss, loss), forward_only=False)
+    finally:
+        routing.end_backward(model)
 
 
 def last_stage(model) -> bool:
@@ -126,7 +132,7 @@ def _schedule(model, micro_batches: list, loss_func, forward_only: bool) -> list
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
-        return model_output(chunk, mb), partial(loss_func, mb)
+        return model_output(chunk, mb, training=not forward_only), partial(loss_func, mb)
 
     run = get_forward_backward_func(pp_size=pg.pp.size())
     with runtime.cuda_as_cpu():

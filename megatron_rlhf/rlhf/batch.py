@@ -34,6 +34,9 @@ class Experience:
     # [B, T] the generator's log-probs of the sampled tokens, where old_logprobs come from a
     # training forward (the train-inference mismatch; --rollout-is-cap)
     rollout_logprobs: Tensor | None = None
+    # [B, P+T, layers, k] an MoE rollout's routes of each token (-1: none), which the actor's
+    # forwards replay or compare with (models.routing; :func:`route_columns`)
+    routes: Tensor | None = None
     # The sampling settings that define the policy every log-prob here is under and PPO
     # trains (policy.policy_logits); None: the model's own distribution at temperature 1.
     policy: GenerationConfig | None = None
@@ -75,7 +78,7 @@ class Experience:
         fields = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in SEQUENCE_FIELDS:
+            if f.name in SEQUENCE_FIELDS and v is not None:
                 v = v[:, p - prompt:p + response]
             elif isinstance(v, Tensor) and v.dim() == 2:
                 v = v[:, :response]
@@ -147,7 +150,7 @@ def _fill(rows: list[int], sizes: list[int], budget: int, kinds: list) -> list[l
 
 
 # the Experience fields over prompt and response columns (the other 2-D ones are per response token)
-SEQUENCE_FIELDS = ("input_ids", "attention_mask")
+SEQUENCE_FIELDS = ("input_ids", "attention_mask", "routes")
 
 
 def model_micro_batches(model, exp: Experience, size: int, max_tokens: int | None = None,
@@ -184,6 +187,18 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int, devi
     cols = torch.arange(p + t, device=lens.device)
     att = ((cols >= p - lens[:, :1]) & (cols < p + lens[:, 1:])).long()
     return torch.cat([prompt_ids, response_ids], 1), att, att[:, p:].float()
+
+
+def route_columns(prompts: list[list[int]], responses: list[list[int]], routes: list[Tensor],
+                  width: int, device=None) -> Tensor:
+    """``[B, P+T, layers, k]`` int16: each sample's routes (``routes[i]``: its first ``n``
+    tokens', ``[n, layers, k]``) in :func:`pack`'s columns, -1 elsewhere (``width``: P+T)."""
+    p = max(len(x) for x in prompts)
+    out = torch.full((len(prompts), width, *routes[0].shape[1:]), -1, dtype=routes[0].dtype)
+    for i, (prompt, response, r) in enumerate(zip(prompts, responses, routes)):
+        n = min(r.shape[0], len(prompt) + len(response))  # (a round may feed past EOS)
+        out[i, p - len(prompt):p - len(prompt) + n] = r[:n]
+    return out.to(device)
 
 
 def response_slice(full: Tensor, exp: Experience) -> Tensor:

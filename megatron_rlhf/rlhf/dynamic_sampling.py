@@ -48,7 +48,8 @@ def gather_rollout(parts: list[Rollout], picks: list[tuple[int, int]], pad_id: i
                    response_logprobs=padded("response_logprobs", 0.0, torch.float32),
                    sampling_logprobs=padded("sampling_logprobs", 0.0, torch.float32),
                    lengths=torch.tensor(lengths, device=dev),
-                   finish_reasons=[r.finish_reasons[i] for r, i in rows], stats=stats)
+                   finish_reasons=[r.finish_reasons[i] for r, i in rows], stats=stats,
+                   routes=[r.routes[i] for r, i in rows] if rows and rows[0][0].routes is not None else None)
 
 
 @dataclass

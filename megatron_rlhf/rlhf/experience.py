@@ -17,11 +17,12 @@ import torch.distributed as dist
 from megatron_rlhf import runtime
 from megatron_rlhf.data.padding import padded
 from megatron_rlhf.config import GenerationConfig, PPOConfig, RewardConfig
+from megatron_rlhf.models import routing
 from megatron_rlhf.models.forward import values_of
 from megatron_rlhf.models.pipeline import map_micro_batches
 from megatron_rlhf.rlhf import advantages, placement, update
 from megatron_rlhf.rlhf.batch import (Experience, in_row_order, last_token_index, model_micro_batches, pack,
-                                      response_slice)
+                                      response_slice, route_columns)
 from megatron_rlhf.rlhf.chunked_head import policy_of_output
 from megatron_rlhf.rlhf.kl import kl_estimate, mismatch
 from megatron_rlhf.rlhf.policy import reshapes_policy
@@ -143,6 +144,8 @@ class ExperienceMaker:
         responses = rollout.responses()
         dev = runtime.device()
         exp = self._batch(prompts, responses)
+        if rollout.routes is not None and prompts:
+            exp.routes = route_columns(prompts, responses, rollout.routes, exp.input_ids.shape[1], dev)
         mask = exp.response_mask
         generated = _pad_to(generation_logprobs(rollout, self.gen).float(), mask.shape[1]) * mask
         exp.old_logprobs = generated
@@ -154,7 +157,8 @@ class ExperienceMaker:
         # advantages from the scores alone: log pi_old is then needed only where the update runs
         late_old = self.recompute and self._skips_old_logprobs()
         if self.recompute and not late_old:
-            exp.old_logprobs = self._placed_rows("actor", exp, sample_ids)
+            with routing.measuring(self.actor):
+                exp.old_logprobs = self._placed_rows("actor", exp, sample_ids)
         if self.reference is not None:  # else no KL term reads it: ref_logprobs and kl stay 0
             exp.ref_logprobs = self._placed_rows("reference", exp, sample_ids)
             exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.kl_estimator) * mask
@@ -166,7 +170,8 @@ class ExperienceMaker:
         advantages.estimate(exp, cfg, group=self.dp_group)
         recomputed = mask.new_ones(mask.shape[0], dtype=torch.bool)
         if late_old:
-            recomputed = self._old_logprobs_where_trained(exp)
+            with routing.measuring(self.actor):
+                recomputed = self._old_logprobs_where_trained(exp)
         if self.recompute:  # the trainer's log pi_old beside the generator's
             exp.rollout_logprobs = generated
             self.mismatch = mismatch(exp.old_logprobs, generated, mask * recomputed[:, None], self.dp_group)

@@ -2,7 +2,7 @@
 go to the training layout's (``--gen-layout``).
 
 Entry point: :func:`regroup`, one world ``all_gather_object`` of token and log-prob lists
-per iteration; the first TP rank of each generation replica contributes, every rank receives.
+(and an MoE's routes) per iteration; the first TP rank of each generation replica contributes, every rank receives.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def regroup(rollout: Rollout, sample_ids: list[int], gen_pg, want_ids: list[int]
         for i, (sid, n) in enumerate(zip(sample_ids, rollout.lengths.tolist())):
             records.append((sid, rollout.response_ids[i, :n].tolist(),
                             rollout.response_logprobs[i, :n].tolist(),
-                            rollout.sampling_logprobs[i, :n].tolist(), rollout.finish_reasons[i]))
+                            rollout.sampling_logprobs[i, :n].tolist(), rollout.finish_reasons[i],
+                            None if rollout.routes is None else rollout.routes[i]))
     everything = [None] * dist.get_world_size()
     dist.all_gather_object(everything, records)
     by_id = {r[0]: r for rank_records in everything for r in rank_records}
@@ -45,7 +46,8 @@ def regroup(rollout: Rollout, sample_ids: list[int], gen_pg, want_ids: list[int]
                    response_logprobs=padded(2, 0.0, torch.float32),
                    sampling_logprobs=padded(3, 0.0, torch.float32),
                    lengths=torch.tensor([len(r[1]) for r in rows], device=dev),
-                   finish_reasons=[r[4] for r in rows], stats=rollout.stats)
+                   finish_reasons=[r[4] for r in rows], stats=rollout.stats,
+                   routes=[r[5] for r in rows] if rows and rows[0][5] is not None else None)
 
 
 def token_batch(prompts: list[list[int]], rollout: Rollout, pad_id: int) -> Experience:

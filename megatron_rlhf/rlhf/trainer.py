@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_rlhf import runtime
 from megatron_rlhf.config import GenerationConfig, LoopConfig, MigrationConfig, PPOConfig, SpecConfig
 from megatron_rlhf.data.sampler import batch_indices
+from megatron_rlhf.models import routing
 from megatron_rlhf.rlhf import offload, placement
 from megatron_rlhf.rlhf.dynamic_sampling import GroupFilter
 from megatron_rlhf.rlhf.evaluation import HeldOut, eval_metrics
@@ -122,6 +123,8 @@ class RLHFTrainer:
         from megatron_rlhf.parallel.reshard import Reallocator
 
         self.reallocators = [Reallocator() for _ in models.copies()]  # one plan per pair
+        for actor in self._actors():
+            routing.set_replay(actor, ppo.routing_replay == "rollout")
         self.ppo, self.loop, self.gen, self.spec = ppo, loop, gen, spec
         self.prompts, self.prompt_ids, self.pg, self.tokenizer = prompts, prompt_ids, pg, tokenizer
         self.save_dir, self.start = save_dir, start_iteration
@@ -258,6 +261,8 @@ class RLHFTrainer:
         if m.actor_gen is not None:
             offload.move_model(m.actor_gen, host)
         inferring = [x for x in (m.reference, m.reward_model, m.critic_inf) if x is not None]
+        for actor in self._actors():  # the rollout's routes against the batch's first forward
+            routing.arm(actor)
         with stages.stage("experience"):
             for extra_model in inferring:
                 offload.move_model(extra_model, dev)
@@ -281,6 +286,8 @@ class RLHFTrainer:
             for t in (m.actor, m.critic):  # (generation and reallocation read weights directly)
                 if t is not None:
                     t.gather_params()
+        for actor in self._actors():
+            metrics.update(routing.take_metrics(actor))
         if m.draft_on_train_layout:  # taught by the training copy, before the reallocation
             with stages.stage("draft"):
                 metrics.update(self._distil(exp, m.actor.model))
@@ -302,6 +309,11 @@ class RLHFTrainer:
         metrics["time_iteration_s"] = sum(v for k, v in stages.metrics.items() if k.startswith("time_"))
         metrics.update(self._memory_components())
         return metrics
+
+    def _actors(self) -> list:
+        """The actor models of this rank's whole-sequence forwards (experience, training)."""
+        found = [self.maker.actor, self.m.actor.model if self.m.actor is not None else None]
+        return [a for i, a in enumerate(found) if a is not None and a not in found[:i]]
 
     def _memory_components(self) -> dict:
         """``mem_<model>_<component>_gb`` (GiB) of this rank: trainees' weights, gradients and

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_rlhf import runtime
 from megatron_rlhf.config import PPOConfig
+from megatron_rlhf.models import routing
 from megatron_rlhf.models.forward import values_of
 from megatron_rlhf.models.moe import RouterStats
 from megatron_rlhf.models.pipeline import forward_backward, from_last_stage, model_output
@@ -120,8 +121,9 @@ def _passes(t: Trainee, exp: Experience, cfg: PPOConfig, micro_loss, agg, horizo
                 counted = counted * ~zero_rows(mini, t.pg.mp)[:, None]
             mini.loss_weights = loss_weights(counted, agg, t.pg.dp, horizon)
             run, left_out = _micro_batches(t.model, mini, cfg, skip, t.pg.mp)
-            forward_backward(t.model, run, lambda out, mb: (micro_loss(out, mb, sums) * mb.loss_weights).sum(),
-                             t.accumulating)
+            with routing.measuring(t.model):  # (the batch's first forward, unless the experience's was)
+                forward_backward(t.model, run, lambda out, mb: (micro_loss(out, mb, sums) * mb.loss_weights).sum(),
+                                 t.accumulating)
             norms.append(t.step())
             zero = mini.response_mask.new_zeros(())
             for mb in left_out:  # metrics exactly 0 on a zero-advantage row count its tokens
