@@ -1,14 +1,11 @@
-"""Routing replay for mixture-of-experts models (``--routing-replay``): the rollout records
-every fed token's top-k experts per layer; the actor's whole-sequence forwards replay them, or
-only compare their own routes with them (the ``routing_*`` metrics).
+"""Routing replay (``--routing-replay``): the rollout records every fed token's top-k experts
+per layer; the actor's whole-sequence forwards replay them, or compare (``routing_*`` metrics).
 
-Entry points: :func:`install` (the builder, on every MoE model), :func:`recording` (the
-generator's cached forward), :func:`replaying` (``models.pipeline.model_output``),
-:func:`arm` / :func:`measuring` / :func:`take_metrics` (the metrics of a batch's first forward).
-Records are int16 global expert indices ``[tokens, layers, k]``, -1 where a token has none
-(padding; a response's last token, which generation never feeds).
-Invariants: with replay a recorded token takes its recorded experts in every layer, in the
-forward and in its recompute during the backward; a token without a record routes itself.
+Entry points: :func:`install` (every MoE model), :func:`recording` (the cached forward),
+:func:`replaying` (``models.pipeline.model_output``), :func:`arm` / :func:`measuring` /
+:func:`take_metrics`. Records: int16 global expert indices ``[tokens, layers, k]``, -1 where
+none (padding; a response's last token, never fed). Invariant: with replay a recorded token
+takes its experts in every layer, forward and recompute alike; others route themselves.
 """
 # Each router's ``router_replay`` (megatron-core's hook inside topk_routing_with_score_function,
 # built for its RouterReplay) is a :class:`Routes` of this module: megatron's RouterReplay keeps
@@ -26,13 +23,11 @@ import torch.distributed as dist
 RECORD_DTYPE = torch.int16
 
 
-def _in_backward() -> bool:
-    """Whether this runs inside autograd's backward (a checkpointed layer's recompute)."""
+def _in_backward() -> bool:  # (a checkpointed layer's recompute)
     return torch._C._current_graph_task_id() != -1
 
 
-def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``[n]`` bool: rows of ``a`` and ``b`` ``[n, k]`` naming different sets of experts."""
+def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # [n, k] each: other experts
     return (a.sort(1).values != b.sort(1).values).any(1)
 
 
@@ -49,7 +44,7 @@ class Routes:
         self.counts = None  # [3] tokens with a record, own routes differing, used routes differing
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        """megatron's hook: ``(values, indices [tokens, k])`` of the experts each token takes."""
+        # megatron's hook: (values, indices [tokens, k]) of the experts each token takes
         if _in_backward():  # a recompute takes what its forward took
             if self.backward:
                 used = self.backward.popleft()
@@ -74,8 +69,7 @@ class Routes:
         return scores.gather(1, used), used
 
 
-def routes(model) -> list[Routes]:
-    """``model``'s :class:`Routes`, in layer order (this pipeline stage's layers)."""
+def routes(model) -> list[Routes]:  # this pipeline stage's, in layer order
     from megatron_rlhf.models.moe import routers
 
     return [r.router_replay for r in routers(model) if isinstance(r.router_replay, Routes)]
@@ -89,8 +83,7 @@ def install(model) -> None:
         router.router_replay = Routes(router)
 
 
-def layer_records(records: torch.Tensor, r: Routes) -> torch.Tensor:
-    """The column of ``records [tokens, layers, k]`` that router ``r`` replays."""
+def layer_records(records: torch.Tensor, r: Routes) -> torch.Tensor:  # what router r replays
     return records[:, r.layer]
 
 
@@ -113,8 +106,7 @@ def recording(model, records: torch.Tensor | None, rows: torch.Tensor | None):
 
 
 # ---------------------------------------------------------------------------- whole sequences
-def replays(model) -> bool:
-    """Whether ``model`` replays the rollout's routes (else its routers only compare)."""
+def replays(model) -> bool:  # (else its routers only compare)
     return bool(getattr(model, "mrlhf_routing_replay", False))
 
 
@@ -123,9 +115,8 @@ def set_replay(model, on: bool) -> None:
 
 
 def in_router_order(model, mb) -> torch.Tensor | None:
-    """``mb.routes [b, s, layers, k]`` as this rank's routers meet the micro-batch's tokens:
-    ``[tokens, layers, k]`` long (sequence-first; a packed micro-batch's tokens in order; this
-    rank's share of the sequence under sequence parallelism); None without records."""
+    """``mb.routes [b, s, layers, k]`` in this rank's routers' token order (sequence-first, or
+    packed; its sequence share under sequence parallelism), long; None without records."""
     from megatron_rlhf.models import sequence_parallel
 
     records = getattr(mb, "routes", None)
@@ -168,15 +159,13 @@ def replaying(model, mb, training: bool = False):
             r.target = None
 
 
-def end_backward(model) -> None:
-    """Forget the routes kept for recomputes (after a step's backwards)."""
+def end_backward(model) -> None:  # after a step's backwards: forget the routes kept for recomputes
     for r in routes(model):
         r.backward.clear()
 
 
 # ---------------------------------------------------------------------------- metrics
-def arm(model) -> None:
-    """The next :func:`measuring` block of ``model`` measures (once)."""
+def arm(model) -> None:  # the next measuring block of ``model`` measures (once)
     model.mrlhf_routes_armed = True
 
 
@@ -208,9 +197,8 @@ def measuring(model):
 
 
 def take_metrics(model) -> dict:
-    """The last measured block's ``routing_disagreement`` (routes the trainer's routers chose
-    otherwise than the rollout's, per token and layer) and ``routing_mismatch`` (routes the
-    forward took otherwise: 0 with replay), once."""
+    """Once: the shares of (token, layer) routes the routers chose (``routing_disagreement``)
+    and the forward took (``routing_mismatch``: 0 with replay) otherwise than the rollout."""
     out = getattr(model, "mrlhf_route_metrics", {})
     model.mrlhf_route_metrics = {}
     return out

@@ -9,7 +9,8 @@ others, so counts drift apart and samples migrate mid-generation.
 ``python migration.py graphs``: with the graphed decode step run eagerly (the KV store
 compacted in place, migrated rows appended within its capacity).
 ``python migration.py moe``: a Mixtral (4 experts, top-2), plain and speculative (history and
-a model draft, exact verification), sampled.
+a model draft, exact verification), sampled; the routes each sample's tokens took travel with
+it (plain decoding's on one rank), and another actor that replays them takes them exactly.
 ``python migration.py die``: rank 1 dies just as it starts sending samples; rank 0
 must stop with a MigrationError naming rank 1 (see test_migration.py)."""
 
@@ -48,8 +49,8 @@ def dp_run(pg, actor, draft, cfg, spec, split, migrate, seed=5, graphs="auto"):
         r = Generator(actor, draft, graphs=graphs, history=history_drafter(spec)).generate(
             [PROMPTS[i] for i in mine], cfg, spec, seed=seed, sample_ids=mine, migrator=mig)
         assert len(r.finish_reasons) == len(mine) and all(r.finish_reasons)
-        local = {s: (r.responses()[i], r.response_logprobs[i, : int(r.lengths[i])].tolist())
-                 for i, s in enumerate(mine)}
+        local = {s: (r.responses()[i], r.response_logprobs[i, : int(r.lengths[i])].tolist(),
+                     None if r.routes is None else r.routes[i]) for i, s in enumerate(mine)}
         out, into = r.stats.migrated_out, r.stats.migrated_in
     everything = [None] * pg.dp.size()
     dist.all_gather_object(everything, (local, out, into), group=pg.dp)
@@ -65,7 +66,8 @@ def dp_run(pg, actor, draft, cfg, spec, split, migrate, seed=5, graphs="auto"):
 
 def reference(actor, draft, cfg, spec, n, seed=5):
     r = Generator(actor, draft, history=history_drafter(spec)).generate(PROMPTS[:n], cfg, spec, seed=seed)
-    return {i: (r.responses()[i], r.response_logprobs[i, : int(r.lengths[i])].tolist()) for i in range(n)}
+    return {i: (r.responses()[i], r.response_logprobs[i, : int(r.lengths[i])].tolist(),
+                None if r.routes is None else r.routes[i]) for i in range(n)}
 
 
 def same(a: dict, b: dict, where: str) -> None:
@@ -151,10 +153,53 @@ def check_moe(pg):
     moved = 0
     for d, spec in ((None, SpecConfig(0)), (None, SpecConfig(3, draft_source="history")), (draft, SpecConfig(2))):
         got, n = dp_run(pg, actor, d, cfg, spec, [9, 3], True)
-        same(plain, got, f"moe {spec.draft_source or 'model'} n={spec.num_draft_tokens}")
+        where = f"moe {spec.draft_source or 'model'} n={spec.num_draft_tokens}"
+        same(plain, got, where)
+        for s, (_, _, routes) in plain.items():  # (a verification may have fed the last token too)
+            theirs = got[s][2]
+            assert theirs.shape[0] - routes.shape[0] in (0, 1), f"{where}: sample {s}'s routes"
+            assert torch.equal(theirs[:routes.shape[0]], routes), f"{where}: sample {s}'s routes differ"
         moved += n
     assert moved > 0
+    replay_check(pg, got)
     return moved
+
+
+def replay_check(pg, samples: dict) -> None:
+    """An actor of other weights replays the (migrated) routes of this rank's samples: every
+    recorded token takes its experts in every layer; without replay it takes others."""
+    from megatron_rlhf.config import preset
+    from megatron_rlhf.models import routing
+    from megatron_rlhf.models.builder import build_model
+    from megatron_rlhf.models.moe import routers
+    from megatron_rlhf.models.pipeline import map_micro_batches
+    from megatron_rlhf.rlhf.batch import Experience, model_micro_batches, pack, route_columns
+
+    other = build_model(preset("tiny-mixtral"), "actor", pg, dtype=torch.float32, seed=9)
+    mine = shares([9, 3])[pg.dp.rank()]
+    prompts, responses = [PROMPTS[s] for s in mine], [samples[s][0] for s in mine]
+    ids, att, mask = pack(prompts, responses, 0)
+    zeros = torch.zeros_like(mask)
+    exp = Experience(input_ids=ids, attention_mask=att, response_mask=mask, old_logprobs=zeros,
+                     ref_logprobs=zeros, scores=torch.zeros(len(mine)), kl=zeros, advantages=zeros)
+    exp.routes = route_columns(prompts, responses, [samples[s][2] for s in mine], ids.shape[1])
+    parts, _ = model_micro_batches(other, exp, 1, max_tokens=0)  # one row each: tokens in order
+    for replay in (True, False):
+        routing.set_replay(other, replay)
+        taken = []
+        hooks = [r.register_forward_hook(lambda router, _in, out: taken.append((router.layer_number - 1, out[1])))
+                 for r in routers(other)]
+        map_micro_batches(other, parts, lambda output, mb: None)
+        for h in hooks:
+            h.remove()
+        agree = []
+        for i, mb in enumerate(parts):
+            for layer, took in taken[i * len(hooks):(i + 1) * len(hooks)]:
+                rec = mb.routes[0][:, layer].long()
+                known = rec[:, 0] >= 0
+                want = torch.zeros_like(took).scatter_(1, rec.clamp(min=0), True)
+                agree.append(torch.equal(took[known], want[known]))
+        assert all(agree) if replay else not all(agree), f"replay {replay}: routes {agree}"
 
 
 def die(pg):
