@@ -21,6 +21,10 @@
 # instruction prompts with the rule reward `concise`, speculating with a small draft model:
 # a feature (EAGLE-style) draft, one layer that reads the actor's hidden states, with an
 # 8064-token head, distilled on the actor's own answers once and again every iteration.
+# DEMO=moe runs the GRPO job on a mixture of experts: SmolLM2 upcycled into 8 experts of a
+# quarter of its MLP each, 4 per token (tools/upcycle.py: the dense model exactly at step 0),
+# trained with the experts split over the 2 ranks (--train-layout 1x1x2:ep2; generation on a
+# copy holding every expert) and the rollout's routes replayed (--routing-replay rollout).
 # Resumable: rerun with LOAD=1 after an interruption to continue from the last checkpoint.
 set -euo pipefail
 NPROC=${NPROC:-2}
@@ -35,11 +39,22 @@ DATA=$(python -c "from megatron_rlhf.data import prompts; print(prompts.MATH_TRA
 CKPT="$OUT/smollm2-135m-instruct"
 DRAFT="$OUT/draft"
 RUN="$OUT/run"
+ACTOR="$CKPT"
+EXTRA=()
+if [[ "$DEMO" == moe ]]; then
+  RUN="$OUT/run-moe"
+  ACTOR="$OUT/smollm2-moe"
+  EXTRA=(--train-layout 1x1x2:ep2 --routing-replay rollout)
+fi
 SECONDS=0
 
 if [[ ! -f "$CKPT/latest_checkpointed_iteration.txt" ]]; then
   echo "== [${SECONDS}s] converting $GGUF -> $CKPT"
   python tools/convert_checkpoint.py hf-to-mcore --input "$GGUF" --output "$CKPT"
+fi
+if [[ "$DEMO" == moe && ! -f "$ACTOR/latest_checkpointed_iteration.txt" ]]; then
+  echo "== [${SECONDS}s] upcycling $CKPT -> $ACTOR (8 experts, 4 per token)"
+  python tools/upcycle.py --input "$CKPT" --output "$ACTOR" --num-experts 8 --granularity 4 --topk 4
 fi
 if [[ "$DEMO" == ppo && ! -f "$DRAFT/latest_checkpointed_iteration.txt" ]]; then
   echo "== [${SECONDS}s] distilling a draft model -> $DRAFT"
@@ -62,14 +77,14 @@ if [[ "$DEMO" == ppo ]]; then
 else
   echo "== [${SECONDS}s] GRPO on $NPROC CPU ranks, $ITERS iterations, held-out evaluation every $EVAL_EVERY (progress bar below)"
   torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.train --bf16 \
-    --actor-load "$CKPT" --draft-source history \
+    --actor-load "$ACTOR" --draft-source history \
     --prompts "$DATA/math_train.jsonl" --reward-fn math --advantage-estimator grpo \
     --global-batch-size 16 --rollout-n 4 --micro-batch-size 8 --num-mini-batches 2 \
     --max-new-tokens 128 --temperature 0.8 \
     --lr 5e-5 --lr-warmup-iters 1 --kl-coef 0.0 --clip-grad 1.0 --recompute-granularity full \
     --eval-prompts "$DATA/math_heldout.jsonl" --eval-interval "$EVAL_EVERY" \
     --train-iters "$ITERS" --seed "$SEED" --save "$RUN" --save-interval 8 --keep-last-checkpoints 1 \
-    --log-dir "$RUN" "${RESUME[@]}"
+    --log-dir "$RUN" "${RESUME[@]}" "${EXTRA[@]}"
   python - "$RUN/metrics.jsonl" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]

@@ -197,3 +197,25 @@ def test_train_step_bench_skips_the_zero_groups_and_compares_to_base(capsys):
     assert ratio[0]["faster_than_base"] == round(rows["base"]["s"] / rows["all"]["s"], 2)
     with pytest.raises(SystemExit):
         train_step.main(["--variants", "base,nope"])
+
+
+def test_mismatch_bench_variants_give_the_demos_flags():
+    """``benchmarks.mismatch``: variants parse (replay only for an MoE), each runs the demo's
+    GRPO flags in its precision with log pi_old recomputed, and the train CLI accepts them."""
+    import argparse
+    from types import SimpleNamespace
+
+    from megatron_rlhf.train import parse_args
+
+    bench = tool("mismatch")
+    assert bench.parse_variant("moe-bf16+replay") == ("moe", "bf16", True)
+    for bad in ("dense-bf16+replay", "moe-fp16", "sparse-fp32"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_variant(bad)
+    args = SimpleNamespace(prompts=8, iters=2, seed=1)
+    for text in bench.VARIANTS:
+        variant = bench.parse_variant(text)
+        argv = [str(a) for a in bench.flags(variant, "ckpt", args)]
+        assert f"--{variant[1]}" in argv and "--recompute-logprobs" in argv
+        assert ("--routing-replay" in argv) == variant[2]
+        parse_args(argv)
