@@ -41,7 +41,10 @@ class Routes:
         self.replay = False
         self.keep = False  # keep the routes used for a recompute in the backward
         self.backward: deque = deque()
-        self.counts = None  # [3] tokens with a record, own routes differing, used routes differing
+        # measuring (shared by the model's routers): routes recorded, own differing, used
+        # differing, tokens recorded, tokens whose own routes differ in some layer
+        self.counts = None
+        self.flags = None  # [tokens] bool: own routes differing in a layer so far (one forward)
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         # megatron's hook: (values, indices [tokens, k]) of the experts each token takes
@@ -60,8 +63,11 @@ class Routes:
         known = target[:, 0] >= 0
         used = torch.where(known[:, None], target, own) if self.replay else own
         if self.counts is not None:
-            self.counts += torch.stack([known.sum(), (_differs(own, target) & known).sum(),
-                                        (_differs(used, target) & known).sum()]).to(self.counts)
+            disagree = _differs(own, target) & known
+            self.counts[:3] += torch.stack([known.sum(), disagree.sum(),
+                                            (_differs(used, target) & known).sum()]).to(self.counts)
+            if self.flags is not None:
+                self.flags |= disagree
         if not self.replay:
             return values, own
         if self.keep:
@@ -150,13 +156,21 @@ def replaying(model, mb, training: bool = False):
         yield
         return
     replay = replays(model)
+    # tokens disagreeing in some layer: where this stage holds every layer
+    flags = None
+    if mine[0].counts is not None and model.pg_collection.pp.size() == 1:
+        flags = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
     for r in mine:
         r.target, r.replay, r.keep = layer_records(flat, r), replay, training and replay
+        r.flags = flags
     try:
         yield
     finally:
         for r in mine:
-            r.target = None
+            r.target = r.flags = None
+        if flags is not None:
+            known = flat[:, 0, 0] >= 0
+            mine[0].counts[3:] += torch.stack([known.sum(), (flags & known).sum()]).to(mine[0].counts)
 
 
 def end_backward(model) -> None:  # after a step's backwards: forget the routes kept for recomputes
@@ -179,26 +193,29 @@ def measuring(model):
         return
     model.mrlhf_routes_armed = False
     dev = next(model.parameters()).device
+    counts = torch.zeros(5, dtype=torch.float64, device=dev)
     for r in mine:
-        r.counts = torch.zeros(3, dtype=torch.float64, device=dev)
+        r.counts = counts
     try:
         yield
     finally:
-        counts = torch.stack([r.counts for r in mine]).sum(0)
         for r in mine:
             r.counts = None
     pg = model.pg_collection
     for group in (pg.dp, pg.pp, pg.tp):  # other rows, other layers; TP ranks alike or shares
         if group.size() > 1:
             dist.all_reduce(counts, group=group)
-    known, own, used = counts.tolist()
+    known, own, used, tokens, tokens_own = counts.tolist()
     if known:
         model.mrlhf_route_metrics = {"routing_disagreement": own / known, "routing_mismatch": used / known}
+    if tokens:  # (under PP no stage sees every layer of a token)
+        model.mrlhf_route_metrics["routing_tokens_disagreeing"] = tokens_own / tokens
 
 
 def take_metrics(model) -> dict:
     """Once: the shares of (token, layer) routes the routers chose (``routing_disagreement``)
-    and the forward took (``routing_mismatch``: 0 with replay) otherwise than the rollout."""
+    and the forward took (``routing_mismatch``: 0 with replay) otherwise than the rollout, and
+    of tokens whose routers chose otherwise in some layer (``routing_tokens_disagreeing``)."""
     out = getattr(model, "mrlhf_route_metrics", {})
     model.mrlhf_route_metrics = {}
     return out

@@ -168,6 +168,9 @@ def test_the_metrics_count_disagreeing_routes(models):
     assert found[False]["routing_mismatch"] == found[False]["routing_disagreement"]
     assert found[True]["routing_disagreement"] == found[False]["routing_disagreement"]
     assert found[True]["routing_mismatch"] == 0.0
+    # in some layer of 2: 1 - (1/6)^2 of the tokens
+    assert found[False]["routing_disagreement"] < found[False]["routing_tokens_disagreeing"] < 1.0
+    assert found[True]["routing_tokens_disagreeing"] == found[False]["routing_tokens_disagreeing"]
     assert routing.take_metrics(actor) == {}
 
 
