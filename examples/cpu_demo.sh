@@ -7,7 +7,9 @@
 #      reward is math-verify's check of each answer's final number against the record's
 #      `answer` (--reward-fn math); a group whose answers all score the same has zero
 #      advantage and costs only its generation (neither its old log-probs nor its update
-#      run), which beat replacing it (--filter-groups) in docs/benchmarks/demo_cpu.md. Speculation drafts from the rollout's own
+#      run) and leaves the loss's normaliser (--drop-zero-advantage: each step as large as
+#      the informative groups make it), which beat replacing it (--filter-groups) and
+#      keeping it in the normaliser in docs/benchmarks/demo_cpu.md. Speculation drafts from the rollout's own
 #      history (--draft-source history: the group's siblings and earlier answers to the
 #      same problem; no draft model to train), verified exactly (the tokens are plain
 #      sampling's); before every generation round the selector picks how many drafts each
@@ -81,7 +83,7 @@ else
     --prompts "$DATA/math_train.jsonl" --reward-fn math --advantage-estimator grpo \
     --global-batch-size 16 --rollout-n 4 --micro-batch-size 8 --num-mini-batches 2 \
     --max-new-tokens 128 --temperature 0.8 \
-    --lr 5e-5 --lr-warmup-iters 1 --kl-coef 0.0 --clip-grad 1.0 --recompute-granularity full \
+    --lr 5e-5 --drop-zero-advantage --lr-warmup-iters 1 --kl-coef 0.0 --clip-grad 1.0 --recompute-granularity full \
     --eval-prompts "$DATA/math_heldout.jsonl" --eval-interval "$EVAL_EVERY" \
     --train-iters "$ITERS" --seed "$SEED" --save "$RUN" --save-interval 8 --keep-last-checkpoints 1 \
     --log-dir "$RUN" "${RESUME[@]}" "${EXTRA[@]}"

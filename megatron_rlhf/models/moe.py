@@ -124,7 +124,16 @@ class RouterStats:
 
     def metrics(self, prefix: str = "moe") -> dict:
         """``{prefix}_layer{L}_load_max``/``_load_min`` (an expert's share of the routes times the
-        experts: 1 is balanced) and ``_dropped`` (routes a capacity dropped), over DP (collective)."""
+        experts: 1 is balanced) and ``_dropped`` (routes a capacity dropped), over DP, every
+        pipeline stage's layers on every stage (collective)."""
+        pp = self.model.pg_collection.pp
+        if pp.size() > 1:
+            stages = [None] * pp.size()
+            dist.all_gather_object(stages, self._metrics(prefix), group=pp)
+            return {k: v for stage in stages for k, v in stage.items()}
+        return self._metrics(prefix)
+
+    def _metrics(self, prefix: str) -> dict:
         if not self.loads:
             return {}
         layers = sorted(self.loads)

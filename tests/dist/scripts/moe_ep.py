@@ -7,6 +7,8 @@
   padded and packed micro-batches, the distributed optimizer (experts sharded over their own
   data-parallel group) and not.
 - A checkpoint saved at EP=2 loads at EP=1 and one saved at EP=1 loads at EP=2, weight for weight.
+- PP=2 (a layer per stage): each stage's router replays its own layer's records (random
+  ones), and both layers' expert loads reach both stages.
 - Reallocation from the EP=2 training copy to generation at TP=2 and at EP=1 x DP=2, and back to
   a second EP=2 copy, leaves every weight bit-identical; every generation shard moves once; and
   greedy generation (history drafts, exact verification) on the TP=2 copy equals that on the
@@ -143,9 +145,40 @@ def main():
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, out)
     assert gathered[0] + gathered[1] == whole, "generation at TP=2 and at DP=2 differ"
+    pipelined_routes(exp)
     if rank == 0:
         print("OK")
     runtime.shutdown()
+
+
+def pipelined_routes(exp):
+    from megatron_rlhf.models import routing
+    from megatron_rlhf.models.moe import RouterStats, routers
+    from megatron_rlhf.models.pipeline import map_micro_batches
+    from megatron_rlhf.rlhf.batch import model_micro_batches
+
+    staged = actor(build_process_groups(Layout(pp=2)))
+    routing.set_replay(staged, True)
+    b, s = exp.input_ids.shape
+    g = torch.Generator().manual_seed(0)
+    records = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(b * s * 2)]).view(b, s, 2, 2)
+    exp.routes = records.masked_fill(~exp.attention_mask.bool()[:, :, None, None], -1).to(routing.RECORD_DTYPE)
+    parts, _ = model_micro_batches(staged, exp, 2, max_tokens=0)
+    taken = []
+    hooks = [r.register_forward_hook(lambda router, _in, out: taken.append((router.layer_number - 1, out[1])))
+             for r in routers(staged)]
+    with RouterStats(staged) as stats:
+        map_micro_batches(staged, parts, lambda output, mb: None)
+    for h in hooks:
+        h.remove()
+    assert len(taken) == len(parts)  # one layer on this stage
+    for mb, (layer, took) in zip(parts, taken):
+        real = mb.attention_mask.bool()
+        rec = mb.routes[real][:, layer].long()
+        took = took.view(real.shape[1], real.shape[0], -1).transpose(0, 1)[real]
+        assert torch.equal(took, torch.zeros_like(took).scatter_(1, rec, True)), f"layer {layer}"
+    loads = stats.metrics("actor_moe")
+    assert {k for k in loads if k.endswith("_load_max")} == {"actor_moe_layer1_load_max", "actor_moe_layer2_load_max"}
 
 
 if __name__ == "__main__":
