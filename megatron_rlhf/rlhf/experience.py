@@ -144,7 +144,7 @@ class ExperienceMaker:
         responses = rollout.responses()
         dev = runtime.device()
         exp = self._batch(prompts, responses)
-        if rollout.routes is not None and prompts:
+        if getattr(rollout, "routes", None) is not None and prompts:
             exp.routes = route_columns(prompts, responses, rollout.routes, exp.input_ids.shape[1], dev)
         mask = exp.response_mask
         generated = _pad_to(generation_logprobs(rollout, self.gen).float(), mask.shape[1]) * mask

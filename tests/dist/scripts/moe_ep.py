@@ -145,7 +145,7 @@ def main():
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, out)
     assert gathered[0] + gathered[1] == whole, "generation at TP=2 and at DP=2 differ"
-    pipelined_routes(exp)
+    pipelined_routes(exp.select(slice(0, 4)))
     if rank == 0:
         print("OK")
     runtime.shutdown()
