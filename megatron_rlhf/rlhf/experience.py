@@ -19,6 +19,7 @@ from megatron_rlhf.data.padding import padded
 from megatron_rlhf.config import GenerationConfig, PPOConfig, RewardConfig
 from megatron_rlhf.models import routing
 from megatron_rlhf.models.forward import values_of
+from megatron_rlhf.models.moe import exchange_group
 from megatron_rlhf.models.pipeline import map_micro_batches
 from megatron_rlhf.rlhf import advantages, placement, update
 from megatron_rlhf.rlhf.batch import (Experience, in_row_order, last_token_index, model_micro_batches, pack,
@@ -196,6 +197,8 @@ class ExperienceMaker:
         which nothing reads (the update leaves their micro-batches out). Returns those rows
         ``[B]`` bool."""
         train = ~update.zero_rows(exp, self.mp_group)
+        if len(train) and not bool(train.any()) and exchange_group(self.actor) is not None:
+            train[0] = True  # every rank of an expert exchange joins its forwards
         if bool(train.all()):
             exp.old_logprobs = self._placed_rows("actor", exp, None)
         elif bool(train.any()):

@@ -7,6 +7,8 @@
   padded and packed micro-batches, the distributed optimizer (experts sharded over their own
   data-parallel group) and not.
 - A checkpoint saved at EP=2 loads at EP=1 and one saved at EP=1 loads at EP=2, weight for weight.
+- The experience's log pi_old forward of the rows the update trains, at EP=2 where one rank
+  trains none of its rows: both ranks join the forward (it hung).
 - PP=2 (a layer per stage): each stage's router replays its own layer's records (random
   ones), and both layers' expert loads reach both stages.
 - Reallocation from the EP=2 training copy to generation at TP=2 and at EP=1 x DP=2, and back to
@@ -145,10 +147,24 @@ def main():
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, out)
     assert gathered[0] + gathered[1] == whole, "generation at TP=2 and at DP=2 differ"
+    old_logprobs_where_one_rank_trains_nothing(ep2, exp.select([0, 1, 2, 3] if rank == 0 else [4]), trained)
     pipelined_routes(exp.select(slice(0, 4)))
     if rank == 0:
         print("OK")
     runtime.shutdown()
+
+
+def old_logprobs_where_one_rank_trains_nothing(pg, mine, full):
+    from megatron_rlhf.rlhf.experience import ExperienceMaker
+
+    model = actor(pg, full)
+    maker = ExperienceMaker(PPOConfig(advantage_estimator="grpo", kl_coef=0.0, global_batch_size=4, rollout_n=2,
+                                      micro_batch_size=2), reference=None, reward_fn="token_parity",
+                            actor=model, recompute=True, dp_group=pg.dp, mp_group=pg.mp)
+    if pg.dp.rank() == 0:
+        mine.advantages = torch.zeros_like(mine.advantages)
+    trained = maker._old_logprobs_where_trained(mine)
+    assert bool(trained.any()) and (pg.dp.rank() == 1 or int(trained.sum()) == 1), trained
 
 
 def pipelined_routes(exp):
