@@ -26,7 +26,7 @@
 # DEMO=moe runs the GRPO job on a mixture of experts: SmolLM2 upcycled into 8 experts of a
 # quarter of its MLP each, 4 per token (tools/upcycle.py: the dense model exactly at step 0),
 # trained with the experts split over the 2 ranks (--train-layout 1x1x2:ep2; generation on a
-# copy holding every expert) and the rollout's routes replayed (--routing-replay rollout).
+# copy holding every expert), the rollout's routes replayed (--routing-replay rollout).
 # Resumable: rerun with LOAD=1 after an interruption to continue from the last checkpoint.
 set -euo pipefail
 NPROC=${NPROC:-2}
@@ -46,10 +46,10 @@ EXTRA=()
 if [[ "$DEMO" == moe ]]; then
   RUN="$OUT/run-moe"
   ACTOR="$OUT/smollm2-moe"
-  # (the last --lr wins: the upcycled experts' down projections are 4x the dense one's, so
-  # a step moves them a quarter as far relative to their size, and each replica sees about
-  # half the tokens; at 5e-5 held-out accuracy did not move in 14 iterations)
-  EXTRA=(--train-layout 1x1x2:ep2 --routing-replay rollout --lr 1e-4)
+  # The routers stay as upcycled (--moe-freeze-router): each replica's pieces share a router
+  # row, so top-4 takes one whole replica; trained, the rows drift apart and top-4 mixes
+  # pieces of different replicas (docs/benchmarks/demo_cpu.md: no gain in 14 iterations).
+  EXTRA=(--train-layout 1x1x2:ep2 --routing-replay rollout --moe-freeze-router)
 fi
 SECONDS=0
 

@@ -81,6 +81,10 @@ class PPOConfig:
     # Switch Transformer's; megatron's router attaches it to the activations.
     moe_z_loss_coeff: float = 0.0
     """Mixture-of-experts models: weight of the routers' z-loss (ST-MoE's) in the update (0: none)."""
+    moe_freeze_router: bool = False
+    """Mixture-of-experts actors: the routers keep their loaded weights (no gradient, no update)."""
+    # An upcycled model's pieces of one replica share a router row: trained, the rows drift
+    # apart and top-k mixes pieces of different replicas, which the dense model never computed.
     routing_replay: RoutingReplay = "off"
     """Mixture-of-experts actors: ``rollout`` replays the experts each token took in the rollout in the actor's experience and training forwards; ``off``: its routers choose (routing_disagreement reports how often otherwise)."""
     skip_zero_advantage: bool = True

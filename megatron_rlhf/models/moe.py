@@ -74,6 +74,12 @@ def prepare_moe(model) -> None:
             p.allreduce = False
 
 
+def freeze_routers(model) -> None:
+    """``model``'s routers get no gradient (call before its optimizer is built)."""
+    for router in routers(model):
+        router.weight.requires_grad_(False)
+
+
 def aux_loss_weight(model, micro_batches: int) -> float | None:
     """The routers' auxiliary-loss weight per backward: their mean over the micro-batches of
     all DP ranks (``micro_batches``: this rank's real ones), as megatron's schedules weight

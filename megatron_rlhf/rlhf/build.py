@@ -25,6 +25,10 @@ def _model(plan: TrainPlan, name: str, role: str, pg, skip: tuple[str, ...] = ()
                         recompute=plan.par.recompute_granularity if trains else None,
                         sequence_parallel=plan.par.sequence_parallel and whole_sequences)
     load_checkpoint(model, pg, info.path, skip=skip)
+    if trains and role == "actor" and plan.ppo.moe_freeze_router:
+        from megatron_rlhf.models.moe import freeze_routers
+
+        freeze_routers(model)
     if role in ("actor", "reference") and whole_sequences:  # the log-prob forwards
         from megatron_rlhf.models.forward import set_head_chunk
 

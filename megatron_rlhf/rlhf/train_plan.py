@@ -155,9 +155,11 @@ def make_plan(ppo: PPOConfig, optim: OptimConfig, loop: LoopConfig, gen: Generat
     if ppo.rollout_is_cap and not recomputes(ppo, dtype, gen):
         raise ValueError(f"--rollout-is-cap {ppo.rollout_is_cap} weighs each token by the training "
                          "forward's log pi_old against the generator's: add --recompute-logprobs")
-    if ppo.routing_replay != "off" and not infos["actor"].config.num_experts:
-        raise ValueError(f"--routing-replay {ppo.routing_replay} replays the routes of a mixture of "
-                         f"experts; the actor ({infos['actor'].path}) is dense: drop the flag")
+    if not infos["actor"].config.num_experts:
+        for flag, on in (("--routing-replay", ppo.routing_replay != "off"), ("--moe-freeze-router", ppo.moe_freeze_router)):
+            if on:
+                raise ValueError(f"{flag} acts on the routers of a mixture of experts; the actor "
+                                 f"({infos['actor'].path}) is dense: drop the flag")
     ppo.check_data_parallel(train_layout.dp)
     if ppo.global_batch_size % gen_layout.dp:
         raise ValueError(f"--global-batch-size {ppo.global_batch_size} prompts must split evenly "

@@ -44,6 +44,31 @@ def test_router_losses_are_a_mean_over_micro_batches(world1, coeff):
     assert all(g.abs().max() == 0 for g in _router_grads(world1, [a]))
 
 
+def test_a_frozen_router_stays_as_loaded(world1):
+    """--moe-freeze-router: a step changes the experts, not the routers (they get no gradient
+    and no optimizer state); without it the routers move too."""
+    from megatron_rlhf.config import OptimConfig
+    from megatron_rlhf.models.moe import freeze_routers
+    from megatron_rlhf.rlhf.optim import build_trainee
+
+    def step(frozen):
+        model = build_model(preset("tiny-mixtral"), "actor", world1, dtype=torch.float32, seed=3)
+        if frozen:
+            freeze_routers(model)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        t = build_trainee(model, world1, OptimConfig(lr=1e-2, clip_grad=0.0), 1e-2)
+        model.train()
+        forward_backward(model, [_micro_batch(5)], lambda out, mb: out.float().logsumexp(-1).mean(), t.accumulating)
+        t.step()
+        t.gather_params()
+        return {n: not torch.equal(p, before[n]) for n, p in model.named_parameters()}
+
+    for frozen in (True, False):
+        moved = step(frozen)
+        assert all(moved[n] != frozen for n in moved if n.endswith("router.weight")), moved
+        assert all(moved[n] for n in moved if ".experts." in n)
+
+
 def test_expert_loads_count_every_route(world1):
     model = build_model(preset("tiny-mixtral"), "actor", world1, dtype=torch.float32, seed=3)
     mb = _micro_batch(3, rows=3, length=7)

@@ -54,6 +54,12 @@ CASES = [
      dict(rollout_is_cap=2.0, no_recompute_logprobs=True), 1,
      "--rollout-is-cap 2.0 weighs each token by the training forward's log pi_old against the "
      "generator's: add --recompute-logprobs"),
+    ("routing_replay_of_a_dense_actor",
+     dict(routing_replay="rollout"), 1,
+     "--routing-replay acts on the routers of a mixture of experts; the actor"),
+    ("frozen_router_of_a_dense_actor",
+     dict(moe_freeze_router=True), 1,
+     "--moe-freeze-router acts on the routers of a mixture of experts; the actor"),
     ("expert_parallel_generation",
      dict(gen_layout="1x2:ep2"), 2,
      "--gen-layout 1x2:ep2: generation decodes each data-parallel rank's samples on its own"),
