@@ -395,6 +395,8 @@ class StepGraphs:
         view.keys = [k[:b] for k in self.cache.store_keys]
         view.values = [v[:b] for v in self.cache.store_values]
         view.lengths = self.cache.store_lengths[:b]
+        view.store_routes = self.cache.store_routes
+        view.routes = None if view.store_routes is None else view.store_routes[:b]
         return view
 
 
