@@ -141,13 +141,8 @@ class KVCache:
         n = int(self.lengths[rows].max()) if len(rows) else 0
         return torch.stack([t[rows, :, :n] for t in self.keys + self.values]), self.lengths[rows].clone()
 
-    def pack_routes(self, rows: torch.Tensor) -> torch.Tensor:
-        """Samples ``rows``' routes ``[n, filled, layers, k]`` (the filled prefix), with :meth:`pack_rows`."""
-        n = int(self.lengths[rows].max()) if len(rows) else 0
-        return self.routes[rows, :n]
-
     def append_rows(self, packed: torch.Tensor, lengths: torch.Tensor, routes: torch.Tensor | None = None) -> None:
-        """Add rows packed by :meth:`pack_rows` (and :meth:`pack_routes`) after this cache's;
+        """Add rows packed by :meth:`pack_rows` (and their ``routes [n, filled, layers, k]``) after this cache's;
         raises ValueError when they do not fit its layers or length."""
         layers, n, _, filled, _ = packed.shape
         if (routes is None) != (self.routes is None):

@@ -117,9 +117,10 @@ class Rows:
         by :meth:`KVCache.pack_rows` (``cache:NAME`` and ``cache_len:NAME``)."""
         out = {key: val[rows] for key, val in self.fields.items()}
         for name, cache in self.caches.items():
-            out[f"cache:{name}"], out[f"cache_len:{name}"] = cache.pack_rows(rows)
-            if cache.routes is not None:
-                out[f"cache_routes:{name}"] = cache.pack_routes(rows)
+            packed, out[f"cache_len:{name}"] = cache.pack_rows(rows)
+            out[f"cache:{name}"] = packed
+            if cache.routes is not None:  # (the filled prefix pack_rows took)
+                out[f"cache_routes:{name}"] = cache.routes[rows, :packed.shape[3]]
         return out
 
     def packed_names(self) -> list[str]:

@@ -116,11 +116,12 @@ def _passes(t: Trainee, exp: Experience, cfg: PPOConfig, micro_loss, agg, horizo
     for epoch in range(cfg.ppo_epochs):
         for mini in _mini_batches(exp, cfg, epoch, seed):
             # the weights' normalisers count every row, skipped or not, but those dropped
+            zero = zero_rows(mini, t.pg.mp) if cfg.drop_zero_advantage or skip is not None else None
             counted = mini.response_mask
             if cfg.drop_zero_advantage:
-                counted = counted * ~zero_rows(mini, t.pg.mp)[:, None]
+                counted = counted * ~zero[:, None]
             mini.loss_weights = loss_weights(counted, agg, t.pg.dp, horizon)
-            run, left_out = _micro_batches(t.model, mini, cfg, skip, t.pg.mp)
+            run, left_out = _micro_batches(t.model, mini, cfg, skip, zero)
             with routing.measuring(t.model):  # (the batch's first forward, unless the experience's was)
                 forward_backward(t.model, run, lambda out, mb: (micro_loss(out, mb, sums) * mb.loss_weights).sum(),
                                  t.accumulating)
@@ -160,11 +161,11 @@ def zero_rows(exp: Experience, mp_group) -> torch.Tensor:
 
 
 def _micro_batches(model, mini: Experience, cfg: PPOConfig, skip: bool | None,
-                   mp_group) -> tuple[list[Experience], list[Experience]]:
+                   zero: torch.Tensor | None) -> tuple[list[Experience], list[Experience]]:
     """``(to run, left out)``: ``mini``'s micro-batches (:func:`~.batch.model_micro_batches`
     of ``cfg``'s size and token budget); with ``skip`` not None the rows of
-    zero advantage come last, and with ``skip`` the micro-batches of those rows only are left
-    out (but one: every rank runs a backward, which reduces the gradients over DP)."""
+    zero advantage (``zero``: :func:`zero_rows`) come last, and with ``skip`` the micro-batches of
+    those rows only are left out (but one: every rank runs a backward, which reduces the gradients over DP)."""
     # Bitwise exact: the rows run in the same micro-batches (same widths, same order) skip on
     # or off, and a micro-batch left out would have added exact zeros to the fp32 gradients.
     # The zero rows fill micro-batches of their own (one more micro-batch at most, where the
@@ -172,7 +173,6 @@ def _micro_batches(model, mini: Experience, cfg: PPOConfig, skip: bool | None,
     size, budget = cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
     if skip is None:
         return model_micro_batches(model, mini, size, budget)[0], []
-    zero = zero_rows(mini, mp_group)
     parts = model_micro_batches(model, mini, size, budget, last=zero)[0]
     if not skip:
         return parts, []
