@@ -294,8 +294,9 @@ class Generator:
 
     def _new_cache(self, call: Call, name: str, model, batch: int, max_len: int) -> KVCache:
         """A cache for ``batch`` rows: the model's graph store's when the call uses graphs."""
+        routes = name == "actor" and has_experts(model)
         if call.mode is None or not graphs.graphable(model):
-            return KVCache.for_model(model, batch, max_len, routes=name == "actor" and has_experts(model))
+            return KVCache.for_model(model, batch, max_len, routes=routes)
         runner = self._steps.get(name)
         if (runner is None or runner.backend != call.backend
                 or not runner.fits(model, max(batch, call.capacity), max_len)):
@@ -303,7 +304,8 @@ class Generator:
             if runner is not None:
                 max_len = max(max_len, runner.cache.max_len) if runner.model is model else max_len
             runner = self._steps[name] = graphs.StepGraphs(
-                model, max(batch, call.capacity), max_len, capture=call.mode == "cuda", backend=call.backend)
+                model, max(batch, call.capacity), max_len, capture=call.mode == "cuda", backend=call.backend,
+                routes=routes)
         return runner.new_cache(batch)
 
     # ------------------------------------------------------------------ first and last
@@ -373,11 +375,12 @@ class Generator:
 
 
 def _routes(prompts: list[list[int]], sids: list[int], out: Outputs) -> list | None:
-    """Each sample's routes over its prompt and response (a verification that ended a sample
-    may have fed past its last token); None where none were kept."""
+    """Each sample's routes over its fed tokens: the prompt and the response but its last
+    token (which a verification that ended the sample may have fed too); None where none
+    were kept."""
     if not out.routes:
         return None
-    return [out.routes[s][: len(p) + len(out.tokens[s])] for p, s in zip(prompts, sids)]
+    return [out.routes[s][: len(p) + len(out.tokens[s]) - 1].clone() for p, s in zip(prompts, sids)]
 
 
 def _live_and_longest(rows: Rows) -> tuple[int, int]:

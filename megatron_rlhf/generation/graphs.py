@@ -74,12 +74,14 @@ def _weights(model) -> tuple:
 
 class StepGraphs:
     """Graphed forwards of ``model`` over the rows of one KV cache store. ``capture``: CUDA
-    graphs (on a GPU), else the same static code run eagerly; ``backend``: the attention's."""
+    graphs (on a GPU), else the same static code run eagerly; ``backend``: the attention's;
+    ``routes``: the store keeps an MoE actor's routes (a finished row's stay until compacted)."""
 
-    def __init__(self, model, capacity: int, max_len: int, capture: bool, backend: str | None = None):
+    def __init__(self, model, capacity: int, max_len: int, capture: bool, backend: str | None = None,
+                 routes: bool = False):
         self.model, self.capture = model, capture
         self.backend = backend or default_backend(model.embedding.word_embeddings.weight.device)
-        self.cache = KVCache.for_model(model, 0, max_len, capacity=bucket(capacity))
+        self.cache = KVCache.for_model(model, 0, max_len, capacity=bucket(capacity), routes=routes)
         self.rope = RopeTable(model, max_len)
         dev, cap = self.cache.store_lengths.device, self.cache.capacity
         self.tokens = torch.zeros(cap, MAX_TOKENS, dtype=torch.long, device=dev)

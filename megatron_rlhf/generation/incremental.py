@@ -47,6 +47,10 @@ class _Step:
     seqlens: torch.Tensor | None = None  # flash_seqlens: the attention is flash_attention
     bias: torch.Tensor | None = None  # the additive mask of folded query rows (attention.group_bias)
     spans: cpu_numerics.Spans | None = None  # the matmul attention in spans of query positions
+    static: bool = False  # a graph's step: every shape fixed, no host read
+    # an MoE actor's records on the plain path: (records [rows, layers, k], the row of each
+    # fed token, which tokens write theirs or None: all)
+    routes: tuple | None = None
 
 
 def _layer_step(layer, idx: int, x, cache, s: _Step):
@@ -104,15 +108,71 @@ def _plain_layer_step(layer, idx: int, x, cache, s: _Step):
     # megatron's fused QKV layout per query group: its query heads, then k, then v
     mixed = s.linear(h, attn.linear_qkv.weight).view(n, b, groups, per_group + 2, d)
     qk, rotated = mixed[:, :, :, :per_group + 1], s.packing is None
+    qn, kn = getattr(attn, "q_layernorm", None), getattr(attn, "k_layernorm", None)
+    if type(qn) is torch.nn.RMSNorm:  # Qwen3's per-head q and k norms, before RoPE
+        qk = torch.cat([F.rms_norm(qk[:, :, :, :per_group], qn.normalized_shape, qn.weight, qn.eps),
+                        F.rms_norm(qk[:, :, :, per_group:], kn.normalized_shape, kn.weight, kn.eps)], 3)
     if rotated:  # RoPE of the q and k heads in one expression (a packed feed rotates unpacked)
         qk = rotate(qk, s.cos[:, :, None], s.sin[:, :, None])
     q = qk[:, :, :, :per_group].reshape(n, b, groups * per_group, d)
     ctx = _cached_attention(idx, q, qk[:, :, :, per_group], mixed[:, :, :, per_group + 1], cache, s, rotated)
     x = x + _row_parallel(s.linear(ctx, attn.linear_proj.weight), s.tp)
     ln = layer.pre_mlp_layernorm
-    gate, up = s.linear(F.rms_norm(x, ln.normalized_shape, ln.weight, ln.eps),
-                        mlp.linear_fc1.weight).chunk(2, -1)
-    return x + _row_parallel(s.linear(F.silu(gate) * up, mlp.linear_fc2.weight), s.tp)
+    h = F.rms_norm(x, ln.normalized_shape, ln.weight, ln.eps)
+    out = _plain_experts(mlp, idx, h, s) if hasattr(mlp, "router") else _swiglu(mlp, h, s.linear)
+    return x + _row_parallel(out, s.tp)
+
+
+def _swiglu(mlp, h: torch.Tensor, linear: Callable, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A SwiGLU MLP's row-parallel partial output for ``h``; ``scale [tokens]``: each token's
+    weight, applied to the activation in its dtype as megatron's experts apply it."""
+    gate, up = linear(h, mlp.linear_fc1.weight).chunk(2, -1)
+    act = F.silu(gate) * up
+    if scale is not None:
+        act = (act * scale[:, None]).to(act.dtype)
+    return linear(act, mlp.linear_fc2.weight)
+
+
+def _plain_experts(moe, idx: int, h: torch.Tensor, s: _Step) -> torch.Tensor:
+    """A plain MoE layer (:func:`plain_layers`) for ``h [n, B, hidden]``: its top-k router
+    (recording each token's experts in ``s.routes``), every token through its experts,
+    weighted and summed in expert order as megatron's dropless layer sums them; the
+    row-parallel partial output.
+    A static step runs every expert over every token with weight 0 where not routed: a
+    graph's shapes cannot follow the routes, and a dropless fixed capacity would have to
+    hold every token per expert anyway (any token may pick any expert), the same matmuls
+    plus a gather. A dynamic step gathers each expert's tokens (one host read per layer)."""
+    cfg, router = moe.config, moe.router
+    x = h.reshape(-1, h.shape[-1])
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype, x.dtype)
+    logits = s.linear(x.to(dtype), router.weight.to(dtype))  # [T, E]
+    if cfg.moe_router_pre_softmax:
+        probs, top = torch.topk(torch.softmax(logits, -1, dtype=torch.float32).type_as(logits), router.topk, dim=1)
+    else:
+        top_logits, top = torch.topk(logits, router.topk, dim=1)
+        probs = torch.softmax(top_logits, -1, dtype=torch.float32).type_as(logits)
+    if cfg.moe_router_topk_scaling_factor:
+        probs = probs * cfg.moe_router_topk_scaling_factor
+    if s.routes is not None:
+        records, rows, keep = s.routes
+        new = top.to(records.dtype)
+        if keep is not None:  # (a masked write: the rows stay where the graph has them)
+            new = torch.where(keep[:, None], new, records[rows, idx])
+        records[rows, idx] = new
+    weights = torch.zeros_like(logits).scatter_(1, top, probs)  # [T, E]: 0 where not routed
+    experts = moe.experts.local_experts
+    out = torch.zeros_like(x) if not s.static else None
+    if s.static:
+        for e, expert in enumerate(experts):
+            y = _swiglu(expert, x, s.linear, weights[:, e])
+            out = y if out is None else out + y
+    else:
+        routed = torch.zeros_like(weights, dtype=torch.bool).scatter_(1, top, True)
+        for e, count in enumerate(routed.sum(0).tolist()):
+            if count:
+                rows_e = routed[:, e].nonzero()[:, 0]
+                out.index_add_(0, rows_e, _swiglu(experts[e], x[rows_e], s.linear, weights[rows_e, e]))
+    return out.view(*h.shape[:-1], out.shape[-1])
 
 
 def _row_parallel(partial: torch.Tensor, group) -> torch.Tensor:
@@ -124,8 +184,9 @@ def _row_parallel(partial: torch.Tensor, group) -> torch.Tensor:
 
 def plain_layers(model) -> bool:
     """True when every layer of ``model`` is what :func:`_plain_layer_step` reproduces (checked
-    once per model): the local spec's RMSNorms, bias-free column/row-parallel linears, plain
-    GQA with at least one KV group per TP rank, a SwiGLU MLP, no fp8."""
+    once per model): the local spec's RMSNorms (q and k norms too), bias-free column/row-parallel
+    linears, plain GQA with at least one KV group per TP rank, a SwiGLU MLP or an MoE layer of
+    SwiGLU experts (:func:`_plain_moe`), no fp8."""
     known = getattr(model, "_mrlhf_plain_layers", None)
     if known is not None:
         return known
@@ -140,19 +201,49 @@ def plain_layers(model) -> bool:
           and getattr(cfg, "activation_func_clamp_value", None) is None
           and not getattr(cfg, "attention_output_gate", False) and not getattr(cfg, "fp8", None)
           and (cfg.num_query_groups or cfg.num_attention_heads) >= model.pg_collection.tp.size())
+    def qk_norms(attn) -> bool:  # none, or an RMSNorm of q's heads and one of k's
+        kinds = {type(getattr(attn, "q_layernorm", None)), type(getattr(attn, "k_layernorm", None))}
+        return kinds <= {type(None), IdentityOp} or kinds == {torch.nn.RMSNorm}
+
+    def swiglu(mlp) -> bool:
+        return (type(mlp) is MLP and type(mlp.linear_fc1) is ColumnParallelLinear
+                and type(mlp.linear_fc2) is RowParallelLinear)
+
     for layer in model.decoder.layers:
         attn = layer.self_attention
         ok = ok and (type(layer.input_layernorm) is torch.nn.RMSNorm
                      and type(layer.pre_mlp_layernorm) is torch.nn.RMSNorm
-                     and type(getattr(attn, "q_layernorm", None)) in (type(None), IdentityOp)
-                     and type(getattr(attn, "k_layernorm", None)) in (type(None), IdentityOp)
+                     and qk_norms(attn)
                      and type(attn.linear_qkv) is ColumnParallelLinear
                      and type(attn.linear_proj) is RowParallelLinear
-                     and type(layer.mlp) is MLP
-                     and type(layer.mlp.linear_fc1) is ColumnParallelLinear
-                     and type(layer.mlp.linear_fc2) is RowParallelLinear)
+                     and (swiglu(layer.mlp) or _plain_moe(model, layer.mlp, swiglu)))
     model._mrlhf_plain_layers = bool(ok)
     return model._mrlhf_plain_layers
+
+
+def _plain_moe(model, mlp, swiglu: Callable) -> bool:
+    """Whether ``mlp`` is an MoE layer :func:`_plain_experts` reproduces: a softmax top-k
+    router without bias, expert bias, groups, jitter or capacity; SwiGLU experts of
+    megatron's SequentialMLP, all of them on this rank and split like the dense layers (TP);
+    no shared experts."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if type(mlp) is not MoELayer:
+        return False
+    cfg, router = mlp.config, mlp.router
+    tp = model.pg_collection.tp.size()
+    return (type(router) is TopKRouter and router.bias is None and router.expert_bias is None
+            and cfg.moe_router_score_function == "softmax" and cfg.moe_router_load_balancing_type != "sinkhorn"
+            and not cfg.moe_router_group_topk and cfg.moe_expert_capacity_factor is None
+            and cfg.moe_input_jitter_eps is None and not cfg.moe_router_force_load_balancing
+            and not cfg.moe_router_fusion and not cfg.moe_apply_probs_on_input
+            and getattr(mlp, "shared_experts", None) is None
+            and model.pg_collection.ep.size() == 1 and (cfg.expert_tensor_parallel_size or tp) == tp
+            and type(mlp.experts) is SequentialMLP
+            and len(mlp.experts.local_experts) == cfg.num_moe_experts
+            and all(swiglu(e) for e in mlp.experts.local_experts))
 
 
 def _plain_head(model) -> str | None:
@@ -234,6 +325,11 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     rows = None
     if records is not None:
         rows = cache.route_rows(n) if packing is None else cache.route_rows(n)[packing.keep]
+    step.static = static
+    if records is not None and layer_step is _plain_layer_step:  # (no router module runs)
+        # a graph's step feeds finished and padding rows at length 0: their records stay
+        keep = cache.lengths.gt(0).repeat(n) if static else None
+        step.routes, records = (records, rows, keep), None
     with routing.recording(model, records, rows):
         for i, layer in enumerate(model.decoder.layers):
             x = layer_step(layer, i, x, cache, step)

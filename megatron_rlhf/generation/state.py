@@ -23,7 +23,8 @@ class Outputs:
         self.logprobs: dict[int, list[float]] = {}
         self.sampling_logprobs: dict[int, list[float]] = {}
         self.reasons: dict[int, str | None] = {}
-        self.routes: dict[int, torch.Tensor] = {}  # [fed tokens, layers, k] on the host, once finished
+        # [positions, layers, k] on the host once finished: the fed tokens' routes, then garbage
+        self.routes: dict[int, torch.Tensor] = {}
         self.max_new, self.stop_on_eos, self.eos = max_new_tokens, stop_on_eos, eos
 
     def open(self, sid: int) -> None:
@@ -95,22 +96,23 @@ class Rows:
             self.select(self.fields["alive"].nonzero()[:, 0], filled)
 
     def harvest(self) -> None:
-        """The routes of the rows finished since the last call (those of their cached tokens)
-        to :attr:`routes`, on the host. Call before a round reuses finished rows' cache."""
+        """The routes of the rows finished since the last call to :attr:`routes`, on the host,
+        every position (a graph's step zeroes finished rows' lengths: they bound nothing); the
+        caller keeps the fed tokens' (engine ``_routes``). Call before a dynamic round reuses
+        finished rows' cache (a graph's step leaves their routes as they are)."""
         cache = self.caches["actor"]
         if self.routes is None or cache.routes is None:
             return
         dead = (~self.fields["alive"]).nonzero()[:, 0]
         if not len(dead):
             return
-        lengths, sids = torch.stack([cache.lengths[dead], self.fields["sid"][dead]]).tolist()
-        new = [(i, n, sid) for i, (n, sid) in enumerate(zip(lengths, sids)) if sid not in self.routes]
+        new = [(i, sid) for i, sid in enumerate(self.fields["sid"][dead].tolist()) if sid not in self.routes]
         if not new:
             return
-        rows = dead[torch.tensor([i for i, _, _ in new], device=dead.device)]
-        records = cache.routes[rows, :max(n for _, n, _ in new)].cpu()
-        for j, (_, n, sid) in enumerate(new):
-            self.routes[sid] = records[j, :n].clone()
+        rows = dead[torch.tensor([i for i, _ in new], device=dead.device)]
+        records = cache.routes[rows].cpu()
+        for j, (_, sid) in enumerate(new):
+            self.routes[sid] = records[j]
 
     def pack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Rows ``rows`` as tensors (what migration sends): every field, each cache packed
