@@ -16,7 +16,7 @@ import time
 from launch import ROOT
 
 ORDER = ["install", "convert", "ppo", "grpo", "greedy", "decode_bf16", "bench", "verify",
-         "speculative", "padded", "history", "bitwise"]
+         "speculative", "padded", "history", "moe", "bitwise"]
 
 
 def test_gpu_check_smoke(tmp_path):
@@ -65,6 +65,11 @@ def test_gpu_check_smoke(tmp_path):
                                           "history_speed"}
     assert all(r["first_divergence"] is None for r in rows if r["stage"] == "greedy")
     assert all(r["rel_err"] <= r["tolerance"] for r in rows if r["stage"] == "decode_bf16")
+    # the MoE stage: the graphs' eager code decodes as the dynamic step, routes recorded
+    moe = [r for r in rows if r["stage"] == "moe"]
+    assert moe[0]["part"] == "fp32 greedy" and moe[0]["equal"] == moe[0]["routes_equal"] == 2
+    assert "eager graph code" in moe[0]["decode"]
+    assert [r["batch"] for r in moe[1:]] == [1, 2] and all(r["graphed_tok_s"] > 0 for r in moe[1:])
     # no GPU here: batch_invariant_mode is not measured, and the row says why; the mode-off half runs
     from gpu_check.bitwise import batch_invariant_unavailable
 

@@ -25,6 +25,7 @@ import torch
 from gpu_check.bitwise import BitwiseStage
 from gpu_check.budget import minimum, stage_end
 from gpu_check.decode import DecodeStages
+from gpu_check.moe import MoEStage
 from gpu_check.models import _fallback_tokenizer, _hf_no_eos, _llama_config, _tokenizer_from_dir
 from gpu_check.report import CheckFailed, Report, StageTimeout, fmt
 from gpu_check.shapes import SHAPES
@@ -43,6 +44,7 @@ PLAN = (
     ("speculative", "decode", "decode"),  # the actor as its own draft: equality, acceptance, speed, auto's choice
     ("padded", "decode", "decode"),  # a left-padded batch == each sequence alone; without the mask they differ
     ("history", "decode", "decode"),  # history drafts through the graphed verification round
+    ("moe", "decode", "decode"),  # a Qwen3-MoE layer shape: graphed (every expert) vs dynamic decode
     # generator vs trainer log-probs bit-equal, batch_invariant_mode off and on (where Triton
     # imports); a group of its own: the mode patches aten kernels process-wide
     ("bitwise", "decode", "bitwise"),
@@ -65,9 +67,10 @@ def _import_error(module: str) -> str:
                 "[\".whl\"])")[:400]
 
 
-class Check(DecodeStages, BitwiseStage):
+class Check(DecodeStages, BitwiseStage, MoEStage):
     """The check's state, its stage scheduler and the setup and training stages (the decode
-    stages: :class:`gpu_check.decode.DecodeStages`, :class:`gpu_check.bitwise.BitwiseStage`)."""
+    stages: :class:`gpu_check.decode.DecodeStages`, :class:`gpu_check.bitwise.BitwiseStage`,
+    :class:`gpu_check.moe.MoEStage`)."""
 
     def __init__(self, args, blocked: str | None = None):
         self.args = args
@@ -254,7 +257,7 @@ class Check(DecodeStages, BitwiseStage):
                 "grpo": lambda rows: self.st_train(rows, "grpo"), "greedy": self.st_greedy,
                 "decode_bf16": self.st_decode_bf16, "bench": self.st_bench, "verify": self.st_verify,
                 "speculative": self.st_speculative, "padded": self.st_padded,
-                "history": self.st_history, "bitwise": self.st_bitwise}
+                "history": self.st_history, "moe": self.st_moe, "bitwise": self.st_bitwise}
 
     def record_install(self) -> None:
         """The ``install`` row: what ``gpu_check.sh`` installed and how long it took."""
