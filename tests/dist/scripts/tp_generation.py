@@ -4,7 +4,9 @@ rounds, also sampled under auto), on tiny models with
 EOS mid-batch, one prompt at a time as in a batch; the modules' own forward equals the
 plain-layer path at both TP sizes; the decode attention (both backends, fp32 and bf16,
 dynamic and static steps) equals the whole-sequence forward on padded GQA batches at TP=2,
-and a control without the mask does not."""
+and a control without the mask does not. A tiny Qwen3-MoE (q/k norms, experts split over TP)
+decodes at TP=2 as at TP=1: the dynamic step, the graphs' static one (every expert over every
+token, run eagerly) and the modules' forward, with the same routes."""
 
 import torch
 
@@ -54,6 +56,29 @@ def run(pg, eos):
     return out
 
 
+def run_moe(pg, eos):
+    actor, _ = actor_and_draft(pg, "tiny-qwen3-moe", eos=eos, sharpness=20.0)
+    cfg = GenerationConfig(max_new_tokens=16, temperature=0)
+    out = {"plain": Generator(actor, graphs="off").generate(PROMPTS, cfg),
+           "graphed": Generator(actor, graphs="eager").generate(PROMPTS, cfg)}
+    assert plain_layers(actor)
+    actor._mrlhf_plain_layers = False  # the modules' own forward (megatron's MoE layer)
+    out["modules"] = Generator(actor, graphs="off").generate(PROMPTS, cfg)
+    actor._mrlhf_plain_layers = True
+    return out
+
+
+def check_moe(tp2, tp1):
+    eos = run_moe(tp1, None)["plain"].responses()[2][5]
+    a, b = run_moe(tp2, eos), run_moe(tp1, eos)
+    assert "eos" in a["plain"].finish_reasons and "eager graph code" in a["graphed"].stats.decode
+    for key in ("plain", "graphed", "modules"):
+        assert a[key].responses() == a["plain"].responses(), f"MoE TP=2 {key} != TP=2 plain"
+        assert a[key].responses() == b[key].responses(), f"MoE TP=2 {key} != TP=1 {key}"
+        for mine, theirs in zip(a[key].routes, b["plain"].routes):
+            assert torch.equal(mine, theirs), f"MoE TP=2 {key}: other routes than TP=1"
+
+
 def check_decode_attention(pg):
     """At TP=2 each rank holds one KV group of two query heads: still grouped. flash runs
     the reference of flash-attn's kernel (tests/gen_fixtures.py) on bf16 caches."""
@@ -80,6 +105,7 @@ def main():
     eos = probe[2][6]
     a, b = run(tp2, eos), run(tp1, eos)
     check_decode_attention(tp2)
+    check_moe(tp2, tp1)
     assert "eos" in a["plain"].finish_reasons
     assert a["feature3"].stats.accepted_tokens > 0
     assert a["feature3"].stats.accepted_tokens == b["feature3"].stats.accepted_tokens
