@@ -23,7 +23,7 @@ TASK_FLAGS = {  # examples/cpu_demo.sh
              "--advantage-estimator", "grpo", "--global-batch-size", "16", "--rollout-n", "4",
              "--micro-batch-size", "8", "--num-mini-batches", "2", "--max-new-tokens", "128",
              "--temperature", "0.8", "--lr", "5e-5", "--drop-zero-advantage",
-             "--lr-warmup-iters", "1", "--kl-coef", "0.0", "--clip-grad", "1.0", "--recompute-granularity", "full"],
+             "--lr-warmup-iters", "1", "--kl-coef", "0.0", "--clip-grad", "1.0"],
 }
 DEMO_FLAGS = TASK_FLAGS["ppo"]
 

@@ -16,8 +16,9 @@
 #      sample verifies (--num-draft-tokens auto), and unfinished samples migrate from the
 #      busy rank to the idle one. The policy answers the held-out problems
 #      (math_heldout.jsonl, greedy) before iteration 1, every $EVAL_EVERY iterations and at
-#      the end. Training recomputes each layer in its backward (--recompute-granularity
-#      full): the activations of 8 sequences through 30 layers were most of a rank's peak memory;
+#      the end. Training keeps its activations (no --recompute-granularity): with packed
+#      micro-batches, the skip and the chunked LM head, recomputing every layer saved 0.5 GB
+#      per rank and cost a quarter of the update (docs/benchmarks/training_cpu.md);
 #   3. print the held-out accuracy before and after, plot the metrics to $OUT/run/metrics.png.
 # DEMO=ppo runs the earlier demo instead: PPO (actor + critic + reference) on the shipped
 # instruction prompts with the rule reward `concise`, speculating with a small draft model:
@@ -86,7 +87,7 @@ else
     --prompts "$DATA/math_train.jsonl" --reward-fn math --advantage-estimator grpo \
     --global-batch-size 16 --rollout-n 4 --micro-batch-size 8 --num-mini-batches 2 \
     --max-new-tokens 128 --temperature 0.8 \
-    --lr 5e-5 --drop-zero-advantage --lr-warmup-iters 1 --kl-coef 0.0 --clip-grad 1.0 --recompute-granularity full \
+    --lr 5e-5 --drop-zero-advantage --lr-warmup-iters 1 --kl-coef 0.0 --clip-grad 1.0 \
     --eval-prompts "$DATA/math_heldout.jsonl" --eval-interval "$EVAL_EVERY" \
     --train-iters "$ITERS" --seed "$SEED" --save "$RUN" --save-interval 8 --keep-last-checkpoints 1 \
     --log-dir "$RUN" "${RESUME[@]}" "${EXTRA[@]}"

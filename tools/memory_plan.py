@@ -185,7 +185,7 @@ DEMO_TRAIN_ARGS = [
     "--micro-batch-size", "8", "--num-mini-batches", "2", "--max-new-tokens", "128",
     "--max-prompt-length", str(MEASURE_PROMPT_TOKENS), "--temperature", "0.8",
     "--lr", "5e-5", "--drop-zero-advantage", "--lr-warmup-iters", "1", "--kl-coef", "0.0",
-    "--clip-grad", "1.0", "--recompute-granularity", "full", "--train-iters", "1"]
+    "--clip-grad", "1.0", "--train-iters", "1"]
 STAGES = {"generation": "rollout", "inference": "experience", "training": "train"}
 """Estimator stage -> the trainer's stage of the same work."""
 
