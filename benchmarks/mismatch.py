@@ -28,7 +28,7 @@ from benchmarks.workloads import TASK_FLAGS, smollm2_checkpoint
 
 MOE_CKPT = BENCH_DIR / "smollm2-moe"
 METRICS = ("mismatch_logprob_abs_mean", "mismatch_logprob_abs_max", "mismatch_k3",
-           "routing_disagreement", "routing_mismatch")
+           "routing_disagreement", "routing_tokens_disagreeing", "routing_mismatch")
 VARIANTS = ("dense-fp32", "dense-bf16", "moe-fp32", "moe-bf16", "moe-bf16+replay")
 
 
@@ -84,7 +84,8 @@ def main(argv=None) -> int:
                      for k in METRICS}
             rows.append(report.emit({"kind": "measurement", "variant": name, **means,
                                      "iterations": len(metrics)}))
-    head = ["variant", "|dlogp| mean", "|dlogp| max", "k3", "routes disagreeing", "routes taken otherwise"]
+    head = ["variant", "|dlogp| mean", "|dlogp| max", "k3", "routes disagreeing", "tokens with a route disagreeing",
+            "routes taken otherwise"]
     table = [[r["variant"], *("-" if r[k] is None else f"{r[k]:.3g}" for k in METRICS)] for r in rows]
     print(markdown(head, table), file=sys.stderr)
     print(load_note(start), file=sys.stderr)
