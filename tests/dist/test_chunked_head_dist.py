@@ -3,11 +3,10 @@ unchunked head (2 gloo ranks; tests/dist/scripts/chunked_head.py)."""
 
 import pytest
 
-from launch import torchrun
-
 pytestmark = pytest.mark.dist
 
 
-def test_chunked_head_equals_the_unchunked_at_tp2_and_pp2():
-    r = torchrun(2, ["chunked_head.py"])
+@pytest.mark.shared_launch(2, "chunked_head.py")  # in the launch shared with other scripts
+def test_chunked_head_equals_the_unchunked_at_tp2_and_pp2(shared_launch):
+    r = shared_launch()
     assert "OK" in r.stdout

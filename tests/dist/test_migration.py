@@ -12,11 +12,12 @@ from launch import ROOT, SCRIPTS, _port, torchrun
 pytestmark = [pytest.mark.dist]
 
 
-def test_migration_changes_no_token_and_loses_nothing():
+@pytest.mark.shared_launch(2, "migration.py", timeout=900)  # in the launch shared with other scripts
+def test_migration_changes_no_token_and_loses_nothing(shared_launch):
     """Tokens with migration on == off == DP=1, greedy and sampled, plain and both draft
     kinds, with uneven shares (a rank with none, a rank with all), samples finishing at
     prefill or right after a transfer; migrations happen for every kind."""
-    r = torchrun(2, ["migration.py"], timeout=900)
+    r = shared_launch()
     assert "MIGRATION OK" in r.stdout, r.stdout[-2000:]
 
 
@@ -27,10 +28,11 @@ def test_migration_under_tensor_parallelism():
     assert "MIGRATION OK" in r.stdout, r.stdout[-2000:]
 
 
-def test_migration_with_the_graphed_decode_step():
+@pytest.mark.shared_launch(2, "migration.py", "graphs", timeout=900)
+def test_migration_with_the_graphed_decode_step(shared_launch):
     """The same with the graphed step's code (run eagerly on CPU): rows leave the KV store
     by in-place compaction and arrive within its capacity."""
-    r = torchrun(2, ["migration.py", "graphs"], timeout=900)
+    r = shared_launch()
     assert "MIGRATION OK" in r.stdout, r.stdout[-2000:]
 
 

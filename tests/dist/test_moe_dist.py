@@ -8,15 +8,17 @@ from launch import torchrun
 pytestmark = pytest.mark.dist
 
 
-def test_expert_parallel_step_and_checkpoints_equal_ep1():
-    r = torchrun(2, ["moe_ep.py"], timeout=300)
+@pytest.mark.shared_launch(2, "moe_ep.py", timeout=300)  # in the launch shared with other scripts
+def test_expert_parallel_step_and_checkpoints_equal_ep1(shared_launch):
+    r = shared_launch()
     assert "OK" in r.stdout
 
 
-def test_moe_speculation_with_migration_changes_no_sample():
+@pytest.mark.shared_launch(2, "migration.py", "moe", timeout=600)
+def test_moe_speculation_with_migration_changes_no_sample(shared_launch):
     """DP=2, samples migrating mid-generation, plain / history / model drafts: the tokens of
     plain decoding on one rank (fp32)."""
-    r = torchrun(2, ["migration.py", "moe"], timeout=600)
+    r = shared_launch()
     assert "MIGRATION OK" in r.stdout
 
 

@@ -2,11 +2,10 @@
 
 import pytest
 
-from launch import torchrun
-
 pytestmark = pytest.mark.dist
 
 
-def test_packed_equals_padded_at_tp2_pp2_dp2():
-    r = torchrun(2, ["packed.py"], timeout=240)
+@pytest.mark.shared_launch(2, "packed.py", timeout=240)  # in the launch shared with other scripts
+def test_packed_equals_padded_at_tp2_pp2_dp2(shared_launch):
+    r = shared_launch()
     assert "OK" in r.stdout

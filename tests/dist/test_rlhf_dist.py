@@ -265,6 +265,7 @@ def test_draft_distilled_on_the_train_layout(world1, tmp_path):
     assert state["draft_train_layout"] == "train", state
 
 
-def test_overlapped_gradient_reduction():
-    r = torchrun(2, ["overlap.py"])
+@pytest.mark.shared_launch(2, "overlap.py")  # in the launch shared with other scripts
+def test_overlapped_gradient_reduction(shared_launch):
+    r = shared_launch()
     assert "OK" in r.stdout

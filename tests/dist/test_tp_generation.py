@@ -2,21 +2,23 @@
 
 import pytest
 
-from launch import torchrun
-
 pytestmark = pytest.mark.dist
+# each script runs in the 2-rank launch shared with the other shared_launch tests (tests/launch.py)
 
 
-def test_tp2_generation_equals_tp1():
-    r = torchrun(2, ["tp_generation.py"])
+@pytest.mark.shared_launch(2, "tp_generation.py")
+def test_tp2_generation_equals_tp1(shared_launch):
+    r = shared_launch()
     assert "OK" in r.stdout
 
 
-def test_reallocation_round_trip_and_generation():
-    r = torchrun(2, ["reallocation.py"])
+@pytest.mark.shared_launch(2, "reallocation.py")
+def test_reallocation_round_trip_and_generation(shared_launch):
+    r = shared_launch()
     assert "OK" in r.stdout
 
 
-def test_sequence_parallel_changes_no_result():
-    r = torchrun(2, ["sequence_parallel.py"])
+@pytest.mark.shared_launch(2, "sequence_parallel.py")
+def test_sequence_parallel_changes_no_result(shared_launch):
+    r = shared_launch()
     assert "OK" in r.stdout
