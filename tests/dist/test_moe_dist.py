@@ -1,5 +1,7 @@
 """Mixture-of-experts models over several ranks (tests/dist/scripts/moe_ep.py)."""
 
+import shutil
+
 import pytest
 
 import rlhf_fixtures as F
@@ -41,13 +43,15 @@ def test_grpo_at_ep2_trains_as_at_ep1(world1, tmp_path):
         return F.read_metrics(out / "log")
 
     runs["1x1x2"] = train("1x1x2", tmp_path / "1x1x2", routing_replay="rollout")
-    runs["1x1x2:ep2"] = train("1x1x2:ep2", tmp_path / "1x1x2_ep2")
+    runs["1x1x2:ep2"] = train("1x1x2:ep2", tmp_path / "1x1x2_ep2", save_interval=1)
     dense, split = runs["1x1x2"], runs["1x1x2:ep2"]
     assert len(dense) == len(split) == 2
     # the EP=2 run's first checkpoint (weights and Adam states) resumed at EP=1: its second
     # iteration is the uninterrupted EP=1 run's
-    train("1x1x2:ep2", tmp_path / "first", train_iters=1)
-    resumed = train("1x1x2", tmp_path / "resumed", train_iters=2, load=tmp_path / "first" / "save",
+    first = tmp_path / "first" / "save"
+    shutil.copytree(tmp_path / "1x1x2_ep2" / "save" / "iter_0000001", first / "iter_0000001")
+    (first / "latest_checkpointed_iteration.txt").write_text("1")
+    resumed = train("1x1x2", tmp_path / "resumed", train_iters=2, load=first,
                     routing_replay="rollout")[-1]
     assert resumed["iteration"] == 2
     for key in ("reward_mean", "policy_loss", "actor_grad_norm"):
