@@ -134,14 +134,9 @@ def _swiglu(mlp, h: torch.Tensor, linear: Callable, scale: torch.Tensor | None =
 
 
 def _plain_experts(moe, idx: int, h: torch.Tensor, s: _Step) -> torch.Tensor:
-    """A plain MoE layer (:func:`plain_layers`) for ``h [n, B, hidden]``: its top-k router
-    (recording each token's experts in ``s.routes``), every token through its experts,
-    weighted and summed in expert order as megatron's dropless layer sums them; the
-    row-parallel partial output.
-    A static step runs every expert over every token with weight 0 where not routed: a
-    graph's shapes cannot follow the routes, and a dropless fixed capacity would have to
-    hold every token per expert anyway (any token may pick any expert), the same matmuls
-    plus a gather. A dynamic step gathers each expert's tokens (one host read per layer)."""
+    """A plain MoE layer (:func:`plain_layers`) for ``h [n, B, hidden]``: the top-k router
+    (recording each token's experts in ``s.routes``), the experts summed in expert order as
+    megatron's dropless layer sums them; the row-parallel partial output."""
     cfg, router = moe.config, moe.router
     x = h.reshape(-1, h.shape[-1])
     dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype, x.dtype)
@@ -163,10 +158,13 @@ def _plain_experts(moe, idx: int, h: torch.Tensor, s: _Step) -> torch.Tensor:
     experts = moe.experts.local_experts
     out = torch.zeros_like(x) if not s.static else None
     if s.static:
+        # every expert over every token, weight 0 where not routed: a graph's shapes cannot
+        # follow the routes, and a dropless fixed capacity would hold every token per expert
+        # (any token may pick any expert): the same matmuls plus a gather
         for e, expert in enumerate(experts):
             y = _swiglu(expert, x, s.linear, weights[:, e])
             out = y if out is None else out + y
-    else:
+    else:  # each expert's tokens gathered (a host read per layer)
         routed = torch.zeros_like(weights, dtype=torch.bool).scatter_(1, top, True)
         for e, count in enumerate(routed.sum(0).tolist()):
             if count:
@@ -222,10 +220,9 @@ def plain_layers(model) -> bool:
 
 
 def _plain_moe(model, mlp, swiglu: Callable) -> bool:
-    """Whether ``mlp`` is an MoE layer :func:`_plain_experts` reproduces: a softmax top-k
-    router without bias, expert bias, groups, jitter or capacity; SwiGLU experts of
-    megatron's SequentialMLP, all of them on this rank and split like the dense layers (TP);
-    no shared experts."""
+    """Whether ``mlp`` is an MoE layer :func:`_plain_experts` reproduces: a plain softmax top-k
+    router (no bias, groups, jitter or capacity), all SwiGLU experts of a SequentialMLP on
+    this rank, split like the dense layers; no shared experts."""
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.router import TopKRouter

@@ -277,8 +277,8 @@ def test_a_failed_capture_decodes_eagerly(actor, monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     real_init = graphs.StepGraphs.__init__
 
-    def init(self, model, capacity, max_len, capture, backend=None):
-        real_init(self, model, capacity, max_len, capture=False, backend=backend)
+    def init(self, model, capacity, max_len, capture, backend=None, routes=False):
+        real_init(self, model, capacity, max_len, capture=False, backend=backend, routes=routes)
         self.capture = True  # what a GPU would do: try to capture each new graph
 
     monkeypatch.setattr(graphs.StepGraphs, "__init__", init)
