@@ -156,14 +156,13 @@ def _plain_experts(moe, idx: int, h: torch.Tensor, s: _Step) -> torch.Tensor:
         records[rows, idx] = new
     weights = torch.zeros_like(logits).scatter_(1, top, probs)  # [T, E]: 0 where not routed
     experts = moe.experts.local_experts
-    out = torch.zeros_like(x) if not s.static else None
+    out = torch.zeros_like(x)
     if s.static:
         # every expert over every token, weight 0 where not routed: a graph's shapes cannot
         # follow the routes, and a dropless fixed capacity would hold every token per expert
         # (any token may pick any expert): the same matmuls plus a gather
         for e, expert in enumerate(experts):
-            y = _swiglu(expert, x, s.linear, weights[:, e])
-            out = y if out is None else out + y
+            out += _swiglu(expert, x, s.linear, weights[:, e])
     else:  # each expert's tokens gathered (a host read per layer)
         routed = torch.zeros_like(weights, dtype=torch.bool).scatter_(1, top, True)
         for e, count in enumerate(routed.sum(0).tolist()):
@@ -304,7 +303,7 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     packing = Packing(valid, n, b) if valid is not None and int(valid.min()) < n else None
     step = _Step(*rope.angles(pos, x.dtype), mask, cache.slots(n), k_len, backend, F.linear,
                  tp=tp if tp.size() > 1 else None, packing=packing,
-                 seqlens=flash_seqlens(cache.lengths, n) if flash else None)
+                 seqlens=flash_seqlens(cache.lengths, n) if flash else None, static=static)
     if backend == "matmul" or not x.is_cuda:  # the one switch into the CPU's numerics
         cpu = cpu_numerics.CpuForward(mask, cfg.num_attention_heads // cfg.num_query_groups, x.dtype,
                                       backend, ragged=packing is not None)
@@ -322,7 +321,6 @@ def _forward_cached(model, cache, tokens: torch.Tensor, rope: RopeTable,
     rows = None
     if records is not None:
         rows = cache.route_rows(n) if packing is None else cache.route_rows(n)[packing.keep]
-    step.static = static
     if records is not None and layer_step is _plain_layer_step:  # (no router module runs)
         # a graph's step feeds finished and padding rows at length 0: their records stay
         keep = cache.lengths.gt(0).repeat(n) if static else None
